@@ -1,0 +1,3 @@
+from dipoorlet.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,125 @@
+"""Command line: argv → QuantConfig → pipeline.quantize(); errors become one line and exit 2."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+from dipoorlet import __version__
+from dipoorlet.errors import DipoorletError
+
+log = logging.getLogger("dipoorlet")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own errors: one line, exit 2, like ours
+        self.exit(2, f"dipoorlet: error: {message} (see python -m dipoorlet --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from dipoorlet import platform
+    from dipoorlet.ranges import RANGE_METHODS
+
+    p = _Parser(prog="python -m dipoorlet",
+                description="Post-training quantization of an ONNX model for a deployment backend.")
+    p.add_argument("-M", "--model", required=True, help="float ONNX model")
+    p.add_argument("-I", "--input_dir", required=True,
+                   help="calibration data: DIR/<input_name>/<i>.bin|.npy, or an .npz of [N,...] arrays")
+    p.add_argument("-O", "--output_dir", default=None, help="output folder (default: <model dir>/results)")
+    p.add_argument("-N", "--data_num", type=int, required=True, help="number of calibration samples")
+    p.add_argument("-A", "--act_quant", default="mse", metavar="METHOD",
+                   help=f"activation range method: {', '.join(sorted(RANGE_METHODS))} (default mse)")
+    p.add_argument("-D", "--deploy", required=True, metavar="PLATFORM",
+                   help=f"backend: {', '.join(platform.available())}, or a path to a .toml spec")
+    p.add_argument("--bins", type=int, default=2048, help="histogram bins (hist, mse, entropy, percentile)")
+    p.add_argument("--threshold", type=float, default=0.99999, help="|x| mass kept by -A hist")
+    p.add_argument("--percentile", type=float, default=99.999, help="percentile for -A percentile")
+    p.add_argument("--skip_layers", nargs="+", default=[], metavar="NODE", help="node names to keep in float")
+    p.add_argument("--input_shape", nargs="+", default=[], metavar="NAME:D1,D2,..",
+                   help="shape of a dynamic input for raw .bin data, e.g. x:1,3,640,640")
+    p.add_argument("--savefp", action="store_true", help="save the float model's outputs per sample")
+    p.add_argument("--skip_prof_layer", action="store_true", help="profile network outputs only")
+    p.add_argument("--trt_version", default="8601", help="version in the TensorRT calibration cache header")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="onnxruntime device")
+    p.add_argument("--debug", action="store_true", help="full tracebacks and debug logs")
+    p.add_argument("--version", action="version", version=f"dipoorlet {__version__}")
+    return p
+
+
+def setup_logging(out_dir: Path | None, debug: bool) -> None:
+    root = logging.getLogger("dipoorlet")
+    root.setLevel(logging.DEBUG if debug else logging.INFO)
+    root.handlers.clear()
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(logging.Formatter("%(message)s"))
+    root.addHandler(console)
+    if out_dir is not None:
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            fh = logging.FileHandler(out_dir / "dipoorlet.log", mode="w", encoding="utf-8")
+            fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+            root.addHandler(fh)
+        except OSError:
+            pass  # reported as a clear error by the pipeline's output check
+
+
+def summary(result, cfg) -> str:
+    from dipoorlet.report import table
+
+    rep = result.report
+    lines = ["", f"dipoorlet {__version__}: {rep['platform']} / -A {rep['method']} / {rep['samples']} samples"]
+    rows = [[o["tensor"], o["cosine"], o["min_cosine"], o["sqnr_db"]] for o in rep["outputs"]]
+    lines.append(table(["network output", "mean cos", "min cos", "SQNR dB"], rows))
+    layers = {l["node"]: l for l in rep["layers"]}
+    if rep["worst_layers"]:
+        lines.append("")
+        lines.append(table(["worst layers (cumulative)", "op", "cos", "SQNR dB"],
+                           [[n, layers[n]["op_type"], layers[n]["cosine"], layers[n]["sqnr_db"]]
+                            for n in rep["worst_layers"]]))
+    t = result.timings
+    lines.append("")
+    lines.append(f"{rep['quantized_nodes']} nodes quantized, {rep['qdq_tensors']} activations and "
+                 f"{rep['weights']} weights with Q/DQ; calibration {t.get('calibration_s', 0):.2f} s, "
+                 f"profile {t.get('profile_s', 0):.2f} s, total {t.get('total_s', 0):.2f} s")
+    lines.append("wrote: " + ", ".join(sorted(str(p.relative_to(result.output_dir)) for p in result.files
+                                             if p.parent == result.output_dir)))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    debug = args.debug
+    try:
+        from dipoorlet.config import QuantConfig
+        from dipoorlet.data import parse_input_shapes
+        from dipoorlet.pipeline import check_output_dir, quantize
+
+        cfg = QuantConfig(model=args.model, input_dir=args.input_dir, data_num=args.data_num,
+                          deploy=args.deploy, output_dir=args.output_dir, act_quant=args.act_quant,
+                          bins=args.bins, threshold=args.threshold, percentile=args.percentile,
+                          skip_layers=tuple(args.skip_layers),
+                          input_shapes=parse_input_shapes(args.input_shape), savefp=args.savefp,
+                          skip_prof_layer=args.skip_prof_layer, trt_version=args.trt_version,
+                          device=args.device, debug=debug)
+        check_output_dir(cfg.output_dir)
+        setup_logging(cfg.output_dir, debug)
+        log.info("dipoorlet %s: %s", __version__, " ".join(sys.argv[1:] if argv is None else argv))
+        start = time.perf_counter()
+        result = quantize(cfg)
+        log.info(summary(result, cfg))
+        log.debug("done in %.2f s", time.perf_counter() - start)
+        return 0
+    except DipoorletError as exc:
+        if debug:
+            raise
+        root = logging.getLogger("dipoorlet")
+        if root.handlers:
+            root.error("dipoorlet: error: %s", exc)
+        else:
+            print(f"dipoorlet: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("dipoorlet: interrupted; no output was written", file=sys.stderr)
+        return 130

@@ -1,0 +1,230 @@
+"""Calibration data: readers for the reference layout, .npy and .npz, and sharding.
+
+Layouts (``-I PATH``):
+
+- ``PATH/<input_name>/<i>.bin``: raw little-endian data of the input's dtype (float32 for float
+  inputs), one sample per file, i = 0..N-1 — the reference tool's layout.
+- ``PATH/<input_name>/<i>.npy``: one array per sample; its own shape, so samples may differ in
+  size (images of different sizes for a detector, sentences of different lengths).
+- ``PATH`` is an ``.npz`` file (or a folder holding exactly one) with one ``[N, ...]`` array per
+  input; sample i is ``array[i]`` (with a batch axis of 1 added back when the model has one).
+
+A sample's shape must match the model's static dimensions; dynamic ones take the file's shape
+(``.npy``), ``--input_shape name:1,3,224,224``, or, for ``.bin``, the single unknown dimension the
+file size determines. Float data must be finite; integer inputs (token ids) keep their dtype.
+Only the shard of sample indices a process is given is ever read.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from dipoorlet.errors import DataError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    name: str
+    dtype: np.dtype
+    shape: tuple  # ints, None for dynamic dims; () when unknown rank
+
+
+def input_specs(graph) -> list[InputSpec]:
+    specs = []
+    for vi in graph.graph_inputs:
+        tt = vi.type.tensor_type
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type)) if tt.elem_type else np.dtype(np.float32)
+        shape = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
+                      for d in tt.shape.dim) if tt.HasField("shape") else None
+        specs.append(InputSpec(vi.name, dtype, shape))
+    return specs
+
+
+def shard(n: int, rank: int, world: int) -> range:
+    """Contiguous block of sample indices for ``rank``; every index lands on exactly one rank."""
+    base, extra = divmod(n, world)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (1 if rank < extra else 0))
+
+
+def parse_input_shapes(items) -> dict[str, tuple]:
+    """``["x:1,3,224,224", ...]`` -> {"x": (1, 3, 224, 224)}."""
+    shapes = {}
+    for item in items or []:
+        name, sep, dims = item.rpartition(":")
+        try:
+            if not sep or not name:
+                raise ValueError
+            shapes[name] = tuple(int(d) for d in dims.split(","))
+            if any(d <= 0 for d in shapes[name]):
+                raise ValueError
+        except ValueError:
+            from dipoorlet.errors import ConfigError
+            raise ConfigError(f"--input_shape {item!r} is not NAME:D1,D2,...; "
+                              "write e.g. --input_shape x:1,3,224,224") from None
+    return shapes
+
+
+class DataSource:
+    """Reads calibration samples ``i`` as {input name: array} feeds."""
+
+    def __init__(self, path, specs: list[InputSpec], n: int, input_shapes: dict | None = None):
+        self.path = Path(path)
+        self.specs = specs
+        self.n = n
+        self.input_shapes = dict(input_shapes or {})
+        unknown = set(self.input_shapes) - {s.name for s in specs}
+        if unknown:
+            from dipoorlet.errors import ConfigError
+            raise ConfigError(f"--input_shape names {sorted(unknown)}, which are not model inputs "
+                              f"{[s.name for s in specs]}; use the model's input names")
+        if not self.path.exists():
+            raise DataError(f"calibration data {self.path} does not exist; pass -I with a folder "
+                            "holding one sub-folder per model input (or an .npz file)")
+        self._npz = None
+        npz = self._find_npz()
+        if npz is not None:
+            self._open_npz(npz)
+        else:
+            self.folders = {s.name: self._folder(s) for s in specs}
+            self.files = {s.name: self._files(s) for s in specs}
+
+    # ---- layout discovery ---------------------------------------------------------------
+    def _find_npz(self):
+        if self.path.is_file():
+            if self.path.suffix != ".npz":
+                raise DataError(f"calibration data {self.path} is a file but not .npz; pass a "
+                                "folder with one sub-folder per input, or an .npz file")
+            return self.path
+        if not any((self.path / s.name).is_dir() or (self.path / _safe(s.name)).is_dir()
+                   for s in self.specs):
+            found = sorted(self.path.glob("*.npz"))
+            if len(found) == 1:
+                return found[0]
+        return None
+
+    def _open_npz(self, path: Path):
+        try:
+            self._npz = np.load(path, mmap_mode="r", allow_pickle=False)
+            keys = set(self._npz.files)
+        except Exception as exc:
+            raise DataError(f"{path} is not a readable .npz file ({exc}); save it with numpy.savez") from exc
+        for s in self.specs:
+            if s.name not in keys:
+                raise DataError(f"{path} has no array named {s.name!r} (has {sorted(keys)}); "
+                                "store one [N, ...] array per model input under its name")
+            count = self._npz[s.name].shape[0]
+            if count < self.n:
+                raise DataError(f"{path}[{s.name!r}] holds {count} samples but -N is {self.n}; "
+                                f"lower -N to {count} or add samples")
+
+    def _folder(self, spec: InputSpec) -> Path:
+        for cand in (self.path / spec.name, self.path / _safe(spec.name)):
+            if cand.is_dir():
+                return cand
+        raise DataError(f"no folder for model input {spec.name!r} in {self.path}; expected "
+                        f"{self.path / _safe(spec.name)}/0.bin (or .npy) ... one file per sample")
+
+    def _files(self, spec: InputSpec) -> list[Path]:
+        folder, files = self.folders[spec.name], []
+        names = set(os.listdir(folder))
+        for i in range(self.n):
+            for ext in (".npy", ".bin"):
+                if f"{i}{ext}" in names:
+                    files.append(folder / f"{i}{ext}")
+                    break
+            else:
+                have = sum(1 for k in names if k.endswith((".bin", ".npy")))
+                raise DataError(f"{folder} has no sample {i}.bin or {i}.npy (found {have} sample "
+                                f"files, -N is {self.n}); lower -N or add files named 0..N-1")
+        return files
+
+    # ---- reading -----------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.n
+
+    def sample(self, i: int) -> dict[str, np.ndarray]:
+        return {s.name: self._read(s, i) for s in self.specs}
+
+    def _read(self, spec: InputSpec, i: int) -> np.ndarray:
+        if self._npz is not None:
+            where = f"{self.path}[{spec.name!r}][{i}]"
+            arr = np.array(self._npz[spec.name][i])
+            if spec.shape and len(spec.shape) == arr.ndim + 1:
+                arr = arr[None]
+        else:
+            path = self.files[spec.name][i]
+            where = str(path)
+            arr = self._read_file(spec, path)
+        return self._check(spec, arr, where)
+
+    def _read_file(self, spec: InputSpec, path: Path) -> np.ndarray:
+        try:
+            if path.suffix == ".npy":
+                return np.load(path, allow_pickle=False)
+            raw = np.fromfile(path, dtype=spec.dtype)
+        except Exception as exc:
+            raise DataError(f"cannot read calibration file {path} ({exc}); "
+                            "write it with numpy.save or as raw binary") from exc
+        return raw.reshape(self._bin_shape(spec, raw.size, path))
+
+    def _bin_shape(self, spec: InputSpec, size: int, path: Path) -> tuple:
+        if spec.name in self.input_shapes:
+            shape = self.input_shapes[spec.name]
+        elif spec.shape is not None and all(d is not None for d in spec.shape):
+            shape = spec.shape
+        elif spec.shape is not None and sum(d is None for d in spec.shape) == 1:
+            known = int(np.prod([d for d in spec.shape if d is not None]))
+            if known == 0 or size % known:
+                raise DataError(f"{path} holds {size} {spec.dtype} values, which do not fill input "
+                                f"{spec.name!r} of shape {_fmt(spec.shape)}; check the file or "
+                                "pass --input_shape")
+            shape = tuple(size // known if d is None else d for d in spec.shape)
+        else:
+            raise DataError(f"input {spec.name!r} has shape {_fmt(spec.shape)} with several dynamic "
+                            f"dims, so {path.name} (raw .bin) is ambiguous; pass --input_shape "
+                            f"{spec.name}:1,3,H,W or store samples as .npy")
+        if int(np.prod(shape)) != size:
+            raise DataError(f"{path} holds {size} {spec.dtype} values but input {spec.name!r} needs "
+                            f"shape {_fmt(shape)} = {int(np.prod(shape))} values; check the file or "
+                            "--input_shape")
+        return shape
+
+    def _check(self, spec: InputSpec, arr: np.ndarray, where: str) -> np.ndarray:
+        if np.issubdtype(spec.dtype, np.floating):
+            if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
+                raise DataError(f"{where} has dtype {arr.dtype}, input {spec.name!r} is {spec.dtype}")
+            arr = arr.astype(spec.dtype, copy=False)
+            if not np.isfinite(arr).all():
+                bad = int((~np.isfinite(arr)).sum())
+                raise DataError(f"{where} contains {bad} NaN/Inf values; calibration data must be "
+                                "finite: fix or remove that sample")
+        elif np.issubdtype(spec.dtype, np.integer) or spec.dtype == np.bool_:
+            if np.issubdtype(arr.dtype, np.floating):
+                raise DataError(f"{where} holds floats but input {spec.name!r} is {spec.dtype} "
+                                "(e.g. token ids); save it with an integer dtype")
+            arr = arr.astype(spec.dtype, copy=False)
+        if spec.shape is not None:
+            want = self.input_shapes.get(spec.name, spec.shape)
+            if len(want) != arr.ndim or any(w is not None and w != a for w, a in zip(want, arr.shape)):
+                raise DataError(f"{where} has shape {_fmt(arr.shape)} but input {spec.name!r} "
+                                f"expects {_fmt(want)}; re-export the data or pass --input_shape")
+        return np.ascontiguousarray(arr)
+
+
+def _safe(name: str) -> str:
+    return name.replace("/", "_").replace(":", "_").replace("\\", "_")
+
+
+def _fmt(shape) -> str:
+    if shape is None:
+        return "[?]"
+    return "[" + ",".join("?" if d is None else str(d) for d in shape) + "]"

@@ -1,0 +1,38 @@
+"""Deploy side files, one module per format, each a single ``export(ctx, folder)`` registered by name.
+
+A platform spec lists the formats it writes (``deploy = [...]``). Exporters write into the run's
+staging folder; the pipeline moves the finished files into -O only when the whole run succeeded.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+FORMATS: dict[str, Callable] = {}
+
+
+def register(name: str):
+    def deco(fn):
+        FORMATS[name] = fn
+        return fn
+    return deco
+
+
+@dataclass
+class DeployContext:
+    graph: object          # dipoorlet.graph.Graph (the prepared float graph)
+    plan: object           # dipoorlet.qparams.QuantPlan
+    placement: object      # dipoorlet.placement.Placement
+    platform: object       # dipoorlet.platform.Platform
+    config: object         # dipoorlet.config.QuantConfig
+
+
+def export_all(ctx: DeployContext, folder: Path) -> list[Path]:
+    written = []
+    for fmt in ctx.platform.deploy:
+        written.extend(FORMATS[fmt](ctx, folder))
+    return written
+
+
+from dipoorlet.deploy import reference, trt  # noqa: E402,F401  (registration)

@@ -1,0 +1,36 @@
+"""TensorRT side files: ``trt_clip_val.json`` and a calibration cache.
+
+- ``trt_clip_val.json``: ``{"blob_range": {tensor: amax}}``, amax = max(-min, max) of the clip
+  range, for use with ``ITensor.setDynamicRange(-amax, amax)``. Source: Dipoorlet
+  ``deploy/deploy_trt.py`` (``json.dump(..., indent=4)``).
+- ``trt_calib.cache``: the text cache TensorRT's INT8 calibrators read and write. First line
+  ``TRT-<version>-EntropyCalibration2``, then ``tensor: <hex>`` per tensor, the hex being the 8
+  lowercase digits of the big-endian IEEE-754 float32 scale = amax / 127 (sources: NVIDIA TAO
+  export code; ModelOpt ``calib_utils.py`` reads it with ``struct.unpack("!f", bytes.fromhex(h))``;
+  onnxruntime's TensorRT provider reads it with ``strtoul(hex, 16)``). TensorRT 10 may reject a
+  cache whose version header differs from its own: ``--trt_version`` sets it (default 8601).
+
+Both cover the tensors that carry Q/DQ in ``quant_model.onnx``, which is the primary artefact for
+TensorRT 8.x and later (explicit quantization); tensors not listed run in higher precision.
+"""
+from __future__ import annotations
+
+import struct
+
+from dipoorlet.deploy import register
+from dipoorlet.util import write_json, write_text
+
+
+def cache_hex(scale: float) -> str:
+    return struct.pack(">f", float(scale)).hex()
+
+
+@register("trt")
+def export(ctx, folder):
+    amax = {t: float(qp.amax) for t, qp in ctx.plan.activations.items()}
+    version = getattr(ctx.config, "trt_version", "8601")
+    lines = [f"TRT-{version}-EntropyCalibration2"]
+    for t, qp in ctx.plan.activations.items():
+        lines.append(f"{t}: {cache_hex(float(qp.scale))}")
+    return [write_json(folder / "trt_clip_val.json", {"blob_range": amax}),
+            write_text(folder / "trt_calib.cache", "\n".join(lines) + "\n")]

@@ -1,0 +1,245 @@
+"""The model as a graph: load, inspect, edit, save.
+
+A thin facade over the ONNX protobuf. We keep the protobuf as the single source of truth and
+derive the producer/consumer maps from it on demand (``refresh()``), rather than using a second
+IR: the passes here are few and simple, and protobuf is what every other tool reads. Weights are
+numpy arrays whether they live in initializers or in ``Constant`` nodes (paddle2onnx stores them
+that way); :func:`dipoorlet.prepare.constants_to_initializers` turns the latter into the former.
+
+Models over 2 GB (protobuf's limit) are loaded with their external data and saved back with
+external data; shape inference then goes through a file.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import numpy_helper, shape_inference
+
+from dipoorlet.errors import ModelError
+from dipoorlet.util import atomic_path
+
+log = logging.getLogger(__name__)
+
+PROTOBUF_LIMIT = 2**31 - 1
+# Leave headroom for the Q/DQ nodes and exposed outputs we add before serializing.
+EXTERNAL_THRESHOLD = int(1.8 * 2**30)
+FLOAT_TYPES = {onnx.TensorProto.FLOAT}
+MIN_OPSET, MAX_OPSET, QDQ_OPSET = 11, 21, 13
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def load_model(path: str | os.PathLike) -> onnx.ModelProto:
+    """Read an ONNX file (with its external data) or raise a one-line ModelError."""
+    p = Path(path)
+    if not p.exists():
+        raise ModelError(f"model file {p} does not exist; pass the path of an .onnx file with -M")
+    if p.is_dir():
+        raise ModelError(f"model path {p} is a folder; pass the path of an .onnx file with -M")
+    if not os.access(p, os.R_OK):
+        raise ModelError(f"model file {p} is not readable; check its permissions")
+    try:
+        model = onnx.load(str(p), load_external_data=True)
+    except Exception as exc:  # protobuf DecodeError, missing external data, ...
+        raise ModelError(f"{p} is not a readable ONNX model ({_first_line(exc)}); "
+                         "export it again or check the file is complete") from exc
+    if not model.graph.node:
+        raise ModelError(f"{p} is not an ONNX model with a graph (no nodes found); "
+                         "check that -M names the .onnx file")
+    return model
+
+
+def opset_of(model: onnx.ModelProto) -> int:
+    for imp in model.opset_import:
+        if imp.domain in ("", "ai.onnx"):
+            return imp.version
+    return 0
+
+
+class Graph:
+    """An ONNX model with use-def maps and numpy access to its weights."""
+
+    def __init__(self, model: onnx.ModelProto, path: Path | None = None):
+        self.model = model
+        self.path = path
+        self.refresh()
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Graph":
+        return cls(load_model(path), Path(path))
+
+    @property
+    def graph(self) -> onnx.GraphProto:
+        return self.model.graph
+
+    @property
+    def opset(self) -> int:
+        return opset_of(self.model)
+
+    def refresh(self) -> None:
+        """Rebuild the producer/consumer/initializer maps after an edit."""
+        g = self.model.graph
+        self.initializers = {t.name: t for t in g.initializer}
+        self.producer: dict[str, onnx.NodeProto] = {}
+        self.consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+        self.node_by_name: dict[str, onnx.NodeProto] = {}
+        for node in g.node:
+            self.node_by_name.setdefault(node.name, node)
+            for out in node.output:
+                if out:
+                    self.producer[out] = node
+            for inp in node.input:
+                if inp:
+                    self.consumers[inp].append(node)
+            for name in _subgraph_outer_refs(node):
+                self.consumers[name].append(node)
+        self.graph_inputs = [i for i in g.input if i.name not in self.initializers]
+        self.output_names = [o.name for o in g.output]
+        self.types: dict[str, tuple[int, list | None]] = {}
+        for vi in list(g.input) + list(g.value_info) + list(g.output):
+            tt = vi.type.tensor_type
+            if vi.type.HasField("tensor_type") and tt.elem_type:
+                shape = None
+                if tt.HasField("shape"):
+                    shape = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim]
+                self.types[vi.name] = (tt.elem_type, shape)
+        for t in g.initializer:
+            self.types[t.name] = (t.data_type, list(t.dims))
+
+    # ---- queries --------------------------------------------------------------------------
+    def is_constant(self, name: str) -> bool:
+        if name in self.initializers:
+            return True
+        node = self.producer.get(name)
+        return node is not None and node.op_type == "Constant"
+
+    def weight(self, name: str) -> np.ndarray:
+        """The value of an initializer or a Constant node's output as numpy."""
+        if name in self.initializers:
+            return numpy_helper.to_array(self.initializers[name], base_dir=str(self._base_dir()))
+        node = self.producer.get(name)
+        if node is not None and node.op_type == "Constant":
+            return constant_value(node)
+        raise KeyError(name)
+
+    def elem_type(self, name: str) -> int | None:
+        info = self.types.get(name)
+        return info[0] if info else None
+
+    def shape(self, name: str) -> list | None:
+        info = self.types.get(name)
+        return info[1] if info else None
+
+    def is_float(self, name: str) -> bool:
+        return self.elem_type(name) in FLOAT_TYPES
+
+    def topological_nodes(self) -> list[onnx.NodeProto]:
+        """Nodes in an order where every producer comes before its consumers."""
+        g = self.model.graph
+        ready = {i.name for i in g.input} | set(self.initializers) | {""}
+        pending = list(g.node)
+        order: list[onnx.NodeProto] = []
+        while pending:
+            rest = []
+            for node in pending:
+                needs = [i for i in node.input if i] + _subgraph_outer_refs(node)
+                if all(i in ready for i in needs):
+                    order.append(node)
+                    ready.update(node.output)
+                else:
+                    rest.append(node)
+            if len(rest) == len(pending):
+                missing = sorted({i for n in rest for i in n.input if i and i not in ready})[:3]
+                raise ModelError(f"the graph has a cycle or undefined tensors {missing}; "
+                                 "check the model with onnx.checker")
+            pending = rest
+        return order
+
+    def _base_dir(self) -> Path:
+        return self.path.parent if self.path else Path(".")
+
+    def byte_size(self) -> int:
+        return self.model.ByteSize()
+
+
+def constant_value(node: onnx.NodeProto) -> np.ndarray:
+    """The value a Constant node produces, whichever attribute holds it."""
+    for attr in node.attribute:
+        if attr.name == "value":
+            return numpy_helper.to_array(attr.t)
+        if attr.name == "value_float":
+            return np.array(attr.f, dtype=np.float32)
+        if attr.name == "value_floats":
+            return np.array(list(attr.floats), dtype=np.float32)
+        if attr.name == "value_int":
+            return np.array(attr.i, dtype=np.int64)
+        if attr.name == "value_ints":
+            return np.array(list(attr.ints), dtype=np.int64)
+    raise ModelError(f"Constant node {node.name!r} has no value this tool can read "
+                     "(sparse or string constants); export the model with dense constants")
+
+
+def _subgraph_outer_refs(node: onnx.NodeProto) -> list[str]:
+    """Names a node's subgraphs (If/Loop/Scan bodies) read from the enclosing scope."""
+    refs: list[str] = []
+    for attr in node.attribute:
+        graphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+        for sub in graphs:
+            local = {i.name for i in sub.input} | {t.name for t in sub.initializer}
+            for n in sub.node:
+                local.update(n.output)
+            for n in sub.node:
+                refs.extend(i for i in n.input if i and i not in local)
+                refs.extend(r for r in _subgraph_outer_refs(n) if r not in local)
+            refs.extend(o.name for o in sub.output if o.name not in local)
+    return refs
+
+
+def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """ONNX shape inference with data propagation; through a file for models over 2 GB."""
+    try:
+        if model.ByteSize() < EXTERNAL_THRESHOLD:
+            return shape_inference.infer_shapes(model, data_prop=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            src, dst = os.path.join(tmp, "in.onnx"), os.path.join(tmp, "out.onnx")
+            onnx.save_model(model, src, save_as_external_data=True, location="in.onnx.data")
+            shape_inference.infer_shapes_path(src, dst, data_prop=True)
+            return onnx.load(dst, load_external_data=True)
+    except Exception as exc:  # inference is an aid, never a reason to stop
+        log.warning("shape inference failed (%s); continuing with the types onnxruntime reports",
+                    _first_line(exc))
+        return model
+
+
+def save_model(model: onnx.ModelProto, path: str | os.PathLike, external: bool | None = None) -> Path:
+    """Save atomically; models over ~1.8 GB (or when asked) go out with external data."""
+    path = Path(path)
+    if external is None:
+        external = model.ByteSize() > EXTERNAL_THRESHOLD
+    if not external:
+        with atomic_path(path) as tmp:
+            with open(tmp, "wb") as f:
+                f.write(model.SerializeToString())
+        return path
+    data_name = path.name + ".data"
+    with atomic_path(path.parent / data_name) as tmp_data, atomic_path(path) as tmp_model:
+        # onnx writes the data file next to the model under the location name; write both
+        # into a private folder and move them into place together.
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            m = onnx.ModelProto()
+            m.CopyFrom(model)
+            onnx.save_model(m, os.path.join(tmp, path.name), save_as_external_data=True,
+                            all_tensors_to_one_file=True, location=data_name, size_threshold=1024)
+            os.replace(os.path.join(tmp, path.name), tmp_model)
+            os.replace(os.path.join(tmp, data_name), tmp_data)
+    return path

@@ -1,0 +1,174 @@
+"""``quantize()``: the one orchestrator. No algorithm code here, only the order of stages.
+
+load → prepare → place Q/DQ → range pass → (histogram pass) → ranges → plan → weights →
+QDQ model → deploy files → error profile → report. Every output is written into a staging
+folder inside -O and moved into place only when the whole run has succeeded, so a failed run
+leaves no half-written file behind.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from dipoorlet import calibrate, placement as placement_mod, platform as platform_mod, prepare, profile, report
+from dipoorlet.config import QuantConfig
+from dipoorlet.data import DataSource, input_specs, shard
+from dipoorlet.deploy import DeployContext, export_all
+from dipoorlet.dist import SingleProcess
+from dipoorlet.errors import ConfigError, ModelError, OutputError
+from dipoorlet.graph import Graph, save_model
+from dipoorlet.qdq import insert_qdq
+from dipoorlet.qparams import QuantPlan, levels, make_qparams
+from dipoorlet.ranges import NEEDS_HISTOGRAM, RANGE_METHODS, RangeParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Result:
+    output_dir: Path
+    files: list[Path]
+    report: dict
+    rows: list = field(default_factory=list)
+    timings: dict = field(default_factory=dict)
+
+
+def check_output_dir(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".write-test")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise OutputError(f"output folder {path} is not writable ({exc.strerror}); "
+                          "pass -O with a folder you can write to") from exc
+
+
+def load_graph(cfg: QuantConfig) -> Graph:
+    g = Graph.load(cfg.model)
+    done = prepare.prepare(g)
+    log.info("model %s: opset %d (was %d), %d nodes, %d Constant weights moved to initializers",
+             cfg.model, g.opset, done["opset_from"], len(g.graph.node), done["constants_to_initializers"])
+    missing = set(cfg.skip_layers) - set(g.node_by_name)
+    if missing:
+        sample = ", ".join(sorted(g.node_by_name)[:5])
+        raise ConfigError(f"--skip_layers names {sorted(missing)}, which are not nodes of the model "
+                          f"(nodes are named like: {sample}, ...); use node names, not tensor names")
+    return g
+
+
+def plan_activations(stats, cfg: QuantConfig, plat) -> QuantPlan:
+    rule = plat.activation
+    params = RangeParams(qmax=levels(rule)[1] if rule.symmetric else levels(rule)[1] - levels(rule)[0],
+                         threshold=cfg.threshold, percentile=cfg.percentile)
+    method = RANGE_METHODS[cfg.act_quant]
+    plan = QuantPlan()
+    for t, st in stats.items():
+        if st.minmax.count == 0:
+            continue
+        lo, hi = method(st, params)
+        plan.activations[t] = make_qparams(lo, hi, rule)
+    return plan
+
+
+def plan_weights(g: Graph, places, plan: QuantPlan, plat) -> None:
+    for wp in places.weights.values():
+        if wp.tensor in plan.weights:
+            continue
+        w = g.weight(wp.tensor).astype(np.float32)
+        if wp.axis is None:
+            lo, hi = w.min(), w.max()
+        else:
+            moved = np.moveaxis(w, wp.axis, 0).reshape(w.shape[wp.axis], -1)
+            lo, hi = moved.min(axis=1), moved.max(axis=1)
+        plan.weights[wp.tensor] = make_qparams(lo, hi, plat.weight, axis=wp.axis)
+
+
+def quantize(cfg: QuantConfig, comm=None) -> Result:
+    comm = comm or SingleProcess()
+    t0 = time.perf_counter()
+    timings = {}
+    out_dir = Path(cfg.output_dir)
+    check_output_dir(out_dir)
+    plat = platform_mod.load(cfg.deploy)
+    g = load_graph(cfg)
+    data = DataSource(cfg.input_dir, input_specs(g), cfg.data_num, cfg.input_shapes)
+    indices = shard(cfg.data_num, comm.rank, comm.world)
+
+    places = placement_mod.place(g, plat, cfg.skip_layers)
+    targets = list(places.activations)
+    log.info("%d nodes quantized, %d activation tensors and %d weights get Q/DQ on %s",
+             len(places.quantized_nodes), len(targets), len(places.weights), plat.name)
+    if not targets and not places.weights:
+        raise ModelError(f"nothing in {cfg.model.name} is quantizable on {plat.name} "
+                         f"(its ops: {sorted({n.op_type for n in g.graph.node})[:12]}); "
+                         "check the platform or the --skip_layers list")
+
+    t = time.perf_counter()
+    stats = calibrate.range_pass(g, data, indices, targets, comm, cfg.device)
+    if cfg.act_quant in NEEDS_HISTOGRAM:
+        stats = calibrate.histogram_pass(g, data, indices, stats, cfg.bins, comm, cfg.device)
+    timings["calibration_s"] = time.perf_counter() - t
+    plan = plan_activations(stats, cfg, plat)
+    plan_weights(g, places, plan, plat)
+
+    qmodel = insert_qdq(g, places, plan)
+    try:
+        onnx.checker.check_model(qmodel, full_check=False) if qmodel.ByteSize() < 2**31 - 1 else None
+    except Exception as exc:  # a bug of ours, not the user's input
+        raise RuntimeError(f"the quantized model fails onnx.checker: {exc}") from exc
+
+    staging = Path(tempfile.mkdtemp(prefix=".dipoorlet-staging-", dir=out_dir)) if comm.rank == 0 else None
+    try:
+        targets_prof = profile.profile_targets(g, places, layers=not cfg.skip_prof_layer)
+        savefp = _fp_saver(staging, g.output_names) if (cfg.savefp and staging) else None
+        t = time.perf_counter()
+        samples = profile.collect_errors(g, qmodel, data, indices, targets_prof, comm, cfg.device, savefp)
+        timings["profile_s"] = time.perf_counter() - t
+        rows = profile.summarize(samples, targets_prof, g.output_names)
+        if comm.rank != 0:
+            return Result(out_dir, [], {}, rows, timings)
+        files = [save_model(qmodel, staging / "quant_model.onnx")]
+        files += export_all(DeployContext(g, plan, places, plat, cfg), staging)
+        meta = {"model": str(cfg.model), "platform": plat.name, "method": cfg.act_quant,
+                "samples": cfg.data_num, "quantized_nodes": len(places.quantized_nodes),
+                "qdq_tensors": len(plan.activations), "weights": len(plan.weights)}
+        rep = report.build(rows, places, meta)
+        files += report.write(staging, rep)
+        timings["total_s"] = time.perf_counter() - t0
+        final = _publish(staging, out_dir)
+        return Result(out_dir, final, rep, rows, timings)
+    finally:
+        if staging is not None and staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _fp_saver(staging: Path, outputs: list[str]):
+    """--savefp: the float model's outputs per sample, as the reference tool writes them."""
+    def save(i, tensors):
+        for name in outputs:
+            arr = tensors[name]
+            folder = staging / "output" / name.replace("/", "_")
+            folder.mkdir(parents=True, exist_ok=True)
+            np.ascontiguousarray(arr).tofile(folder / f"onnx-output-{i}.bin")
+    return save
+
+
+def _publish(staging: Path, out_dir: Path) -> list[Path]:
+    """Move every finished file from staging into -O (each move is an atomic rename)."""
+    final = []
+    for src in sorted(staging.rglob("*")):
+        if src.is_file():
+            dst = out_dir / src.relative_to(staging)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(src, dst)
+            final.append(dst)
+    return final

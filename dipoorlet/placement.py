@@ -1,0 +1,142 @@
+"""Where Q/DQ go: the platform's rules applied to the graph, with a reason for each decision.
+
+Op handlers only *mark* what to quantize (as onnxruntime's quantizer does); :mod:`dipoorlet.qdq`
+inserts everything in one place. Each activation point is a tensor plus the exact node inputs
+that will read its dequantized copy, so a tensor that also feeds a float op keeps its float
+edge there. Every node of the graph gets a :class:`Decision` whose reason the report shows
+("Relu: not a quantized op on trt", "skipped by --skip_layers").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dipoorlet.graph import Graph
+from dipoorlet.platform import Platform
+
+
+@dataclass
+class ActPoint:
+    tensor: str
+    uses: list[tuple[str, int]] = field(default_factory=list)  # (node name, input index)
+
+
+@dataclass
+class WeightPoint:
+    tensor: str
+    node: str
+    index: int
+    axis: int | None
+
+
+@dataclass
+class Decision:
+    node: str
+    op_type: str
+    quantized: bool
+    reason: str
+
+
+@dataclass
+class Placement:
+    activations: dict[str, ActPoint] = field(default_factory=dict)
+    weights: dict[tuple[str, int], WeightPoint] = field(default_factory=dict)
+    decisions: list[Decision] = field(default_factory=list)
+
+    @property
+    def quantized_nodes(self) -> list[str]:
+        return [d.node for d in self.decisions if d.quantized]
+
+    def add_act(self, tensor: str, node: str, index: int) -> None:
+        self.activations.setdefault(tensor, ActPoint(tensor)).uses.append((node, index))
+
+
+def weight_axis(g: Graph, node, index: int, per_channel: bool) -> int | None:
+    """The output-channel axis of a weight, or None for per-tensor."""
+    if not per_channel:
+        return None
+    shape = g.shape(node.input[index]) or []
+    rank = len(shape)
+    if node.op_type == "Conv":
+        return 0 if rank >= 2 else None
+    if node.op_type == "ConvTranspose":
+        return 1 if rank >= 2 else None
+    if node.op_type == "Gemm":
+        trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
+        return 0 if trans_b else 1
+    if node.op_type == "MatMul" and index == 1:
+        return rank - 1 if rank >= 2 else None
+    return None
+
+
+def _fused_input(g: Graph, node, act_inputs: list[int], platform: Platform) -> int | None:
+    """Index of an Add input that TensorRT-like backends fuse into its producer, if any."""
+    if node.op_type != "Add" or len(act_inputs) < 2 or not platform.residual_add_producers:
+        return None
+    for i in act_inputs:
+        prod = g.producer.get(node.input[i])
+        if (prod is not None and prod.op_type in platform.residual_add_producers
+                and len(g.consumers[node.input[i]]) == 1
+                and node.input[i] not in g.output_names):
+            return i
+    return None
+
+
+def _through_pad(g: Graph, node, index: int, platform: Platform) -> tuple[str, int, str] | None:
+    """(tensor, index, node name) of the Pad input to quantize instead of a Pad→Conv edge."""
+    if node.op_type not in platform.pad_into:
+        return None
+    prod = g.producer.get(node.input[index])
+    if prod is None or prod.op_type != "Pad" or len(g.consumers[node.input[index]]) != 1:
+        return None
+    return prod.input[0], 0, prod.name
+
+
+def place(g: Graph, platform: Platform, skip_layers=(), weight_only=()) -> Placement:
+    plan = Placement()
+    skip = set(skip_layers)
+    for node in g.topological_nodes():
+        op = node.op_type
+        if node.name in skip:
+            plan.decisions.append(Decision(node.name, op, False, "skipped by --skip_layers"))
+            continue
+        if op not in platform.quantize_ops or node.domain not in ("", "ai.onnx"):
+            plan.decisions.append(Decision(node.name, op, False, f"{op} is not quantized on {platform.name}"))
+            continue
+        w_index = platform.weight_inputs.get(op)
+        act_inputs, weights = [], []
+        for i, name in enumerate(node.input):
+            if not name:
+                continue
+            if i == w_index and g.is_constant(name) and g.is_float(name):
+                weights.append(i)
+            elif op in ("Conv", "ConvTranspose", "Gemm") and i == 2:
+                continue  # bias: platform.quantize_bias handles it in qdq
+            elif not g.is_constant(name) and g.is_float(name):
+                act_inputs.append(i)
+        if not act_inputs and not weights:
+            plan.decisions.append(Decision(node.name, op, False, "no float activation or weight input"))
+            continue
+        if op == "Add" and len(act_inputs) < 2:
+            plan.decisions.append(Decision(node.name, op, False, "Add with a constant is fused, not quantized"))
+            continue
+        fused = _fused_input(g, node, act_inputs, platform)
+        for i in act_inputs:
+            if i == fused:
+                continue
+            moved = _through_pad(g, node, i, platform)
+            if moved is not None:
+                plan.add_act(moved[0], moved[2], moved[1])
+            else:
+                plan.add_act(node.input[i], node.name, i)
+        for i in weights:
+            axis = weight_axis(g, node, i, platform.weight.per_channel)
+            plan.weights[(node.name, i)] = WeightPoint(node.input[i], node.name, i, axis)
+        reason = "quantized"
+        if fused is not None:
+            reason += f"; input {node.input[fused]!r} fused into its producer, kept float"
+        plan.decisions.append(Decision(node.name, op, True, reason))
+    if platform.quantize_network_output:
+        for name in g.output_names:
+            if g.is_float(name) and name in g.producer:
+                plan.activations.setdefault(name, ActPoint(name))
+    return plan

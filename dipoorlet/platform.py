@@ -1,0 +1,137 @@
+"""Platform specs: every rule a backend imposes, as data (``platforms/<name>.toml``).
+
+A spec is validated when it is loaded; a missing or mistyped key raises a ConfigError naming the
+key. ``-D NAME`` picks a shipped spec, ``-D path/to/chip.toml`` a user's own.
+"""
+from __future__ import annotations
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from dipoorlet.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class TensorRule:
+    bits: int = 8
+    symmetric: bool = True
+    unsigned: bool = False
+    per_channel: bool = False
+    narrow_range: bool = False
+    power_of_two: bool = False
+
+
+@dataclass(frozen=True)
+class Platform:
+    name: str
+    description: str
+    deploy: tuple[str, ...]
+    activation: TensorRule
+    weight: TensorRule
+    quantize_network_output: bool
+    quantize_bias: bool
+    quantize_ops: frozenset[str]
+    weight_inputs: dict[str, int] = field(default_factory=dict)
+    residual_add_producers: frozenset[str] = frozenset()
+    pad_into: frozenset[str] = frozenset()
+    source: str = ""
+
+
+_SCHEMA = {
+    "name": str, "description": str, "deploy": list,
+    "activation": dict, "weight": dict, "bias": dict, "ops": dict, "fusion": dict,
+}
+_RULE_KEYS = {"bits": int, "symmetric": bool, "unsigned": bool, "per_channel": bool,
+              "narrow_range": bool, "power_of_two": bool, "quantize_network_output": bool}
+
+
+def platforms_dir() -> Path:
+    """Installed wheels carry the specs as ``dipoorlet/platforms``; a source tree has ``platforms/``."""
+    here = Path(__file__).resolve().parent
+    for cand in (here / "platforms", here.parent / "platforms"):
+        if cand.is_dir():
+            return cand
+    return Path(str(resources.files("dipoorlet.platforms")))
+
+
+def available() -> list[str]:
+    return sorted(p.stem for p in platforms_dir().glob("*.toml"))
+
+
+def load(name_or_path: str) -> Platform:
+    path = Path(name_or_path)
+    if name_or_path.endswith(".toml"):
+        if not path.is_file():
+            raise ConfigError(f"platform spec {path} does not exist; pass -D with one of "
+                              f"{', '.join(available())} or the path of a .toml spec")
+    else:
+        path = platforms_dir() / f"{name_or_path}.toml"
+        if not path.is_file():
+            raise ConfigError(f"unknown platform -D {name_or_path!r}; valid: "
+                              f"{', '.join(available())} (or a path to your own .toml spec)")
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"platform spec {path} is not valid TOML ({exc})") from exc
+    return parse(data, str(path))
+
+
+def _need(d: dict, key: str, typ, where: str):
+    if key not in d:
+        raise ConfigError(f"platform spec {where}: missing key '{key}'")
+    v = d[key]
+    if typ is int and isinstance(v, bool) or not isinstance(v, typ):
+        raise ConfigError(f"platform spec {where}: key '{key}' must be {typ.__name__}, got {v!r}")
+    return v
+
+
+def _rule(d: dict, where: str, defaults: dict) -> TensorRule:
+    unknown = set(d) - set(_RULE_KEYS)
+    if unknown:
+        raise ConfigError(f"platform spec {where}: unknown key(s) {sorted(unknown)}; "
+                          f"valid: {sorted(_RULE_KEYS)}")
+    vals = {}
+    for key, typ in _RULE_KEYS.items():
+        if key == "quantize_network_output":
+            continue
+        vals[key] = _need(d, key, typ, where) if key in d or key not in defaults else defaults[key]
+    if not 2 <= vals["bits"] <= 16:
+        raise ConfigError(f"platform spec {where}: bits must be 2..16, got {vals['bits']}")
+    if vals["unsigned"] and vals["symmetric"]:
+        raise ConfigError(f"platform spec {where}: unsigned grids are asymmetric; set symmetric = false")
+    return TensorRule(**vals)
+
+
+def parse(data: dict, source: str) -> Platform:
+    for key, typ in _SCHEMA.items():
+        _need(data, key, typ, source)
+    unknown = set(data) - set(_SCHEMA)
+    if unknown:
+        raise ConfigError(f"platform spec {source}: unknown key(s) {sorted(unknown)}; valid: {sorted(_SCHEMA)}")
+    defaults = {"unsigned": False, "per_channel": False, "narrow_range": False, "power_of_two": False}
+    act = _rule(data["activation"], source + " [activation]", defaults)
+    wt = _rule(data["weight"], source + " [weight]", defaults)
+    ops = data["ops"]
+    quantize = _need(ops, "quantize", list, source + " [ops]")
+    weights = ops.get("weights", {})
+    if not isinstance(weights, dict) or not all(isinstance(v, int) and v >= 0 for v in weights.values()):
+        raise ConfigError(f"platform spec {source} [ops]: 'weights' must map op types to input indices")
+    fusion = data["fusion"]
+    from dipoorlet.deploy import FORMATS
+    for fmt in data["deploy"]:
+        if fmt not in FORMATS:
+            raise ConfigError(f"platform spec {source}: deploy format {fmt!r} unknown; valid: {sorted(FORMATS)}")
+    return Platform(
+        name=data["name"], description=data["description"], deploy=tuple(data["deploy"]),
+        activation=act, weight=wt,
+        quantize_network_output=bool(data["activation"].get("quantize_network_output", False)),
+        quantize_bias=bool(_need(data["bias"], "quantize", bool, source + " [bias]")),
+        quantize_ops=frozenset(quantize), weight_inputs=dict(weights),
+        residual_add_producers=frozenset(fusion.get("residual_add_producers", [])),
+        pad_into=frozenset(fusion.get("pad_into", [])), source=source,
+    )

@@ -1,0 +1,89 @@
+"""Graph preparation before calibration: small, declared rewrites.
+
+- ``constants_to_initializers``: weights stored as Constant nodes (paddle2onnx does this) become
+  initializers, so weight quantization sees them.
+- ``ensure_opset``: Q/DQ with per-channel ``axis`` needs opset 13; models at opset 11–12 are
+  converted with onnx's version converter.
+- ``remove_identities``: Identity nodes between tensors are bypassed so that a Q/DQ pair is not
+  split from the op it belongs to.
+
+Each pass returns the number of things it changed, for the log.
+"""
+from __future__ import annotations
+
+import logging
+
+import onnx
+from onnx import numpy_helper, version_converter
+
+from dipoorlet.errors import ModelError
+from dipoorlet.graph import MAX_OPSET, MIN_OPSET, QDQ_OPSET, Graph, constant_value, infer_shapes
+
+log = logging.getLogger(__name__)
+
+
+def constants_to_initializers(g: Graph) -> int:
+    keep, moved = [], 0
+    for node in g.graph.node:
+        if node.op_type == "Constant" and len(node.output) == 1 and node.output[0] not in g.output_names:
+            try:
+                value = constant_value(node)
+            except ModelError:
+                keep.append(node)
+                continue
+            g.graph.initializer.append(numpy_helper.from_array(value, node.output[0]))
+            moved += 1
+        else:
+            keep.append(node)
+    if moved:
+        del g.graph.node[:]
+        g.graph.node.extend(keep)
+        g.refresh()
+    return moved
+
+
+def remove_identities(g: Graph) -> int:
+    removed = 0
+    for node in list(g.graph.node):
+        if node.op_type != "Identity" or node.output[0] in g.output_names:
+            continue
+        src, dst = node.input[0], node.output[0]
+        for other in g.graph.node:
+            for i, name in enumerate(other.input):
+                if name == dst:
+                    other.input[i] = src
+        g.graph.node.remove(node)
+        removed += 1
+    if removed:
+        g.refresh()
+    return removed
+
+
+def ensure_opset(g: Graph, target: int = QDQ_OPSET) -> int:
+    """Raise the default-domain opset to ``target``; returns the opset the model had."""
+    version = g.opset
+    if version < MIN_OPSET - 4 or version > MAX_OPSET + 4:
+        raise ModelError(f"model opset {version} is outside what this tool supports "
+                         f"({MIN_OPSET}-{MAX_OPSET}); export the model at opset 13-17")
+    if version >= target:
+        return version
+    try:
+        converted = version_converter.convert_version(g.model, target)
+    except Exception as exc:
+        raise ModelError(f"could not convert the model from opset {version} to {target} "
+                         f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
+                         f"export it at opset {target} or later") from exc
+    g.model = converted
+    g.refresh()
+    log.info("converted the model from opset %d to %d for per-channel Q/DQ", version, target)
+    return version
+
+
+def prepare(g: Graph) -> dict:
+    """Run every preparation pass; returns what each changed."""
+    done = {"constants_to_initializers": constants_to_initializers(g)}
+    done["opset_from"] = ensure_opset(g)
+    done["identities_removed"] = remove_identities(g)
+    g.model = infer_shapes(g.model)
+    g.refresh()
+    return done

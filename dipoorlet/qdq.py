@@ -1,0 +1,116 @@
+"""Insert QuantizeLinear/DequantizeLinear pairs from a placement and a plan, in one rewrite.
+
+Activations: ``t -> QuantizeLinear -> t_q -> DequantizeLinear -> t_dq``; exactly the node inputs
+the placement names are rewired to ``t_dq`` (others keep reading ``t``). Grids narrower than 8
+bits get a ``Clip`` on the integers between Q and DQ, so onnxruntime simulates them exactly.
+Weights are stored already quantized (``w_quantized``, int8) and read through one
+DequantizeLinear (per-channel with ``axis``): a quarter of the float size, the layout TensorRT,
+QNN and onnxruntime all accept. Biases stay float unless the platform asks for int32 biases
+(scale = input scale x weight scale). Names follow the reference tool (``<t>_scale``,
+``<t>_zero_point``, ``<t>_QuantizeLinear``…) so side files and reports line up.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from dipoorlet.graph import Graph, _subgraph_outer_refs
+from dipoorlet.placement import Placement
+from dipoorlet.qparams import QParams, QuantPlan, quantize_array
+
+
+def _const(g: onnx.GraphProto, name: str, value: np.ndarray) -> str:
+    g.initializer.append(numpy_helper.from_array(np.asarray(value), name))
+    return name
+
+
+def _int_clip(graph, src: str, qp: QParams, name: str) -> str:
+    full_min, full_max = (-128, 127) if qp.signed else (0, 255)
+    if qp.bits >= 8 or (qp.qmin <= full_min and qp.qmax >= full_max):
+        return src
+    dtype = qp.zero_point.dtype
+    lo = _const(graph, name + "_clip_min", np.array(qp.qmin, dtype=dtype))
+    hi = _const(graph, name + "_clip_max", np.array(qp.qmax, dtype=dtype))
+    out = name + "_clipped"
+    graph.node.append(helper.make_node("Clip", [src, lo, hi], [out], name=name + "_Clip"))
+    return out
+
+
+def insert_qdq(g: Graph, placement: Placement, plan: QuantPlan) -> onnx.ModelProto:
+    """A new model with Q/DQ inserted; ``g`` is not modified."""
+    model = onnx.ModelProto()
+    model.CopyFrom(g.model)
+    graph = model.graph
+    nodes = {n.name: n for n in graph.node}
+    new_nodes: dict[str, list] = {}   # producer tensor -> nodes to insert after its producer
+
+    for tensor, point in placement.activations.items():
+        qp = plan.activations.get(tensor)
+        if qp is None or not point.uses:
+            continue
+        s = _const(graph, tensor + "_scale", qp.scale)
+        z = _const(graph, tensor + "_zero_point", qp.zero_point)
+        q_out = tensor + "_q"
+        q = helper.make_node("QuantizeLinear", [tensor, s, z], [q_out], name=tensor + "_QuantizeLinear")
+        before = len(graph.node)
+        q_src = _int_clip(graph, q_out, qp, tensor)
+        extra = [graph.node.pop() for _ in range(len(graph.node) - before)][::-1]
+        dq = helper.make_node("DequantizeLinear", [q_src, s, z], [tensor + "_dq"],
+                              name=tensor + "_DequantizeLinear")
+        new_nodes[tensor] = [q, *extra, dq]
+        for node_name, index in point.uses:
+            nodes[node_name].input[index] = tensor + "_dq"
+
+    weight_names_used = {}
+    for (node_name, index), wp in placement.weights.items():
+        qp = plan.weights.get(wp.tensor)
+        if qp is None:
+            continue
+        node = nodes[node_name]
+        key = wp.tensor
+        if key not in weight_names_used:
+            value = g.weight(wp.tensor)
+            qname = wp.tensor + "_quantized"
+            _const(graph, qname, quantize_array(value, qp))
+            s = _const(graph, wp.tensor + "_scale", qp.scale)
+            z = _const(graph, wp.tensor + "_zero_point", qp.zero_point)
+            attrs = {"axis": qp.axis} if qp.axis is not None else {}
+            dq = helper.make_node("DequantizeLinear", [qname, s, z], [wp.tensor + "_dq"],
+                                  name=wp.tensor + "_DequantizeLinear", **attrs)
+            new_nodes.setdefault("", []).append(dq)
+            weight_names_used[key] = wp.tensor + "_dq"
+        node.input[index] = weight_names_used[key]
+
+    _rebuild(graph, new_nodes)
+    _drop_unused_initializers(graph)
+    return model
+
+
+def _rebuild(graph: onnx.GraphProto, new_nodes: dict[str, list]) -> None:
+    """Put inserted nodes right after their producers, keeping topological order."""
+    order = list(new_nodes.pop("", []))
+    produced = {o for n in graph.node for o in n.output}
+    for name in list(new_nodes):
+        if name not in produced:
+            order.extend(new_nodes.pop(name))
+    for node in graph.node:
+        order.append(node)
+        for out in node.output:
+            order.extend(new_nodes.pop(out, []))
+    del graph.node[:]
+    graph.node.extend(order)
+
+
+def _drop_unused_initializers(graph: onnx.GraphProto) -> None:
+    used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+    for n in graph.node:
+        used.update(_subgraph_outer_refs(n))
+    keep = [t for t in graph.initializer if t.name in used]
+    if len(keep) != len(graph.initializer):
+        del graph.initializer[:]
+        graph.initializer.extend(keep)
+    names = {t.name for t in graph.initializer}
+    keep_inputs = [i for i in graph.input if i.name not in names or i.name in used]
+    del graph.input[:]
+    graph.input.extend(keep_inputs)

@@ -1,0 +1,124 @@
+"""onnxruntime sessions that expose chosen tensors; the only module that imports onnxruntime.
+
+A :class:`Runner` is built once per pass (never once per sample). It exposes the tensors a pass
+needs as graph outputs and, for range passes, appends ``ReduceMin``/``ReduceMax`` nodes inside the
+graph so that only two scalars per tensor leave onnxruntime instead of whole activations.
+
+Float passes run with onnxruntime's full graph optimizations. Quantized (QDQ) models are run with
+optimizations disabled so that Q/DQ execute as float arithmetic: that measures the quantization
+itself and not the saturation quirks of CPU int8 kernels on processors without VNNI.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from dipoorlet.errors import ModelError
+from dipoorlet.graph import EXTERNAL_THRESHOLD, opset_of
+
+log = logging.getLogger(__name__)
+
+MIN_SUFFIX, MAX_SUFFIX = "__dpl_min", "__dpl_max"
+
+
+def _ort():
+    import onnxruntime
+
+    onnxruntime.set_default_logger_severity(3)
+    return onnxruntime
+
+
+def available_providers() -> list[str]:
+    return list(_ort().get_available_providers())
+
+
+def choose_providers(device: str = "cpu") -> list[str]:
+    have = available_providers()
+    if device == "cuda":
+        if "CUDAExecutionProvider" not in have:
+            from dipoorlet.errors import ConfigError
+            raise ConfigError("--device cuda asked for onnxruntime's CUDA provider, which this "
+                              "onnxruntime lacks; pip install 'dipoorlet[gpu]' (onnxruntime-gpu)")
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
+
+
+def _exposed_model_bytes_or_path(model: onnx.ModelProto, outputs: list[str],
+                                 reduce_minmax: list[str], types: dict, tmpdir: str):
+    """Serialize ``model`` with the requested outputs (and reductions) without copying it."""
+    g = model.graph
+    saved_outputs = list(g.output)
+    n_nodes = len(g.node)
+    try:
+        del g.output[:]
+        by_name = {o.name: o for o in saved_outputs}
+        for name in outputs:
+            if name in by_name:
+                g.output.append(by_name[name])
+            else:
+                elem = types.get(name, (onnx.TensorProto.FLOAT, None))[0]
+                g.output.append(helper.make_tensor_value_info(name, elem, None))
+        for name in reduce_minmax:
+            for op, suffix in (("ReduceMin", MIN_SUFFIX), ("ReduceMax", MAX_SUFFIX)):
+                out = name + suffix
+                g.node.append(helper.make_node(op, [name], [out], name=out, keepdims=0))
+                g.output.append(helper.make_tensor_value_info(out, onnx.TensorProto.FLOAT, []))
+        if model.ByteSize() < EXTERNAL_THRESHOLD:
+            return model.SerializeToString()
+        path = os.path.join(tmpdir, "model.onnx")
+        onnx.save_model(model, path, save_as_external_data=True, location="model.onnx.data")
+        return path
+    finally:
+        del g.output[:]
+        g.output.extend(saved_outputs)
+        while len(g.node) > n_nodes:
+            g.node.pop()
+
+
+class Runner:
+    """One onnxruntime session for one pass, exposing ``outputs`` and per-tensor min/max."""
+
+    def __init__(self, model: onnx.ModelProto, outputs: list[str], *, reduce_minmax=(),
+                 types: dict | None = None, optimize: bool = True, device: str = "cpu",
+                 threads: int = 0):
+        ort = _ort()
+        self.outputs = list(outputs)
+        self.reduced = list(reduce_minmax)
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        so.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
+                                       else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+        if threads:
+            so.intra_op_num_threads = threads
+        with tempfile.TemporaryDirectory(prefix="dipoorlet-") as tmp:
+            src = _exposed_model_bytes_or_path(model, self.outputs, self.reduced, types or {}, tmp)
+            try:
+                self.session = ort.InferenceSession(src, so, providers=choose_providers(device))
+            except Exception as exc:
+                msg = " ".join(str(exc).split())[:300]
+                raise ModelError(f"onnxruntime cannot load the model (opset {opset_of(model)}): "
+                                 f"{msg}; check that every op is a standard ONNX op or register "
+                                 "a custom-op library") from exc
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        self._fetch = self.outputs + [n + s for n in self.reduced for s in (MIN_SUFFIX, MAX_SUFFIX)]
+
+    def run(self, feed: dict[str, np.ndarray]):
+        """Run one batch; returns (exposed tensors by name, {tensor: (min, max)})."""
+        try:
+            values = self.session.run(self._fetch, {k: feed[k] for k in self.input_names})
+        except Exception as exc:
+            msg = " ".join(str(exc).split())[:300]
+            shapes = {k: tuple(v.shape) for k, v in feed.items()}
+            raise ModelError(f"onnxruntime failed to run the model on inputs {shapes}: {msg}; "
+                             "check the calibration data's shapes and dtypes") from exc
+        n = len(self.outputs)
+        tensors = dict(zip(self.outputs, values[:n]))
+        ranges = {}
+        for i, name in enumerate(self.reduced):
+            ranges[name] = (float(values[n + 2 * i]), float(values[n + 2 * i + 1]))
+        return tensors, ranges

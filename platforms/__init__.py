@@ -1,0 +1,1 @@
+"""Platform specs shipped with dipoorlet (installed as ``dipoorlet.platforms``)."""
