@@ -42,23 +42,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--savefp", action="store_true", help="save the float model's outputs per sample")
     p.add_argument("--skip_prof_layer", action="store_true", help="profile network outputs only")
     p.add_argument("--trt_version", default="8601", help="version in the TensorRT calibration cache header")
+    p.add_argument("--mpirun", action="store_true", help="run as one of the processes mpirun/mpiexec started")
+    p.add_argument("--slurm", action="store_true", help="run as one of the tasks srun started (PMI)")
+    p.add_argument("--log_all_ranks", action="store_true",
+                   help="under MPI, ranks other than 0 also log, to dipoorlet.rank<N>.log")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="onnxruntime device")
     p.add_argument("--debug", action="store_true", help="full tracebacks and debug logs")
     p.add_argument("--version", action="version", version=f"dipoorlet {__version__}")
     return p
 
 
-def setup_logging(out_dir: Path | None, debug: bool) -> None:
+def setup_logging(out_dir: Path | None, debug: bool, rank: int = 0, all_ranks: bool = False) -> None:
+    """Console and dipoorlet.log on rank 0; other ranks are silent unless --log_all_ranks."""
     root = logging.getLogger("dipoorlet")
     root.setLevel(logging.DEBUG if debug else logging.INFO)
     root.handlers.clear()
-    console = logging.StreamHandler(sys.stderr)
-    console.setFormatter(logging.Formatter("%(message)s"))
-    root.addHandler(console)
+    root.propagate = False
+    if rank != 0 and not all_ranks:
+        root.addHandler(logging.NullHandler())
+        return
+    if rank == 0:
+        console = logging.StreamHandler(sys.stderr)
+        console.setFormatter(logging.Formatter("%(message)s"))
+        root.addHandler(console)
     if out_dir is not None:
+        name = "dipoorlet.log" if rank == 0 else f"dipoorlet.rank{rank}.log"
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
-            fh = logging.FileHandler(out_dir / "dipoorlet.log", mode="w", encoding="utf-8")
+            fh = logging.FileHandler(out_dir / name, mode="w", encoding="utf-8")
             fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
             root.addHandler(fh)
         except OSError:
@@ -88,10 +99,21 @@ def summary(result, cfg) -> str:
     return "\n".join(lines)
 
 
+def _log_to_file(message: str) -> None:
+    for h in logging.getLogger("dipoorlet").handlers:
+        if isinstance(h, logging.FileHandler):
+            h.stream.write(message + "\n")
+            h.flush()
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     debug = args.debug
+    comm = None
     try:
+        from dipoorlet.dist import make_comm
+
+        comm = make_comm(args.mpirun, args.slurm)
         from dipoorlet.config import QuantConfig
         from dipoorlet.data import parse_input_shapes
         from dipoorlet.pipeline import check_output_dir, quantize
@@ -104,22 +126,33 @@ def main(argv=None) -> int:
                           skip_prof_layer=args.skip_prof_layer, trt_version=args.trt_version,
                           device=args.device, debug=debug)
         check_output_dir(cfg.output_dir)
-        setup_logging(cfg.output_dir, debug)
+        setup_logging(cfg.output_dir, debug, comm.rank, args.log_all_ranks)
         log.info("dipoorlet %s: %s", __version__, " ".join(sys.argv[1:] if argv is None else argv))
+        if comm.world > 1:
+            log.info("running as %d MPI processes", comm.world)
         start = time.perf_counter()
-        result = quantize(cfg)
-        log.info(summary(result, cfg))
+        result = quantize(cfg, comm)
+        if comm.rank == 0:
+            log.info(summary(result, cfg))
         log.debug("done in %.2f s", time.perf_counter() - start)
         return 0
     except DipoorletError as exc:
-        if debug:
+        if debug and (comm is None or comm.world == 1):
             raise
-        root = logging.getLogger("dipoorlet")
-        if root.handlers:
-            root.error("dipoorlet: error: %s", exc)
-        else:
-            print(f"dipoorlet: error: {exc}", file=sys.stderr)
+        where = f" (rank {comm.rank})" if comm is not None and comm.world > 1 else ""
+        print(f"dipoorlet: error{where}: {exc}", file=sys.stderr)
+        logging.getLogger("dipoorlet").debug("error: %s", exc)
+        _log_to_file(f"dipoorlet: error{where}: {exc}")
+        if comm is not None and comm.world > 1:
+            comm.abort(exc.exit_code)  # take every rank down now, never leave them waiting
         return exc.exit_code
+    except Exception as exc:
+        if comm is not None and comm.world > 1:
+            import traceback
+            traceback.print_exc()
+            print(f"dipoorlet: internal error (rank {comm.rank}): {exc}", file=sys.stderr)
+            comm.abort(1)
+        raise
     except KeyboardInterrupt:
         print("dipoorlet: interrupted; no output was written", file=sys.stderr)
         return 130

@@ -25,6 +25,7 @@ from dipoorlet.deploy import DeployContext, export_all
 from dipoorlet.dist import SingleProcess
 from dipoorlet.errors import ConfigError, ModelError, OutputError
 from dipoorlet.graph import Graph, save_model
+from dipoorlet.util import atomic_path
 from dipoorlet.qdq import insert_qdq
 from dipoorlet.qparams import QuantPlan, levels, make_qparams
 from dipoorlet.ranges import NEEDS_HISTOGRAM, RANGE_METHODS, RangeParams
@@ -126,20 +127,22 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
     except Exception as exc:  # a bug of ours, not the user's input
         raise RuntimeError(f"the quantized model fails onnx.checker: {exc}") from exc
 
-    staging = Path(tempfile.mkdtemp(prefix=".dipoorlet-staging-", dir=out_dir)) if comm.rank == 0 else None
+    targets_prof = profile.profile_targets(g, places, layers=not cfg.skip_prof_layer)
+    savefp = _fp_saver(out_dir, g.output_names) if cfg.savefp else None
+    t = time.perf_counter()
+    samples = profile.collect_errors(g, qmodel, data, indices, targets_prof, comm, cfg.device, savefp)
+    timings["profile_s"] = time.perf_counter() - t
+    if comm.rank != 0:
+        return Result(out_dir, [], {}, [], timings)
+    rows = profile.summarize(samples, targets_prof, g.output_names)
+    # Every collective step is done: only rank 0 writes, into staging, then publishes.
+    staging = Path(tempfile.mkdtemp(prefix=".dipoorlet-staging-", dir=out_dir))
     try:
-        targets_prof = profile.profile_targets(g, places, layers=not cfg.skip_prof_layer)
-        savefp = _fp_saver(staging, g.output_names) if (cfg.savefp and staging) else None
-        t = time.perf_counter()
-        samples = profile.collect_errors(g, qmodel, data, indices, targets_prof, comm, cfg.device, savefp)
-        timings["profile_s"] = time.perf_counter() - t
-        rows = profile.summarize(samples, targets_prof, g.output_names)
-        if comm.rank != 0:
-            return Result(out_dir, [], {}, rows, timings)
         files = [save_model(qmodel, staging / "quant_model.onnx")]
         files += export_all(DeployContext(g, plan, places, plat, cfg), staging)
         meta = {"model": str(cfg.model), "platform": plat.name, "method": cfg.act_quant,
-                "samples": cfg.data_num, "quantized_nodes": len(places.quantized_nodes),
+                "samples": cfg.data_num,
+                "quantized_nodes": len(places.quantized_nodes),
                 "qdq_tensors": len(plan.activations), "weights": len(plan.weights)}
         rep = report.build(rows, places, meta)
         files += report.write(staging, rep)
@@ -147,18 +150,17 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         final = _publish(staging, out_dir)
         return Result(out_dir, final, rep, rows, timings)
     finally:
-        if staging is not None and staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
 
 
-def _fp_saver(staging: Path, outputs: list[str]):
-    """--savefp: the float model's outputs per sample, as the reference tool writes them."""
+def _fp_saver(out_dir: Path, outputs: list[str]):
+    """--savefp: the float model's outputs per sample, ``output/<tensor>/onnx-output-<i>.bin`` as
+    the reference tool writes them; each rank writes its own samples, each file atomically."""
     def save(i, tensors):
         for name in outputs:
-            arr = tensors[name]
-            folder = staging / "output" / name.replace("/", "_")
-            folder.mkdir(parents=True, exist_ok=True)
-            np.ascontiguousarray(arr).tofile(folder / f"onnx-output-{i}.bin")
+            path = out_dir / "output" / name.replace("/", "_") / f"onnx-output-{i}.bin"
+            with atomic_path(path) as tmp:
+                np.ascontiguousarray(tensors[name]).tofile(tmp)
     return save
 
 
