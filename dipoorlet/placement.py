@@ -68,15 +68,30 @@ def weight_axis(g: Graph, node, index: int, per_channel: bool) -> int | None:
     return None
 
 
+def _fusable_producer(g: Graph, tensor: str, platform: Platform, depth: int = 0) -> bool:
+    """Whether ``tensor`` comes (only) from an op the backend fuses an Add into.
+
+    A bias ``Add`` with a constant after a MatMul counts as part of that MatMul (Gemm = MatMul
+    + bias), so the transformer pattern MatMul → Add(bias) → Add(residual) is seen through.
+    """
+    prod = g.producer.get(tensor)
+    if prod is None or len(g.consumers[tensor]) != 1 or tensor in g.output_names:
+        return False
+    if prod.op_type in platform.residual_add_producers:
+        return True
+    if prod.op_type == "Add" and depth == 0:
+        consts = [i for i in prod.input if g.is_constant(i)]
+        others = [i for i in prod.input if not g.is_constant(i)]
+        return len(consts) == 1 and len(others) == 1 and _fusable_producer(g, others[0], platform, 1)
+    return False
+
+
 def _fused_input(g: Graph, node, act_inputs: list[int], platform: Platform) -> int | None:
     """Index of an Add input that TensorRT-like backends fuse into its producer, if any."""
     if node.op_type != "Add" or len(act_inputs) < 2 or not platform.residual_add_producers:
         return None
     for i in act_inputs:
-        prod = g.producer.get(node.input[i])
-        if (prod is not None and prod.op_type in platform.residual_add_producers
-                and len(g.consumers[node.input[i]]) == 1
-                and node.input[i] not in g.output_names):
+        if _fusable_producer(g, node.input[i], platform):
             return i
     return None
 
@@ -120,6 +135,11 @@ def place(g: Graph, platform: Platform, skip_layers=(), weight_only=()) -> Place
             plan.decisions.append(Decision(node.name, op, False, "Add with a constant is fused, not quantized"))
             continue
         fused = _fused_input(g, node, act_inputs, platform)
+        if op == "Add" and platform.residual_add_producers and fused is None:
+            plan.decisions.append(Decision(node.name, op, False, "Add with no input to fuse into a "
+                                           f"{'/'.join(sorted(platform.residual_add_producers))}: "
+                                           "runs in float"))
+            continue
         for i in act_inputs:
             if i == fused:
                 continue
