@@ -116,6 +116,7 @@ def main(argv=None) -> int:
         comm = make_comm(args.mpirun, args.slurm)
         from dipoorlet.config import QuantConfig
         from dipoorlet.data import parse_input_shapes
+        from dipoorlet.graph import check_model_path
         from dipoorlet.pipeline import check_output_dir, quantize
 
         cfg = QuantConfig(model=args.model, input_dir=args.input_dir, data_num=args.data_num,
@@ -125,6 +126,7 @@ def main(argv=None) -> int:
                           input_shapes=parse_input_shapes(args.input_shape), savefp=args.savefp,
                           skip_prof_layer=args.skip_prof_layer, trt_version=args.trt_version,
                           device=args.device, debug=debug)
+        check_model_path(cfg.model)  # before -O (default <model dir>/results) is created
         check_output_dir(cfg.output_dir)
         setup_logging(cfg.output_dir, debug, comm.rank, args.log_all_ranks)
         log.info("dipoorlet %s: %s", __version__, " ".join(sys.argv[1:] if argv is None else argv))

@@ -113,10 +113,10 @@ class DataSource:
 
     def _open_npz(self, path: Path):
         try:
-            self._npz = np.load(path, mmap_mode="r", allow_pickle=False)
-            keys = set(self._npz.files)
+            self._npz = _npz_arrays(path)
         except Exception as exc:
             raise DataError(f"{path} is not a readable .npz file ({exc}); save it with numpy.savez") from exc
+        keys = set(self._npz)
         for s in self.specs:
             if s.name not in keys:
                 raise DataError(f"{path} has no array named {s.name!r} (has {sorted(keys)}); "
@@ -170,7 +170,14 @@ class DataSource:
         try:
             if path.suffix == ".npy":
                 return np.load(path, allow_pickle=False)
+            size = path.stat().st_size
+            if size % spec.dtype.itemsize:
+                raise DataError(f"{path} is {size} bytes, not a whole number of {spec.dtype} values "
+                                f"({spec.dtype.itemsize} bytes each); the file is truncated or of "
+                                "another dtype")
             raw = np.fromfile(path, dtype=spec.dtype)
+        except DataError:
+            raise
         except Exception as exc:
             raise DataError(f"cannot read calibration file {path} ({exc}); "
                             "write it with numpy.save or as raw binary") from exc
@@ -218,6 +225,45 @@ class DataSource:
                 raise DataError(f"{where} has shape {_fmt(arr.shape)} but input {spec.name!r} "
                                 f"expects {_fmt(want)}; re-export the data or pass --input_shape")
         return np.ascontiguousarray(arr)
+
+
+def _npz_arrays(path: Path) -> dict:
+    """The arrays of an .npz, memory-mapped where stored uncompressed (``numpy.savez``).
+
+    ``np.load(npz)[name]`` reads the whole ``[N, ...]`` array on every access; mapping each member
+    at its offset inside the zip reads only the samples a process uses. Compressed members
+    (``savez_compressed``) cannot be mapped and are read once.
+    """
+    import zipfile
+
+    arrays = {}
+    with zipfile.ZipFile(path) as zf, open(path, "rb") as raw:
+        for info in zf.infolist():
+            if not info.filename.endswith(".npy"):
+                continue
+            name = info.filename[:-4]
+            if info.compress_type == zipfile.ZIP_STORED:
+                raw.seek(info.header_offset)
+                header = raw.read(30)
+                n_name, n_extra = int.from_bytes(header[26:28], "little"), int.from_bytes(header[28:30], "little")
+                start = info.header_offset + 30 + n_name + n_extra
+                raw.seek(start)
+                version = np.lib.format.read_magic(raw)
+                readers = {(1, 0): np.lib.format.read_array_header_1_0,
+                           (2, 0): np.lib.format.read_array_header_2_0}
+                if version not in readers:
+                    with zf.open(info) as member:
+                        arrays[name] = np.lib.format.read_array(member, allow_pickle=False)
+                    continue
+                shape, fortran, dtype = readers[version](raw)
+                if dtype.hasobject:
+                    raise ValueError(f"array {name!r} holds Python objects")
+                arrays[name] = np.memmap(path, dtype=dtype, mode="r", offset=raw.tell(), shape=shape,
+                                         order="F" if fortran else "C")
+            else:
+                with zf.open(info) as member:
+                    arrays[name] = np.lib.format.read_array(member, allow_pickle=False)
+    return arrays
 
 
 def _safe(name: str) -> str:

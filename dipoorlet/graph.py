@@ -38,8 +38,8 @@ def _first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-def load_model(path: str | os.PathLike) -> onnx.ModelProto:
-    """Read an ONNX file (with its external data) or raise a one-line ModelError."""
+def check_model_path(path: str | os.PathLike) -> Path:
+    """The model path exists, is a file and is readable; else a one-line ModelError."""
     p = Path(path)
     if not p.exists():
         raise ModelError(f"model file {p} does not exist; pass the path of an .onnx file with -M")
@@ -47,6 +47,12 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
         raise ModelError(f"model path {p} is a folder; pass the path of an .onnx file with -M")
     if not os.access(p, os.R_OK):
         raise ModelError(f"model file {p} is not readable; check its permissions")
+    return p
+
+
+def load_model(path: str | os.PathLike) -> onnx.ModelProto:
+    """Read an ONNX file (with its external data) or raise a one-line ModelError."""
+    p = check_model_path(path)
     try:
         model = onnx.load(str(p), load_external_data=True)
     except Exception as exc:  # protobuf DecodeError, missing external data, ...
@@ -239,7 +245,10 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike, external: bool |
             m = onnx.ModelProto()
             m.CopyFrom(model)
             onnx.save_model(m, os.path.join(tmp, path.name), save_as_external_data=True,
-                            all_tensors_to_one_file=True, location=data_name, size_threshold=1024)
+                            all_tensors_to_one_file=True, location=data_name, size_threshold=0)
             os.replace(os.path.join(tmp, path.name), tmp_model)
-            os.replace(os.path.join(tmp, data_name), tmp_data)
+            if os.path.exists(os.path.join(tmp, data_name)):
+                os.replace(os.path.join(tmp, data_name), tmp_data)
+            else:  # no tensor at all: an empty data file keeps the pair consistent
+                open(tmp_data, "wb").close()
     return path

@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +26,6 @@ from dipoorlet.deploy import DeployContext, export_all
 from dipoorlet.dist import SingleProcess
 from dipoorlet.errors import ConfigError, ModelError, OutputError
 from dipoorlet.graph import Graph, save_model
-from dipoorlet.util import atomic_path
 from dipoorlet.qdq import insert_qdq
 from dipoorlet.qparams import QuantPlan, levels, make_qparams
 from dipoorlet.ranges import NEEDS_HISTOGRAM, RANGE_METHODS, RangeParams
@@ -128,16 +128,18 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         raise RuntimeError(f"the quantized model fails onnx.checker: {exc}") from exc
 
     targets_prof = profile.profile_targets(g, places, layers=not cfg.skip_prof_layer)
-    savefp = _fp_saver(out_dir, g.output_names) if cfg.savefp else None
-    t = time.perf_counter()
-    samples = profile.collect_errors(g, qmodel, data, indices, targets_prof, comm, cfg.device, savefp)
-    timings["profile_s"] = time.perf_counter() - t
-    if comm.rank != 0:
-        return Result(out_dir, [], {}, [], timings)
-    rows = profile.summarize(samples, targets_prof, g.output_names)
-    # Every collective step is done: only rank 0 writes, into staging, then publishes.
-    staging = Path(tempfile.mkdtemp(prefix=".dipoorlet-staging-", dir=out_dir))
+    # --savefp: every rank writes its samples into one staging folder that rank 0 names.
+    staging = out_dir / comm.bcast(f".dipoorlet-staging-{uuid.uuid4().hex[:12]}")
+    savefp = _fp_saver(staging, g.output_names) if cfg.savefp else None
     try:
+        t = time.perf_counter()
+        samples = profile.collect_errors(g, qmodel, data, indices, targets_prof, comm, cfg.device, savefp)
+        timings["profile_s"] = time.perf_counter() - t
+        if comm.rank != 0:
+            return Result(out_dir, [], {}, [], timings)
+        # Every collective step is done (the gather waited for all ranks): rank 0 writes.
+        rows = profile.summarize(samples, targets_prof, g.output_names)
+        staging.mkdir(exist_ok=True)
         files = [save_model(qmodel, staging / "quant_model.onnx")]
         files += export_all(DeployContext(g, plan, places, plat, cfg), staging)
         meta = {"model": str(cfg.model), "platform": plat.name, "method": cfg.act_quant,
@@ -150,17 +152,18 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         final = _publish(staging, out_dir)
         return Result(out_dir, final, rep, rows, timings)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        if comm.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
-def _fp_saver(out_dir: Path, outputs: list[str]):
+def _fp_saver(staging: Path, outputs: list[str]):
     """--savefp: the float model's outputs per sample, ``output/<tensor>/onnx-output-<i>.bin`` as
-    the reference tool writes them; each rank writes its own samples, each file atomically."""
+    the reference tool writes them; each rank writes its own samples into the staging folder."""
     def save(i, tensors):
         for name in outputs:
-            path = out_dir / "output" / name.replace("/", "_") / f"onnx-output-{i}.bin"
-            with atomic_path(path) as tmp:
-                np.ascontiguousarray(tensors[name]).tofile(tmp)
+            folder = staging / "output" / name.replace("/", "_")
+            folder.mkdir(parents=True, exist_ok=True)
+            np.ascontiguousarray(tensors[name]).tofile(folder / f"onnx-output-{i}.bin")
     return save
 
 

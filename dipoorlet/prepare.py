@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 import onnx
-from onnx import numpy_helper, version_converter
+from onnx import helper, numpy_helper, version_converter
 
 from dipoorlet.errors import ModelError
 from dipoorlet.graph import MAX_OPSET, MIN_OPSET, QDQ_OPSET, Graph, constant_value, infer_shapes
@@ -79,9 +79,44 @@ def ensure_opset(g: Graph, target: int = QDQ_OPSET) -> int:
     return version
 
 
+def lower_ir_version(g: Graph) -> int:
+    """Lower an IR version newer than the opsets need (onnx's latest writer vs an older runtime).
+
+    ``onnx.helper.make_model`` stamps the newest IR version, which onnxruntime releases older
+    than that onnx reject ("Unsupported model IR version"). The lowest IR version that covers the
+    model's opsets is enough and changes nothing in the graph.
+    """
+    try:
+        need = helper.find_min_ir_version_for(list(g.model.opset_import), ignore_unknown=True)
+    except Exception:
+        return g.model.ir_version
+    old = g.model.ir_version
+    if old > need:
+        g.model.ir_version = max(need, 7)
+    return old
+
+
+def name_nodes(g: Graph) -> int:
+    """Give every node a unique name (the report and --skip_layers refer to nodes by name)."""
+    seen, renamed = set(), 0
+    for i, node in enumerate(g.graph.node):
+        if not node.name or node.name in seen:
+            base = node.name or f"{node.op_type}_{i}"
+            name, k = base, 1
+            while name in seen:
+                name, k = f"{base}_{k}", k + 1
+            node.name = name
+            renamed += 1
+        seen.add(node.name)
+    if renamed:
+        g.refresh()
+    return renamed
+
+
 def prepare(g: Graph) -> dict:
     """Run every preparation pass; returns what each changed."""
-    done = {"constants_to_initializers": constants_to_initializers(g)}
+    done = {"ir_version_from": lower_ir_version(g), "nodes_named": name_nodes(g)}
+    done["constants_to_initializers"] = constants_to_initializers(g)
     done["opset_from"] = ensure_opset(g)
     done["identities_removed"] = remove_identities(g)
     g.model = infer_shapes(g.model)

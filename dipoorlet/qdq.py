@@ -106,11 +106,12 @@ def _drop_unused_initializers(graph: onnx.GraphProto) -> None:
     used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
     for n in graph.node:
         used.update(_subgraph_outer_refs(n))
-    keep = [t for t in graph.initializer if t.name in used]
-    if len(keep) != len(graph.initializer):
-        del graph.initializer[:]
-        graph.initializer.extend(keep)
-    names = {t.name for t in graph.initializer}
-    keep_inputs = [i for i in graph.input if i.name not in names or i.name in used]
+    dropped = {t.name for t in graph.initializer if t.name not in used}
+    if not dropped:
+        return
+    keep = [t for t in graph.initializer if t.name not in dropped]
+    del graph.initializer[:]
+    graph.initializer.extend(keep)
+    keep_inputs = [i for i in graph.input if i.name not in dropped]
     del graph.input[:]
     graph.input.extend(keep_inputs)

@@ -37,7 +37,8 @@ def register(name: str, histogram: bool):
 
 
 def _clip(st: TensorStats, c: float) -> tuple[float, float]:
-    return max(st.minmax.lo, -c), min(st.minmax.hi, c)
+    """Symmetric clip ``c`` intersected with the data range; always lo <= 0 <= hi."""
+    return min(max(st.minmax.lo, -c), 0.0), max(min(st.minmax.hi, c), 0.0)
 
 
 @register("minmax", histogram=False)
@@ -83,62 +84,67 @@ def percentile(st: TensorStats, p: RangeParams) -> tuple[float, float]:
     q = p.percentile / 100.0
     hi = float(np.interp(q, cdf, edges))
     lo = float(np.interp(1.0 - q, cdf, edges)) if h.signed else st.minmax.lo
-    return max(st.minmax.lo, min(lo, 0.0)), min(st.minmax.hi, max(hi, 0.0))
+    return min(max(st.minmax.lo, lo), 0.0), max(min(st.minmax.hi, hi), 0.0)
 
 
-def _mse_curve(counts: np.ndarray, width: float, qmax: int):
-    """Expected squared error for clip values at every bin edge, on the |x| histogram.
-
-    err(s) = sum_{|x|>s} (|x|-s)^2 + N_{|x|<=s} * s^2 / (12 qmax^2): clipping error plus uniform
-    rounding noise of a grid with step s/qmax. Values are taken at bin centres.
-    """
-    centres = (np.arange(counts.size) + 0.5) * width
+def _octav(counts: np.ndarray, centres: np.ndarray, qmax: int) -> float:
+    """OCTAV's fixed point ``s <- E[|x| 1{|x|>s}] / (E[1{|x|<=s}] / (12 qmax^2) + E[1{|x|>s}])``."""
     c = counts.astype(np.float64)
-    # suffix sums over bins strictly above the candidate edge k*width (bins k, k+1, ...)
-    n_out = np.cumsum(c[::-1])[::-1]
-    s1_out = np.cumsum((c * centres)[::-1])[::-1]
-    s2_out = np.cumsum((c * centres**2)[::-1])[::-1]
-    total = c.sum()
-    s = np.arange(1, counts.size + 1) * width           # candidate edges 1..bins
-    k = np.arange(1, counts.size + 1)
-    pad = lambda a: np.concatenate([a, [0.0]])
-    no, s1, s2 = pad(n_out)[k], pad(s1_out)[k], pad(s2_out)[k]
-    err = s2 - 2 * s * s1 + s * s * no + (total - no) * s * s / (12.0 * qmax * qmax)
-    return s, err
+    s = float((c * centres).sum() / max(c.sum(), 1.0))
+    for _ in range(50):
+        out = centres > s
+        denom = c[~out].sum() / (12.0 * qmax**2) + c[out].sum()
+        new = float((c[out] * centres[out]).sum() / denom) if denom > 0 else s
+        if abs(new - s) <= 1e-6 * max(s, 1e-12):
+            return new
+        s = new
+    return s
+
+
+def quant_error(counts: np.ndarray, centres: np.ndarray, clips: np.ndarray, qmax: int) -> np.ndarray:
+    """Squared error of quantizing every bin centre on the grid of each clip value.
+
+    Exact for values at the centres: rounding to the step ``s / qmax`` inside the range,
+    clipping to ``s`` outside. Unlike the uniform-noise model it knows that zeros (post-ReLU
+    tensors are mostly zeros) cost nothing.
+    """
+    step = (clips / qmax)[:, None]
+    x = centres[None, :]
+    q = np.minimum(np.round(x / step), qmax) * step
+    return ((x - q) ** 2) @ counts.astype(np.float64)
 
 
 @register("mse", histogram=True)
 def mse(st: TensorStats, p: RangeParams) -> tuple[float, float]:
-    """MSE-optimal symmetric clip by OCTAV (Sakr et al., ICML 2022), on the pooled data.
+    """MSE-optimal symmetric clip on the pooled |x| histogram, OCTAV-seeded.
 
-    OCTAV's fixed point ``s <- E[|x| 1{|x|>s}] / (E[1{|x|<=s}] / (12 qmax^2) + E[1{|x|>s}])``
-    (``1/(12 qmax^2)`` is the paper's ``4^-B / 3`` for B-bit signed grids) is iterated on the
-    |x| histogram of *all* calibration samples. The reference tool runs OCTAV per sample and
-    averages the clip values; the mean of per-sample optima is not the optimum for the data as a
-    whole, and it cannot be merged exactly across processes. The fixed point can settle in a
-    local minimum, so the expected error is also evaluated at every bin edge and the better of
-    the two clip values is kept.
+    OCTAV (Sakr et al., ICML 2022) iterates a fixed point of the expected error under a
+    uniform-noise model (``1/(12 qmax^2)`` is the paper's ``4^-B / 3``). Its model charges
+    rounding noise to exact zeros, so on sparse post-ReLU tensors its clip is too small; we use its
+    fixed point as one candidate and pick, among it, every 8th bin edge and the edges around the
+    best, the clip with the least *actual* quantization error of the histogram (bin centres
+    rounded on each candidate grid).
+
+    The reference tool runs OCTAV per sample and averages the clip values. The mean of
+    per-sample optima is not the optimum for the data as a whole, and it cannot be merged exactly
+    across processes; the pooled histogram is both.
     """
     counts = st.hist.abs_counts()
     if counts.sum() == 0:
         return minmax(st, p)
     w = st.hist.width
-    centres = (np.arange(counts.size) + 0.5) * w
-    c = counts.astype(np.float64)
-    s = float((c * centres).sum() / max(c[1:].sum(), 1.0))  # mean |x| of non-zero bins
-    for _ in range(50):
-        out = centres > s
-        denom = c[~out].sum() / (12.0 * p.qmax**2) + c[out].sum()
-        new = float((c[out] * centres[out]).sum() / denom) if denom > 0 else s
-        if abs(new - s) <= 1e-6 * max(s, 1e-12):
-            s = new
-            break
-        s = new
-    cands, err = _mse_curve(counts, w, p.qmax)
-    k = int(np.argmin(err))
-    k_oct = int(np.clip(round(s / w) - 1, 0, counts.size - 1))
-    best = cands[k] if err[k] < err[k_oct] else s
-    return _clip(st, min(best, st.hist.amax))
+    n = counts.size
+    centres = (np.arange(n) + 0.5) * w
+    edges = np.arange(1, n + 1) * w
+    coarse = np.unique(np.concatenate([edges[7::8], edges[-1:], [_octav(counts, centres, p.qmax)]]))
+    coarse = coarse[coarse > 0]
+    err = quant_error(counts, centres, coarse, p.qmax)
+    best = coarse[int(np.argmin(err))]
+    k = int(round(best / w))
+    fine = edges[max(0, k - 9):min(n, k + 8)]
+    cands = np.concatenate([fine, [best]])
+    err = quant_error(counts, centres, cands, p.qmax)
+    return _clip(st, float(min(cands[int(np.argmin(err))], st.hist.amax)))
 
 
 def _kl_at(counts: np.ndarray, i: int, nq: int) -> float:

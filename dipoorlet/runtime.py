@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import tempfile
 
 import numpy as np
@@ -31,6 +32,15 @@ def _ort():
 
     onnxruntime.set_default_logger_severity(3)
     return onnxruntime
+
+
+def ort_message(exc: BaseException) -> str:
+    """onnxruntime's error without its C++ file/function prefix, on one line."""
+    msg = " ".join(str(exc).split())
+    msg = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", msg)
+    if "onnxruntime::" in msg and ") " in msg:
+        msg = msg.rsplit(") ", 1)[-1]
+    return msg[:300]
 
 
 def available_providers() -> list[str]:
@@ -95,12 +105,13 @@ class Runner:
                                        else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
         if threads:
             so.intra_op_num_threads = threads
+        providers = choose_providers(device)
         with tempfile.TemporaryDirectory(prefix="dipoorlet-") as tmp:
             src = _exposed_model_bytes_or_path(model, self.outputs, self.reduced, types or {}, tmp)
             try:
-                self.session = ort.InferenceSession(src, so, providers=choose_providers(device))
+                self.session = ort.InferenceSession(src, so, providers=providers)
             except Exception as exc:
-                msg = " ".join(str(exc).split())[:300]
+                msg = ort_message(exc)
                 raise ModelError(f"onnxruntime cannot load the model (opset {opset_of(model)}): "
                                  f"{msg}; check that every op is a standard ONNX op or register "
                                  "a custom-op library") from exc
@@ -112,7 +123,7 @@ class Runner:
         try:
             values = self.session.run(self._fetch, {k: feed[k] for k in self.input_names})
         except Exception as exc:
-            msg = " ".join(str(exc).split())[:300]
+            msg = ort_message(exc)
             shapes = {k: tuple(v.shape) for k, v in feed.items()}
             raise ModelError(f"onnxruntime failed to run the model on inputs {shapes}: {msg}; "
                              "check the calibration data's shapes and dtypes") from exc

@@ -1,0 +1,318 @@
+"""Every bad input through the CLI: exit code 2, one line naming the thing, nothing half-written."""
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from conftest import conv_model, input_feeds, make_model, rand, save, vi, write_samples
+from dipoorlet.cli import main
+from dipoorlet.errors import DipoorletError
+
+
+@pytest.fixture(autouse=True)
+def _close_log_handlers():
+    yield
+    root = logging.getLogger("dipoorlet")
+    for h in list(root.handlers):
+        h.close()
+        root.removeHandler(h)
+
+
+class Case:
+    """A valid run (conv model, 2 .npy samples) that each test breaks in one way."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.model = save(conv_model(), tmp / "model.onnx")
+        self.data = write_samples(tmp / "data", input_feeds(conv_model(), 2))
+        self.out = tmp / "out"
+        self.args = {"-M": str(self.model), "-I": str(self.data), "-N": "2", "-D": "trt", "-O": str(self.out),
+                     "-A": "minmax"}
+        self.extra: list[str] = []
+
+    def argv(self) -> list[str]:
+        return [a for kv in self.args.items() for a in kv] + self.extra
+
+
+def run_cli(case: Case, capsys):
+    rc = main(case.argv())
+    err = capsys.readouterr().err
+    return rc, err
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [l for l in stderr.splitlines() if l.startswith("dipoorlet: error:")]
+
+
+def assert_nothing_written(case: Case):
+    leftovers = [p for pat in ("quant_model.onnx", ".dipoorlet-staging-*", "*.tmp", "*.json", "*.cache", "report.md")
+                 for p in case.tmp.rglob(pat)]
+    assert leftovers == []
+    if case.out.is_file():
+        assert case.out.read_text() == "not a folder"
+    elif case.out.is_dir():
+        assert {p.name for p in case.out.iterdir()} <= {"dipoorlet.log"}
+
+
+# ---- the bad inputs ---------------------------------------------------------------------------
+def missing_model(c):
+    c.args["-M"] = str(c.tmp / "nope" / "model.onnx")
+    return ["nope/model.onnx", "does not exist"]
+
+
+def model_is_a_folder(c):
+    (c.tmp / "adir").mkdir()
+    c.args["-M"] = str(c.tmp / "adir")
+    return ["adir", "folder"]
+
+
+def not_onnx(c):
+    p = c.tmp / "junk.onnx"
+    p.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    c.args["-M"] = str(p)
+    return ["junk.onnx"]
+
+
+def external_data_missing(c):
+    path = c.tmp / "ext" / "model.onnx"
+    path.parent.mkdir()
+    onnx.save_model(conv_model(cin=8, cout=16), str(path), save_as_external_data=True,
+                    location="model.onnx.data", size_threshold=1024)
+    (path.parent / "model.onnx.data").unlink()
+    c.args["-M"] = str(path)
+    return ["ext/model.onnx", "model.onnx.data"]
+
+
+def custom_op(c):
+    model = make_model([
+        helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Bar", ["c"], ["y"], name="bar", domain="com.foo"),
+    ], [vi("x", [1, 3, 8, 8])], [vi("y", [1, 4, 8, 8])], {"w": rand((4, 3, 3, 3))},
+        extra_opsets=[("com.foo", 1)], check=False)
+    c.args["-M"] = str(save(model, c.tmp / "custom.onnx"))
+    return ["onnxruntime", "Bar"]
+
+
+def input_dir_missing(c):
+    c.args["-I"] = str(c.tmp / "no_data")
+    return ["no_data", "does not exist"]
+
+
+def input_folder_missing(c):
+    (c.tmp / "other").mkdir()
+    (c.tmp / "other" / "y").mkdir()
+    c.args["-I"] = str(c.tmp / "other")
+    return ["'x'", "other"]
+
+
+def too_few_files(c):
+    c.args["-N"] = "5"
+    return ["2.bin or 2.npy", "-N"]
+
+
+def bin_wrong_size(c):
+    d = c.tmp / "bins" / "x"
+    d.mkdir(parents=True)
+    for i in range(2):
+        rand((1, 3, 8, 7), i).tofile(d / f"{i}.bin")
+    c.args["-I"] = str(c.tmp / "bins")
+    return ["0.bin", "[1,3,8,8]"]
+
+
+def nan_in_sample(c):
+    d = c.tmp / "nan" / "x"
+    d.mkdir(parents=True)
+    for i in range(2):
+        x = rand((1, 3, 8, 8), i)
+        if i == 1:
+            x[0, 1, 2, 3] = np.nan
+        x.tofile(d / f"{i}.bin")
+    c.args["-I"] = str(c.tmp / "nan")
+    return [str(d / "1.bin"), "NaN"]
+
+
+def inf_in_npy(c):
+    x = rand((1, 3, 8, 8), 1)
+    x[0, 0, 0, 0] = np.inf
+    np.save(c.data / "x" / "1.npy", x)
+    return [str(c.data / "x" / "1.npy"), "Inf"]
+
+
+def unknown_method(c):
+    c.args["-A"] = "kmeans"
+    return ["kmeans", "entropy", "minmax", "mse"]
+
+
+def unknown_platform(c):
+    c.args["-D"] = "tpu9000"
+    return ["tpu9000", "trt"]
+
+
+def output_not_writable(c):
+    (c.tmp / "afile").write_text("x")
+    c.out = c.tmp / "afile" / "out"
+    c.args["-O"] = str(c.out)
+    return ["afile/out", "not writable"]
+
+
+def output_is_a_file(c):
+    c.out = c.tmp / "out.txt"
+    c.out.write_text("not a folder")
+    c.args["-O"] = str(c.out)
+    return ["out.txt", "not writable"]
+
+
+def nothing_quantizable(c):
+    model = make_model([helper.make_node("Relu", ["x"], ["y"], name="relu")],
+                       [vi("x", [1, 3, 8, 8])], [vi("y", [1, 3, 8, 8])])
+    c.args["-M"] = str(save(model, c.tmp / "relu.onnx"))
+    return ["relu.onnx", "quantizable"]
+
+
+def skip_layer_unknown(c):
+    c.extra = ["--skip_layers", "no_such_node"]
+    return ["no_such_node", "--skip_layers"]
+
+
+def input_shape_malformed(c):
+    c.extra = ["--input_shape", "x:1,3,a"]
+    return ["x:1,3,a", "--input_shape"]
+
+
+def input_shape_unknown_name(c):
+    c.extra = ["--input_shape", "image:1,3,8,8"]
+    return ["image", "--input_shape"]
+
+
+def zero_samples(c):
+    c.args["-N"] = "0"
+    return ["-N"]
+
+
+CASES = [missing_model, model_is_a_folder, not_onnx, external_data_missing, custom_op, input_dir_missing, input_folder_missing,
+         too_few_files, bin_wrong_size, nan_in_sample, inf_in_npy, unknown_method, unknown_platform,
+         output_not_writable, output_is_a_file, nothing_quantizable, skip_layer_unknown, input_shape_malformed, input_shape_unknown_name, zero_samples]
+
+
+@pytest.mark.parametrize("breaker", CASES, ids=[f.__name__ for f in CASES])
+def test_bad_input_exits_2(tmp_path, capsys, breaker):
+    case = Case(tmp_path)
+    breaker(case)
+    rc, _ = run_cli(case, capsys)
+    assert rc == 2
+
+
+@pytest.mark.parametrize("breaker", CASES, ids=[f.__name__ for f in CASES])
+def test_bad_input_message_is_one_line_naming_the_thing(tmp_path, capsys, breaker):
+    case = Case(tmp_path)
+    expected = breaker(case)
+    _, err = run_cli(case, capsys)
+    lines = error_lines(err)
+    assert len(lines) == 1, err
+    for text in expected:
+        assert text in lines[0]
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("breaker", CASES, ids=[f.__name__ for f in CASES])
+def test_bad_input_leaves_no_output_files(tmp_path, capsys, breaker):
+    case = Case(tmp_path)
+    breaker(case)
+    run_cli(case, capsys)
+    assert_nothing_written(case)
+
+
+def test_missing_model_without_output_dir_creates_no_folder(tmp_path, capsys):
+    case = Case(tmp_path)
+    missing_model(case)
+    del case.args["-O"]
+    rc, _ = run_cli(case, capsys)
+    assert rc == 2
+    assert not (tmp_path / "nope").exists()
+
+
+@pytest.mark.skipif("CUDAExecutionProvider" in __import__("onnxruntime").get_available_providers(),
+                    reason="this onnxruntime has CUDA")
+def test_device_cuda_without_cuda_provider_blames_the_device_not_the_model(tmp_path, capsys):
+    case = Case(tmp_path)
+    case.extra = ["--device", "cuda"]
+    rc, err = run_cli(case, capsys)
+    assert rc == 2
+    (line,) = error_lines(err)
+    assert "--device cuda" in line and "cannot load the model" not in line
+
+
+def test_debug_raises_with_traceback(tmp_path, capsys):
+    case = Case(tmp_path)
+    missing_model(case)
+    case.extra = ["--debug"]
+    with pytest.raises(DipoorletError, match="does not exist"):
+        main(case.argv())
+
+
+def test_argparse_errors_are_one_line_exit_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["-M", "m.onnx"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "required" in err
+
+
+def test_failure_during_profile_leaves_no_staging_folder(tmp_path, capsys, monkeypatch):
+    """A run that fails after the staging folder exists removes it."""
+    from dipoorlet import profile
+
+    def boom(*a, **k):
+        raise DipoorletError("injected failure in the error profile")
+    monkeypatch.setattr(profile, "collect_errors", boom)
+    case = Case(tmp_path)
+    rc, err = run_cli(case, capsys)
+    assert rc == 2 and "injected failure" in err
+    assert_nothing_written(case)
+
+
+def test_failure_after_savefp_samples_leaves_no_partial_outputs(tmp_path, capsys, monkeypatch):
+    from dipoorlet import profile
+
+    real, calls = profile.sample_metrics, []
+
+    def fail_on_second_sample(f, q):
+        calls.append(1)
+        if len(calls) > 1:
+            raise DipoorletError("injected failure after the first sample")
+        return real(f, q)
+    monkeypatch.setattr(profile, "sample_metrics", fail_on_second_sample)
+    case = Case(tmp_path)
+    case.extra = ["--savefp", "--skip_prof_layer"]
+    rc, _ = run_cli(case, capsys)
+    assert rc == 2 and len(calls) == 2
+    assert not (case.out / "output").exists()
+
+
+def test_subprocess_exit_code_and_one_line_stderr(tmp_path):
+    case = Case(tmp_path)
+    missing_model(case)
+    proc = subprocess.run([sys.executable, "-m", "dipoorlet", *case.argv()], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1 and "does not exist" in lines[0]
+    assert proc.stderr.strip().splitlines()[-1] == lines[0]
+    assert proc.stdout == ""
+
+
+def test_subprocess_error_before_logging_is_exactly_one_line(tmp_path):
+    case = Case(tmp_path)
+    unknown_method(case)
+    proc = subprocess.run([sys.executable, "-m", "dipoorlet", *case.argv()], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("dipoorlet: error:")

@@ -1,0 +1,209 @@
+"""dipoorlet.data: .bin / .npy / .npz readers, shape inference from file size, sharding."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+
+import dipoorlet
+import pytest
+from hypothesis import given, strategies as st
+
+from conftest import conv_model, input_feeds, ort_run, quantize_model, rand
+from dipoorlet.data import DataSource, InputSpec, parse_input_shapes, shard
+from dipoorlet.errors import ConfigError, DataError
+
+F32 = np.dtype(np.float32)
+
+
+def _bin(folder, name, i, arr):
+    d = folder / name
+    d.mkdir(parents=True, exist_ok=True)
+    np.ascontiguousarray(arr).tofile(d / f"{i}.bin")
+
+
+def test_bin_with_static_shape(tmp_path):
+    x = rand((1, 3, 4, 4), 1)
+    _bin(tmp_path, "x", 0, x)
+    src = DataSource(tmp_path, [InputSpec("x", F32, (1, 3, 4, 4))], 1)
+    got = src.sample(0)["x"]
+    assert got.shape == (1, 3, 4, 4) and got.dtype == np.float32
+    np.testing.assert_array_equal(got, x)
+
+
+def test_bin_with_one_dynamic_dim_is_inferred_from_file_size(tmp_path):
+    x = rand((1, 3, 5, 4), 1)
+    _bin(tmp_path, "x", 0, x)
+    src = DataSource(tmp_path, [InputSpec("x", F32, (1, 3, None, 4))], 1)
+    np.testing.assert_array_equal(src.sample(0)["x"], x)
+
+
+def test_bin_with_dynamic_batch_is_inferred_from_file_size(tmp_path):
+    x = rand((2, 3, 4, 4), 1)
+    _bin(tmp_path, "x", 0, x)
+    src = DataSource(tmp_path, [InputSpec("x", F32, (None, 3, 4, 4))], 1)
+    assert src.sample(0)["x"].shape == (2, 3, 4, 4)
+
+
+def test_bin_with_two_dynamic_dims_is_ambiguous_without_input_shape(tmp_path):
+    _bin(tmp_path, "x", 0, rand((1, 3, 4, 6), 1))
+    src = DataSource(tmp_path, [InputSpec("x", F32, (1, 3, None, None))], 1)
+    with pytest.raises(DataError, match="--input_shape"):
+        src.sample(0)
+
+
+def test_bin_with_two_dynamic_dims_reads_with_input_shape(tmp_path):
+    x = rand((1, 3, 4, 6), 1)
+    _bin(tmp_path, "x", 0, x)
+    src = DataSource(tmp_path, [InputSpec("x", F32, (1, 3, None, None))], 1, {"x": (1, 3, 4, 6)})
+    np.testing.assert_array_equal(src.sample(0)["x"], x)
+
+
+def test_bin_whose_size_does_not_fit_is_rejected(tmp_path):
+    _bin(tmp_path, "x", 0, rand((47,), 1))
+    src = DataSource(tmp_path, [InputSpec("x", F32, (1, 3, 4, 4))], 1)
+    with pytest.raises(DataError, match="0.bin"):
+        src.sample(0)
+
+
+def test_bin_with_trailing_bytes_is_rejected(tmp_path):
+    d = tmp_path / "x"
+    d.mkdir()
+    (d / "0.bin").write_bytes(rand((1, 3, 4, 4), 1).tobytes() + b"\x00\x00")
+    src = DataSource(tmp_path, [InputSpec("x", F32, (1, 3, 4, 4))], 1)
+    with pytest.raises(DataError):
+        src.sample(0)
+
+
+def test_bin_int64_token_ids_keep_their_dtype(tmp_path):
+    ids = np.arange(6, dtype=np.int64).reshape(1, 6)
+    _bin(tmp_path, "tokens", 0, ids)
+    src = DataSource(tmp_path, [InputSpec("tokens", np.dtype(np.int64), (1, 6))], 1)
+    got = src.sample(0)["tokens"]
+    assert got.dtype == np.int64
+    np.testing.assert_array_equal(got, ids)
+
+
+def test_input_names_with_slash_or_colon_use_a_safe_folder_name(tmp_path):
+    x = rand((2, 3), 1)
+    (tmp_path / "input_0").mkdir()
+    np.save(tmp_path / "input_0" / "0.npy", x)
+    src = DataSource(tmp_path, [InputSpec("input:0", F32, (2, 3))], 1)
+    np.testing.assert_array_equal(src.sample(0)["input:0"], x)
+
+
+def test_two_inputs_are_read_from_their_own_folders(tmp_path):
+    a, b = rand((2, 3), 1), rand((3, 4), 2)
+    for name, arr in (("a", a), ("b", b)):
+        (tmp_path / name).mkdir()
+        np.save(tmp_path / name / "0.npy", arr)
+    feed = DataSource(tmp_path, [InputSpec("a", F32, (2, 3)), InputSpec("b", F32, (3, 4))], 1).sample(0)
+    np.testing.assert_array_equal(feed["a"], a)
+    np.testing.assert_array_equal(feed["b"], b)
+
+
+def test_npy_samples_keep_their_own_shapes(tmp_path):
+    (tmp_path / "x").mkdir()
+    shapes = [(1, 3, 8, 8), (1, 3, 12, 10)]
+    for i, s in enumerate(shapes):
+        np.save(tmp_path / "x" / f"{i}.npy", rand(s, i))
+    src = DataSource(tmp_path, [InputSpec("x", F32, (1, 3, None, None))], 2)
+    assert [src.sample(i)["x"].shape for i in range(2)] == shapes
+
+
+def test_npy_of_wrong_static_shape_is_rejected(tmp_path):
+    (tmp_path / "x").mkdir()
+    np.save(tmp_path / "x" / "0.npy", rand((1, 4, 8, 8)))
+    src = DataSource(tmp_path, [InputSpec("x", F32, (1, 3, 8, 8))], 1)
+    with pytest.raises(DataError, match="expects"):
+        src.sample(0)
+
+
+def test_float_npy_for_an_integer_input_is_rejected(tmp_path):
+    (tmp_path / "tokens").mkdir()
+    np.save(tmp_path / "tokens" / "0.npy", np.zeros((1, 6), np.float32))
+    src = DataSource(tmp_path, [InputSpec("tokens", np.dtype(np.int64), (1, 6))], 1)
+    with pytest.raises(DataError, match="integer"):
+        src.sample(0)
+
+
+def test_fully_convolutional_model_with_npy_of_different_sizes_runs_end_to_end(tmp_path):
+    model = conv_model(dynamic_hw=True)
+    feeds = [{"x": rand((1, 3, h, w), i)} for i, (h, w) in enumerate([(8, 8), (12, 10), (16, 6), (9, 13)])]
+    res, qm = quantize_model(tmp_path, model, feeds=feeds, act_quant="percentile")
+    assert res.report["samples"] == 4
+    assert res.report["outputs"][0]["cosine"] > 0.99
+    (y,) = ort_run(tmp_path / "out" / "quant_model.onnx", {"x": rand((1, 3, 5, 7), 9)})
+    assert y.shape == (1, 4, 5, 7)
+
+
+def test_npz_layout_adds_the_batch_axis_back(tmp_path):
+    arr = rand((5, 3, 4, 4), 2)
+    np.savez(tmp_path / "calib.npz", x=arr)
+    src = DataSource(tmp_path / "calib.npz", [InputSpec("x", F32, (1, 3, 4, 4))], 5)
+    for i in range(5):
+        np.testing.assert_array_equal(src.sample(i)["x"], arr[i][None])
+
+
+def test_npz_found_inside_a_folder(tmp_path):
+    arr = rand((3, 1, 3, 4, 4), 2)
+    np.savez(tmp_path / "calib.npz", x=arr)
+    src = DataSource(tmp_path, [InputSpec("x", F32, (1, 3, 4, 4))], 3)
+    np.testing.assert_array_equal(src.sample(2)["x"], arr[2])
+
+
+def test_npz_with_too_few_samples_is_rejected(tmp_path):
+    np.savez(tmp_path / "calib.npz", x=rand((2, 3, 4, 4)))
+    with pytest.raises(DataError, match="-N"):
+        DataSource(tmp_path / "calib.npz", [InputSpec("x", F32, (1, 3, 4, 4))], 3)
+
+
+def test_npz_missing_an_input_is_rejected(tmp_path):
+    np.savez(tmp_path / "calib.npz", y=rand((2, 3, 4, 4)))
+    with pytest.raises(DataError, match="'x'"):
+        DataSource(tmp_path / "calib.npz", [InputSpec("x", F32, (1, 3, 4, 4))], 2)
+
+
+def test_npz_end_to_end(tmp_path):
+    model = conv_model()
+    arr = np.concatenate([f["x"] for f in input_feeds(model, 4)])
+    model_path = tmp_path / "model.onnx"
+    onnx.save_model(model, str(model_path))
+    np.savez(tmp_path / "calib.npz", x=arr)
+    res = dipoorlet.quantize(model=model_path, input_dir=tmp_path / "calib.npz", data_num=4, deploy="trt",
+                             output_dir=tmp_path / "out", act_quant="minmax")
+    assert res.report["outputs"][0]["cosine"] > 0.99
+
+
+def test_only_requested_samples_are_needed(tmp_path):
+    (tmp_path / "x").mkdir()
+    for i in range(3):
+        np.save(tmp_path / "x" / f"{i}.npy", rand((1, 3, 4, 4), i))
+    np.save(tmp_path / "x" / "7.npy", rand((1, 3, 4, 4)))  # extra files beyond -N are ignored
+    assert len(DataSource(tmp_path, [InputSpec("x", F32, (1, 3, 4, 4))], 3)) == 3
+
+
+# ---- --input_shape parsing ------------------------------------------------------------------
+def test_parse_input_shapes():
+    assert parse_input_shapes(["x:1,3,224,224", "a/b:2"]) == {"x": (1, 3, 224, 224), "a/b": (2,)}
+
+
+@pytest.mark.parametrize("bad", ["x", "x:", ":1,2", "x:1,a", "x:1,0", "x:1,-3", "1,3,224"])
+def test_parse_input_shapes_rejects_malformed(bad):
+    with pytest.raises(ConfigError, match="NAME:D1,D2"):
+        parse_input_shapes([bad])
+
+
+# ---- sharding -------------------------------------------------------------------------------
+@pytest.mark.parametrize("n, world", [(0, 1), (1, 1), (1, 3), (7, 1), (7, 2), (7, 3), (8, 4), (10, 3), (5, 8),
+                                      (1000, 7)])
+def test_shard_covers_every_index_exactly_once(n, world):
+    parts = [list(shard(n, r, world)) for r in range(world)]
+    assert sorted(i for p in parts for i in p) == list(range(n))
+    assert sum(len(p) for p in parts) == n
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+@given(n=st.integers(0, 500), world=st.integers(1, 64))
+def test_shard_is_a_contiguous_partition(n, world):
+    flat = [i for r in range(world) for i in shard(n, r, world)]
+    assert flat == list(range(n))

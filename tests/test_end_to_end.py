@@ -1,0 +1,178 @@
+"""End-to-end CLI runs on a tiny CNN: the files, the TensorRT cache, the report's numbers."""
+from __future__ import annotations
+
+import json
+import logging
+import struct
+
+import numpy as np
+import onnx
+import pytest
+
+from conftest import initializer, input_feeds, ort_run, ort_session, quantized_tensors, save, tiny_cnn, write_samples
+from dipoorlet.cli import main
+from dipoorlet.ranges import RANGE_METHODS
+
+N = 8
+EXPECTED_FILES = {"quant_model.onnx", "trt_clip_val.json", "trt_calib.cache", "act_clip_val.json",
+                  "weight_clip_val.json", "report.json", "report.md", "dipoorlet.log"}
+
+
+def _close_logs():
+    root = logging.getLogger("dipoorlet")
+    for h in list(root.handlers):
+        h.close()
+        root.removeHandler(h)
+
+
+def run_cli(tmp, method="mse", extra=()):
+    model = tiny_cnn()
+    model_path = save(model, tmp / "model.onnx")
+    feeds = input_feeds(model, N, seed=21)
+    data = write_samples(tmp / "data", feeds)
+    out = tmp / "out"
+    try:
+        rc = main(["-M", str(model_path), "-I", str(data), "-N", str(N), "-D", "trt", "-O", str(out),
+                   "-A", method, *extra])
+    finally:
+        _close_logs()
+    assert rc == 0
+    return model, feeds, out
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return run_cli(tmp_path_factory.mktemp("e2e"))
+
+
+def test_writes_every_file_and_nothing_else(run):
+    _, _, out = run
+    assert {p.name for p in out.iterdir()} == EXPECTED_FILES
+
+
+def test_trt_cache_header(run):
+    _, _, out = run
+    assert (out / "trt_calib.cache").read_text().splitlines()[0] == "TRT-8601-EntropyCalibration2"
+
+
+def test_trt_cache_scales_decode_to_amax_over_127(run):
+    _, _, out = run
+    blob = json.loads((out / "trt_clip_val.json").read_text())["blob_range"]
+    lines = (out / "trt_calib.cache").read_text().splitlines()[1:]
+    cache = {}
+    for line in lines:
+        name, hexval = line.rsplit(": ", 1)
+        assert len(hexval) == 8 and hexval == hexval.lower()
+        cache[name] = struct.unpack("!f", bytes.fromhex(hexval))[0]
+    assert set(cache) == set(blob) and cache
+    for name, amax in blob.items():
+        assert cache[name] == pytest.approx(amax / 127, rel=1e-6)
+
+
+def test_trt_files_cover_exactly_the_qdq_tensors(run):
+    _, _, out = run
+    qm = onnx.load(str(out / "quant_model.onnx"))
+    blob = json.loads((out / "trt_clip_val.json").read_text())["blob_range"]
+    assert set(blob) == quantized_tensors(qm)
+    for name, amax in blob.items():
+        assert float(initializer(qm, name + "_scale")) == pytest.approx(amax / 127, rel=1e-6)
+
+
+def test_act_clip_val_agrees_with_trt_clip_val(run):
+    _, _, out = run
+    acts = json.loads((out / "act_clip_val.json").read_text())
+    blob = json.loads((out / "trt_clip_val.json").read_text())["blob_range"]
+    assert set(acts) == set(blob)
+    for name, (lo, hi) in acts.items():
+        assert lo <= 0.0 <= hi
+        assert blob[name] == pytest.approx(max(-lo, hi), rel=1e-6)
+
+
+def test_weight_clip_val_is_per_output_channel_min_max(run):
+    model, _, out = run
+    weights = json.loads((out / "weight_clip_val.json").read_text())
+    assert set(weights) == {"w1", "w2", "wf"}
+    for name, (lo, hi) in weights.items():
+        w = initializer(model, name)
+        flat = w.reshape(w.shape[0], -1)  # Conv axis 0, Gemm transB=1 axis 0
+        np.testing.assert_allclose(lo, flat.min(1), rtol=1e-6)
+        np.testing.assert_allclose(hi, flat.max(1), rtol=1e-6)
+
+
+def _cosine(f, q):
+    f, q = f.astype(np.float64).ravel(), q.astype(np.float64).ravel()
+    return float(f @ q / np.sqrt((f @ f) * (q @ q)))
+
+
+def test_report_output_cosine_equals_independent_computation(run):
+    model, feeds, out = run
+    report = json.loads((out / "report.json").read_text())
+    fp, qs = ort_session(model), ort_session(out / "quant_model.onnx")
+    cosines = [_cosine(fp.run(None, f)[0], qs.run(None, f)[0]) for f in feeds]
+    (entry,) = report["outputs"]
+    assert entry["tensor"] == "logits"
+    assert entry["cosine"] == pytest.approx(np.mean(cosines), abs=1e-6)
+    assert entry["min_cosine"] == pytest.approx(min(cosines), abs=1e-6)
+
+
+def test_output_cosine_of_a_sensible_cnn_is_high(run):
+    _, _, out = run
+    assert json.loads((out / "report.json").read_text())["outputs"][0]["cosine"] >= 0.99
+
+
+def test_report_json_metadata_and_layers(run):
+    _, _, out = run
+    report = json.loads((out / "report.json").read_text())
+    assert (report["platform"], report["method"], report["samples"]) == ("trt", "mse", N)
+    assert {l["node"] for l in report["layers"]} == {"conv1", "pool1", "conv2", "add2", "gap"}
+    assert {d["node"] for d in report["decisions"]} == {n.name for n in tiny_cnn().graph.node}
+
+
+def test_report_md_and_log_name_the_output(run):
+    _, _, out = run
+    assert "logits" in (out / "report.md").read_text()
+    log = (out / "dipoorlet.log").read_text()
+    assert "logits" in log and "quant_model.onnx" in log
+
+
+def test_quant_model_is_valid_and_runs_optimized(run):
+    model, feeds, out = run
+    qm = onnx.load(str(out / "quant_model.onnx"))
+    onnx.checker.check_model(qm, full_check=True)
+    (y,) = ort_run(out / "quant_model.onnx", feeds[0], optimize=True)
+    assert y.shape == (1, 10)
+
+
+@pytest.mark.parametrize("method", sorted(RANGE_METHODS))
+def test_each_method_end_to_end(tmp_path, method):
+    _, _, out = run_cli(tmp_path, method)
+    assert {p.name for p in out.iterdir()} == EXPECTED_FILES
+    report = json.loads((out / "report.json").read_text())
+    assert report["method"] == method
+    assert report["outputs"][0]["cosine"] >= 0.99
+
+
+def test_trt_version_flag_sets_cache_header(tmp_path):
+    _, _, out = run_cli(tmp_path, "minmax", ["--trt_version", "10003"])
+    assert (out / "trt_calib.cache").read_text().startswith("TRT-10003-EntropyCalibration2\n")
+
+
+def test_savefp_writes_float_outputs_per_sample(tmp_path):
+    model, feeds, out = run_cli(tmp_path, "minmax", ["--savefp"])
+    for i in (0, N - 1):
+        saved = np.fromfile(out / "output" / "logits" / f"onnx-output-{i}.bin", dtype=np.float32)
+        (ref,) = ort_run(model, feeds[i])
+        np.testing.assert_allclose(saved, ref.ravel(), rtol=1e-5, atol=1e-6)
+
+
+def test_skip_prof_layer_reports_outputs_only(tmp_path):
+    _, _, out = run_cli(tmp_path, "minmax", ["--skip_prof_layer"])
+    report = json.loads((out / "report.json").read_text())
+    assert report["layers"] == [] and len(report["outputs"]) == 1
+
+
+def test_rerun_into_same_folder_replaces_files_without_leftovers(tmp_path):
+    run_cli(tmp_path, "minmax")
+    _, _, out = run_cli(tmp_path, "hist")
+    assert {p.name for p in out.iterdir()} == EXPECTED_FILES
+    assert json.loads((out / "report.json").read_text())["method"] == "hist"

@@ -1,0 +1,161 @@
+"""dipoorlet.graph / prepare: Constant weights, old opsets, external data, integer inputs."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+import dipoorlet
+from conftest import (INT64, conv_model, initializer, input_feeds, is_dequantized, make_model, node, ort_run,
+                      quantize_model, quantized_tensors, rand, tiny_cnn, vi, write_samples)
+from dipoorlet.errors import ModelError
+from dipoorlet.graph import Graph, load_model, save_model
+from dipoorlet.prepare import prepare
+
+
+def conv_with_constant_weight():
+    w = rand((4, 3, 3, 3), 1, 0.3)
+    const = helper.make_node("Constant", [], ["w"], name="w_const", value=numpy_helper.from_array(w, "w"))
+    conv = helper.make_node("Conv", ["x", "w"], ["y"], name="conv", pads=[1, 1, 1, 1])
+    return make_model([const, conv], [vi("x", [1, 3, 8, 8])], [vi("y", [1, 4, 8, 8])]), w
+
+
+def test_constant_node_weight_is_moved_to_an_initializer():
+    model, w = conv_with_constant_weight()
+    g = Graph(model)
+    done = prepare(g)
+    assert done["constants_to_initializers"] == 1
+    assert [n.op_type for n in g.graph.node] == ["Conv"]
+    np.testing.assert_array_equal(g.weight("w"), w)
+
+
+def test_constant_node_weight_gets_quantized(tmp_path):
+    model, w = conv_with_constant_weight()
+    _, qm = quantize_model(tmp_path, model, n=2)
+    assert node(qm, "conv").input[1] == "w_dq"
+    assert initializer(qm, "w_quantized").dtype == np.int8
+    assert all(n.op_type != "Constant" for n in qm.graph.node)
+
+
+@pytest.mark.parametrize("opset", [11, 12])
+def test_old_opset_is_converted_and_the_model_quantizes(tmp_path, opset):
+    model = tiny_cnn(opset=opset)
+    res, qm = quantize_model(tmp_path, model, n=4)
+    version = next(o.version for o in qm.opset_import if o.domain in ("", "ai.onnx"))
+    assert version >= 13
+    onnx.checker.check_model(qm)
+    feed = input_feeds(model, 1, seed=3)[0]
+    (ref,), (got,) = ort_run(model, feed), ort_run(tmp_path / "out" / "quant_model.onnx", feed)
+    assert got.shape == ref.shape
+    assert res.report["outputs"][0]["cosine"] > 0.99
+
+
+@pytest.mark.parametrize("opset", [17, 18, 21])
+def test_recent_opsets_quantize_unchanged(tmp_path, opset):
+    model = tiny_cnn(opset=opset)
+    model.ir_version = 10
+    res, qm = quantize_model(tmp_path, model, n=3, act_quant="entropy")
+    assert next(o.version for o in qm.opset_import if o.domain in ("", "ai.onnx")) == opset
+    assert res.report["outputs"][0]["cosine"] > 0.99
+
+
+def test_old_opset_conv_weights_are_per_channel(tmp_path):
+    _, qm = quantize_model(tmp_path, conv_model(opset=11), n=2)
+    dq = next(n for n in qm.graph.node if n.op_type == "DequantizeLinear" and n.input[0] == "w_quantized")
+    assert helper.get_attribute_value(dq.attribute[0]) == 0 and initializer(qm, "w_scale").shape == (4,)
+
+
+def _big_conv():
+    """Weights over onnx's 1 KiB external-data threshold."""
+    return conv_model(cin=8, cout=16, hw=8)
+
+
+def test_model_with_external_data_loads(tmp_path):
+    model = _big_conv()
+    w = initializer(model, "w")
+    path = tmp_path / "ext" / "model.onnx"
+    path.parent.mkdir()
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="model.onnx.data", size_threshold=1024)
+    assert (path.parent / "model.onnx.data").stat().st_size > 0
+    g = Graph.load(path)
+    np.testing.assert_array_equal(g.weight("w"), w)
+
+
+def test_external_data_model_quantizes_and_saves_with_external_data(tmp_path):
+    model = _big_conv()
+    src = tmp_path / "src" / "model.onnx"
+    src.parent.mkdir()
+    onnx.save_model(_big_conv(), str(src), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="model.onnx.data", size_threshold=1024)
+    assert (src.parent / "model.onnx.data").stat().st_size > 0
+    feeds = input_feeds(model, 3)
+    dipoorlet.quantize(model=src, input_dir=write_samples(tmp_path / "data", feeds), data_num=3,
+                       deploy="trt", output_dir=tmp_path / "out", act_quant="minmax")
+    qm = onnx.load(str(tmp_path / "out" / "quant_model.onnx"))
+
+    dst = tmp_path / "saved" / "q.onnx"
+    dst.parent.mkdir()
+    save_model(qm, dst, external=True)
+    assert (dst.parent / "q.onnx.data").stat().st_size >= 16 * 8 * 9  # the int8 weight lives there
+    assert dst.stat().st_size < (dst.parent / "q.onnx.data").stat().st_size
+    assert not list(dst.parent.glob("*.tmp")) and not list(dst.parent.glob(".*.tmp"))
+    feed = input_feeds(model, 1, seed=8)[0]
+    np.testing.assert_array_equal(ort_run(dst, feed)[0], ort_run(tmp_path / "out" / "quant_model.onnx", feed)[0])
+
+
+def test_save_model_external_for_a_model_with_only_small_tensors(tmp_path):
+    model = conv_model()  # 4x3x3x3 float weights: 432 bytes
+    save_model(model, tmp_path / "m.onnx", external=True)
+    feed = input_feeds(model, 1)[0]
+    np.testing.assert_array_equal(ort_run(tmp_path / "m.onnx", feed)[0], ort_run(model, feed)[0])
+
+
+def test_save_model_default_is_one_file_without_temporaries(tmp_path):
+    save_model(conv_model(), tmp_path / "m.onnx")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+    assert onnx.load(str(tmp_path / "m.onnx")).graph.node[0].op_type == "Conv"
+
+
+def token_model():
+    """tokens int64 [1,6] -> Gather(embedding) -> MatMul(W) -> y"""
+    return make_model([
+        helper.make_node("Gather", ["emb", "tokens"], ["e"], name="embed"),
+        helper.make_node("MatMul", ["e", "w"], ["y"], name="matmul"),
+    ], [vi("tokens", [1, 6], INT64)], [vi("y", [1, 6, 4])],
+        {"emb": rand((20, 8), 1), "w": rand((8, 4), 2)})
+
+
+def test_integer_input_model_quantizes_end_to_end(tmp_path):
+    model = token_model()
+    res, qm = quantize_model(tmp_path, model, n=4, feeds=input_feeds(model, 4, int_high=20))
+    assert res.report["outputs"][0]["cosine"] > 0.99
+    feed = input_feeds(model, 1, seed=4, int_high=20)[0]
+    assert ort_run(tmp_path / "out" / "quant_model.onnx", feed)[0].shape == (1, 6, 4)
+
+
+def test_integer_input_is_not_quantized(tmp_path):
+    model = token_model()
+    _, qm = quantize_model(tmp_path, model, n=2, feeds=input_feeds(model, 2, int_high=20))
+    assert "tokens" not in quantized_tensors(qm)
+    assert list(node(qm, "embed").input) == ["emb", "tokens"]
+    assert node(qm, "matmul").input[0] == "e_dq" and is_dequantized(qm, "e_dq")
+    assert node(qm, "matmul").input[1] == "w_dq"
+
+
+def test_identity_nodes_are_bypassed():
+    model = make_model([
+        helper.make_node("Identity", ["x"], ["i"], name="id"),
+        helper.make_node("Conv", ["i", "w"], ["y"], name="conv"),
+    ], [vi("x", [1, 3, 4, 4])], [vi("y", [1, 2, 2, 2])], {"w": rand((2, 3, 3, 3))})
+    g = Graph(model)
+    assert prepare(g)["identities_removed"] == 1
+    assert list(g.node_by_name["conv"].input) == ["x", "w"]
+
+
+def test_load_model_rejects_a_graph_without_nodes(tmp_path):
+    empty = helper.make_model(helper.make_graph([], "g", [], []))
+    (tmp_path / "e.onnx").write_bytes(empty.SerializeToString())
+    with pytest.raises(ModelError, match="no nodes"):
+        load_model(tmp_path / "e.onnx")

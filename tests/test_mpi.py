@@ -1,0 +1,84 @@
+"""Distributed calibration under mpirun gives byte-identical outputs to one process."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+pytest.importorskip("mpi4py", reason="MPI tests need the [mpi] extra (mpi4py, mpich)")
+MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
+pytestmark = pytest.mark.skipif(MPIRUN is None, reason="mpirun not found (pip install mpich)")
+
+OUTPUTS = ["quant_model.onnx", "trt_clip_val.json", "trt_calib.cache", "act_clip_val.json",
+           "weight_clip_val.json", "report.json", "report.md"]
+
+
+def _model(path: Path) -> None:
+    rng = np.random.default_rng(1)
+    w = lambda name, *shape: numpy_helper.from_array((rng.standard_normal(shape) * 0.3).astype(np.float32), name)
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+        helper.make_node("Add", ["c2", "r1"], ["a1"], name="add1"),
+        helper.make_node("GlobalAveragePool", ["a1"], ["g"], name="gap"),
+        helper.make_node("Flatten", ["g"], ["f"], name="flat"),
+        helper.make_node("Gemm", ["f", "w3", "b3"], ["y"], name="fc", transB=1),
+    ]
+    graph = helper.make_graph(nodes, "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 12, 12])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 5])],
+                              [w("w1", 6, 3, 3, 3), w("b1", 6), w("w2", 6, 6, 3, 3), w("b2", 6), w("w3", 5, 6), w("b3", 5)])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), path)
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mpi")
+    _model(root / "m.onnx")
+    rng = np.random.default_rng(2)
+    (root / "calib" / "x").mkdir(parents=True)
+    for i in range(11):  # 11 samples: uneven over 2 and 3 ranks
+        (rng.standard_normal((1, 3, 12, 12)) * (1 + i % 3)).astype(np.float32).tofile(root / "calib" / "x" / f"{i}.bin")
+    return root
+
+
+def _run(root: Path, out: Path, method: str, ranks: int, calib="calib"):
+    cmd = [sys.executable, "-m", "dipoorlet", "-M", str(root / "m.onnx"), "-I", str(root / calib),
+           "-N", "11", "-D", "trt", "-A", method, "-O", str(out)]
+    if ranks > 1:
+        cmd = [MPIRUN, "-n", str(ranks)] + cmd + ["--mpirun"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("method", ["minmax", "hist", "mse", "entropy", "percentile"])
+def test_outputs_identical_for_any_process_count(case, method):
+    single = _run(case, case / f"one-{method}", method, 1)
+    assert single.returncode == 0, single.stderr
+    for ranks in (2, 3):
+        res = _run(case, case / f"{ranks}-{method}", method, ranks)
+        assert res.returncode == 0, res.stderr
+        for name in OUTPUTS:
+            a = (case / f"one-{method}" / name).read_bytes()
+            b = (case / f"{ranks}-{method}" / name).read_bytes()
+            assert a == b, f"{name} differs between 1 and {ranks} processes ({method})"
+
+
+def test_bad_file_on_one_rank_stops_every_rank(case):
+    bad = case / "calib_bad"
+    shutil.copytree(case / "calib", bad)
+    arr = np.fromfile(bad / "x" / "10.bin", dtype=np.float32)
+    arr[3] = np.inf
+    arr.tofile(bad / "x" / "10.bin")  # sample 10 lands on the last rank
+    out = case / "bad-out"
+    res = _run(case, out, "hist", 3, calib="calib_bad")
+    assert res.returncode != 0
+    assert "10.bin" in res.stderr and "NaN/Inf" in res.stderr
+    leftovers = [p.name for p in out.iterdir()] if out.exists() else []
+    assert not [n for n in leftovers if n != "dipoorlet.log"], leftovers

@@ -1,0 +1,362 @@
+"""Q/DQ placement on tiny graphs: the structure of quant_model.onnx, checked node by node."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+from onnx.reference import ReferenceEvaluator
+
+from conftest import (attr, consumers, initializer, input_feeds, is_dequantized, make_model, node, ort_run,
+                      producer, quantize_model, quantized_tensors, rand, tiny_cnn, vi)
+from dipoorlet.graph import Graph
+from dipoorlet.placement import place
+from dipoorlet import platform as platform_mod
+
+
+# ---- tiny graphs ------------------------------------------------------------------------------
+def m_conv():
+    return make_model([helper.make_node("Conv", ["x", "w", "b"], ["y"], name="conv", pads=[1, 1, 1, 1])],
+                      [vi("x", [1, 3, 8, 8])], [vi("y", [1, 4, 8, 8])],
+                      {"w": rand((4, 3, 3, 3), 1, 0.3), "b": rand((4,), 2, 0.1)})
+
+
+def m_conv_transpose():
+    return make_model([helper.make_node("ConvTranspose", ["x", "w", "b"], ["y"], name="deconv", strides=[2, 2])],
+                      [vi("x", [1, 3, 4, 4])], [vi("y", [1, 5, 9, 9])],
+                      {"w": rand((3, 5, 3, 3), 1, 0.3), "b": rand((5,), 2, 0.1)})
+
+
+def m_gemm(trans_b: int):
+    w = rand((4, 6), 1) if trans_b else rand((6, 4), 1)
+    return make_model([helper.make_node("Gemm", ["x", "w", "b"], ["y"], name="gemm", transB=trans_b)],
+                      [vi("x", [2, 6])], [vi("y", [2, 4])], {"w": w, "b": rand((4,), 2)})
+
+
+def m_matmul(rank: int):
+    if rank == 2:
+        return make_model([helper.make_node("MatMul", ["x", "w"], ["y"], name="matmul")],
+                          [vi("x", [2, 6])], [vi("y", [2, 4])], {"w": rand((6, 4), 1)})
+    return make_model([helper.make_node("MatMul", ["x", "w"], ["y"], name="matmul")],
+                      [vi("x", [2, 3, 6])], [vi("y", [2, 3, 4])], {"w": rand((2, 6, 4), 1)})
+
+
+def m_pool(op: str):
+    attrs = {"kernel_shape": [2, 2]} if op != "GlobalAveragePool" else {}
+    out = [1, 3, 7, 7] if op != "GlobalAveragePool" else [1, 3, 1, 1]
+    return make_model([helper.make_node(op, ["x"], ["y"], name="pool", **attrs)],
+                      [vi("x", [1, 3, 8, 8])], [vi("y", out)])
+
+
+def m_two_convs():
+    """x -> conv1 -> c1 -> relu -> r -> conv2 -> y"""
+    return make_model([
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r"], name="relu"),
+        helper.make_node("Conv", ["r", "w2", "b2"], ["y"], name="conv2", pads=[1, 1, 1, 1]),
+    ], [vi("x", [1, 3, 8, 8])], [vi("y", [1, 4, 8, 8])],
+        {"w1": rand((4, 3, 3, 3), 1, 0.3), "b1": rand((4,), 2, 0.1),
+         "w2": rand((4, 4, 3, 3), 3, 0.3), "b2": rand((4,), 4, 0.1)})
+
+
+def m_residual(swap: bool = False, c2_is_output: bool = False):
+    """x -> conv1 -> relu -> r;  r -> conv2 -> c2;  y = Add(c2, r)"""
+    add_in = ["r", "c2"] if swap else ["c2", "r"]
+    outputs = [vi("y", [1, 4, 8, 8])] + ([vi("c2", [1, 4, 8, 8])] if c2_is_output else [])
+    return make_model([
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r"], name="relu"),
+        helper.make_node("Conv", ["r", "w2", "b2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+        helper.make_node("Add", add_in, ["y"], name="add"),
+    ], [vi("x", [1, 3, 8, 8])], outputs,
+        {"w1": rand((4, 3, 3, 3), 1, 0.3), "b1": rand((4,), 2, 0.1),
+         "w2": rand((4, 4, 3, 3), 3, 0.3), "b2": rand((4,), 4, 0.1)})
+
+
+def m_add_const():
+    return make_model([
+        helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Add", ["c", "k"], ["y"], name="add"),
+    ], [vi("x", [1, 3, 8, 8])], [vi("y", [1, 4, 8, 8])],
+        {"w": rand((4, 3, 3, 3), 1, 0.3), "b": rand((4,), 2, 0.1), "k": rand((1, 4, 1, 1), 3)})
+
+
+def m_pad_conv():
+    return make_model([
+        helper.make_node("Pad", ["x", "pads"], ["p"], name="pad"),
+        helper.make_node("Conv", ["p", "w", "b"], ["y"], name="conv"),
+    ], [vi("x", [1, 3, 8, 8])], [vi("y", [1, 4, 8, 8])],
+        {"pads": np.array([0, 0, 1, 1, 0, 0, 1, 1], np.int64), "w": rand((4, 3, 3, 3), 1, 0.3),
+         "b": rand((4,), 2, 0.1)})
+
+
+def m_shared_input():
+    """x feeds a quantized Conv and a float Sigmoid."""
+    return make_model([
+        helper.make_node("Conv", ["x", "w", "b"], ["y1"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Sigmoid", ["x"], ["y2"], name="sigmoid"),
+    ], [vi("x", [1, 3, 8, 8])], [vi("y1", [1, 4, 8, 8]), vi("y2", [1, 3, 8, 8])],
+        {"w": rand((4, 3, 3, 3), 1, 0.3), "b": rand((4,), 2, 0.1)})
+
+
+BUILDERS = {
+    "conv": m_conv, "conv_transpose": m_conv_transpose,
+    "gemm_transB1": lambda: m_gemm(1), "gemm_transB0": lambda: m_gemm(0),
+    "matmul_2d": lambda: m_matmul(2), "matmul_3d": lambda: m_matmul(3),
+    "maxpool": lambda: m_pool("MaxPool"), "avgpool": lambda: m_pool("AveragePool"),
+    "gap": lambda: m_pool("GlobalAveragePool"),
+    "two_convs": m_two_convs, "residual": m_residual, "residual_swapped": lambda: m_residual(swap=True),
+    "residual_c2_output": lambda: m_residual(c2_is_output=True),
+    "add_const": m_add_const, "pad_conv": m_pad_conv, "shared_input": m_shared_input,
+}
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    """name -> (float model, quant model, output folder); each graph quantized once per module."""
+    cache = {}
+
+    def get(name, **kwargs):
+        key = (name, tuple(sorted(kwargs.items())))
+        if key not in cache:
+            tmp = tmp_path_factory.mktemp(name)
+            model = BUILDERS[name]()
+            _, qm = quantize_model(tmp, model, n=3, **kwargs)
+            cache[key] = (model, qm, tmp / "out")
+        return cache[key]
+    return get
+
+
+# ---- activations ---------------------------------------------------------------------------
+@pytest.mark.parametrize("name, op_node", [
+    ("conv", "conv"), ("gemm_transB1", "gemm"), ("matmul_2d", "matmul"),
+    ("maxpool", "pool"), ("avgpool", "pool"), ("gap", "pool"),
+])
+def test_activation_input_of_quantized_op_gets_qdq(quantized, name, op_node):
+    _, qm, _ = quantized(name)
+    assert node(qm, op_node).input[0] == "x_dq"
+    assert is_dequantized(qm, "x_dq")
+
+
+def test_qdq_is_per_tensor_int8_with_zero_point_zero(quantized):
+    _, qm, _ = quantized("conv")
+    q = producer(qm, "x_q")
+    assert attr(q, "axis") is None or initializer(qm, q.input[1]).ndim == 0
+    assert initializer(qm, "x_scale").shape == () and initializer(qm, "x_scale").dtype == np.float32
+    zp = initializer(qm, "x_zero_point")
+    assert zp.dtype == np.int8 and zp == 0
+
+
+# ---- weights -------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, op_node, axis", [
+    ("conv", "conv", 0), ("conv_transpose", "deconv", 1),
+    ("gemm_transB1", "gemm", 0), ("gemm_transB0", "gemm", 1),
+    ("matmul_2d", "matmul", 1), ("matmul_3d", "matmul", 2),
+])
+def test_weight_stored_int8_with_per_channel_dequantize_axis(quantized, name, op_node, axis):
+    model, qm, _ = quantized(name)
+    w = initializer(model, "w")
+    n = node(qm, op_node)
+    assert n.input[1] == "w_dq"
+    dq = producer(qm, "w_dq")
+    assert dq.op_type == "DequantizeLinear" and dq.input[0] == "w_quantized"
+    assert attr(dq, "axis") == axis
+    wq = initializer(qm, "w_quantized")
+    assert wq.dtype == np.int8 and wq.shape == w.shape
+    assert initializer(qm, "w_scale").shape == (w.shape[axis],)
+    assert initializer(qm, "w") is None  # the float copy is gone
+
+
+@pytest.mark.parametrize("name, axis", [("conv", 0), ("conv_transpose", 1), ("gemm_transB0", 1), ("matmul_3d", 2)])
+def test_weight_dequantizes_to_within_half_a_step_per_channel(quantized, name, axis):
+    model, qm, _ = quantized(name)
+    w = initializer(model, "w").astype(np.float64)
+    wq = initializer(qm, "w_quantized").astype(np.float64)
+    shape = [1] * w.ndim
+    shape[axis] = -1
+    scale = initializer(qm, "w_scale").astype(np.float64).reshape(shape)
+    amax = np.abs(np.moveaxis(w, axis, 0).reshape(w.shape[axis], -1)).max(1).reshape(shape)
+    np.testing.assert_allclose(scale, amax / 127, rtol=1e-6)          # narrow range, symmetric
+    assert np.all(np.abs(wq * scale - w) <= scale / 2 + 1e-7)
+    assert wq.min() >= -127
+
+
+@pytest.mark.parametrize("name, op_node", [("conv", "conv"), ("conv_transpose", "deconv"), ("gemm_transB1", "gemm")])
+def test_bias_stays_float(quantized, name, op_node):
+    model, qm, _ = quantized(name)
+    n = node(qm, op_node)
+    assert n.input[2] == "b"
+    np.testing.assert_array_equal(initializer(qm, "b"), initializer(model, "b"))
+    assert "b" not in quantized_tensors(qm)
+
+
+# ---- fusion rules --------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["residual", "residual_swapped"])
+def test_residual_add_keeps_conv_input_float_and_quantizes_the_other(quantized, name):
+    _, qm, _ = quantized(name)
+    add = node(qm, "add")
+    assert sorted(add.input) == ["c2", "r_dq"]
+    assert "c2" not in quantized_tensors(qm)
+    assert is_dequantized(qm, "r_dq")
+
+
+def test_add_whose_conv_input_is_used_elsewhere_is_not_fused_and_runs_float(quantized):
+    _, qm, _ = quantized("residual_c2_output")
+    assert sorted(node(qm, "add").input) == ["c2", "r"]
+
+
+def test_matmul_bias_add_residual_add_is_seen_through(tmp_path):
+    """Transformer block: MatMul -> Add(bias) -> Add(residual): the bias path stays float."""
+    model = make_model([
+        helper.make_node("MatMul", ["x", "w"], ["m"], name="matmul"),
+        helper.make_node("Add", ["m", "bias"], ["mb"], name="bias_add"),
+        helper.make_node("Add", ["mb", "x"], ["y"], name="residual_add"),
+    ], [vi("x", [2, 8])], [vi("y", [2, 8])], {"w": rand((8, 8), 1, 0.3), "bias": rand((8,), 2, 0.1)})
+    _, qm = quantize_model(tmp_path, model, n=2)
+    assert list(node(qm, "bias_add").input) == ["m", "bias"]
+    assert list(node(qm, "residual_add").input) == ["mb", "x_dq"]
+    assert node(qm, "matmul").input[0] == "x_dq"
+    assert not {"m", "mb"} & quantized_tensors(qm)
+
+
+def test_add_with_a_constant_gets_no_qdq(quantized):
+    _, qm, _ = quantized("add_const")
+    assert list(node(qm, "add").input) == ["c", "k"]
+    assert "c" not in quantized_tensors(qm)
+
+
+def test_pad_then_conv_puts_qdq_in_front_of_the_pad(quantized):
+    _, qm, _ = quantized("pad_conv")
+    assert node(qm, "pad").input[0] == "x_dq" and is_dequantized(qm, "x_dq")
+    assert node(qm, "conv").input[0] == "p"
+    assert "p" not in quantized_tensors(qm)
+
+
+def test_relu_after_conv_gets_qdq_after_the_relu_only(quantized):
+    _, qm, _ = quantized("two_convs")
+    assert list(node(qm, "relu").input) == ["c1"]
+    assert "c1" not in quantized_tensors(qm)
+    assert node(qm, "conv2").input[0] == "r_dq" and is_dequantized(qm, "r_dq")
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_network_outputs_are_not_quantized(quantized, name):
+    model, qm, _ = quantized(name)
+    outs = [o.name for o in model.graph.output]
+    assert [o.name for o in qm.graph.output] == outs
+    for o in outs:
+        assert producer(qm, o).op_type == producer(model, o).op_type  # still the float op's result
+        if not consumers(model, o):  # an output nothing else reads gets no Q/DQ at all
+            assert o not in quantized_tensors(qm)
+
+
+def test_skip_layers_keeps_node_and_its_weight_float(quantized):
+    _, qm, _ = quantized("two_convs", skip_layers=("conv2",))
+    conv2 = node(qm, "conv2")
+    assert list(conv2.input) == ["r", "w2", "b2"]
+    assert initializer(qm, "w2").dtype == np.float32
+    assert initializer(qm, "w2_quantized") is None
+    assert node(qm, "conv1").input[1] == "w1_dq"  # the other conv is still quantized
+
+
+def test_tensor_feeding_quantized_and_float_op_keeps_float_edge(quantized):
+    _, qm, _ = quantized("shared_input")
+    assert node(qm, "conv").input[0] == "x_dq"
+    assert list(node(qm, "sigmoid").input) == ["x"]
+
+
+def test_matmul_of_two_activations_quantizes_both_inputs(tmp_path):
+    model = make_model([helper.make_node("MatMul", ["a", "b"], ["y"], name="matmul")],
+                       [vi("a", [2, 3]), vi("b", [3, 4])], [vi("y", [2, 4])])
+    _, qm = quantize_model(tmp_path, model, n=2)
+    assert list(node(qm, "matmul").input) == ["a_dq", "b_dq"]
+    assert not any(t.name.endswith("_quantized") for t in qm.graph.initializer)
+
+
+def test_weight_shared_by_two_nodes_is_stored_once(tmp_path):
+    w = rand((4, 4, 3, 3), 1, 0.3)
+    model = make_model([
+        helper.make_node("Conv", ["x", "w"], ["c"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Conv", ["c", "w"], ["y"], name="conv2", pads=[1, 1, 1, 1]),
+    ], [vi("x", [1, 4, 8, 8])], [vi("y", [1, 4, 8, 8])], {"w": w})
+    _, qm = quantize_model(tmp_path, model, n=2)
+    assert node(qm, "conv1").input[1] == node(qm, "conv2").input[1] == "w_dq"
+    assert sum(n.op_type == "DequantizeLinear" and n.input[0] == "w_quantized" for n in qm.graph.node) == 1
+
+
+@pytest.mark.parametrize("naming", ["unnamed", "named"])
+def test_quantized_ops_read_dequantized_inputs_whatever_the_node_names(tmp_path, naming):
+    model = tiny_cnn()
+    for i, n in enumerate(model.graph.node):
+        n.name = "" if naming == "unnamed" else f"n{i}"
+    _, qm = quantize_model(tmp_path, model, n=2)
+    by_output = {n.output[0]: n for n in qm.graph.node}
+    for out, weight in (("c1", "w1"), ("c2", "w2"), ("logits", "wf")):
+        op = by_output[out]
+        assert is_dequantized(qm, op.input[0]) and op.input[1] == weight + "_dq"
+    for out in ("p1", "g"):  # MaxPool, GlobalAveragePool
+        assert is_dequantized(qm, by_output[out].input[0])
+
+
+# ---- validity ------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_quant_model_passes_checker_and_runs_close_to_float(quantized, name):
+    model, qm, out = quantized(name)
+    onnx.checker.check_model(qm, full_check=True)
+    feed = input_feeds(model, 1, seed=99)[0]
+    ref = ort_run(model, feed)
+    got = ort_run(out / "quant_model.onnx", feed)
+    for r, g in zip(ref, got):
+        cos = float((r * g).sum() / np.sqrt((r * r).sum() * (g * g).sum()))
+        assert cos > 0.99
+
+
+def test_model_with_initializers_listed_as_inputs_quantizes(tmp_path):
+    model = m_conv()
+    model.graph.input.extend([vi("w", [4, 3, 3, 3]), vi("b", [4])])
+    onnx.checker.check_model(model)
+    _, qm = quantize_model(tmp_path, model, n=2)
+    assert [i.name for i in qm.graph.input if i.name not in {t.name for t in qm.graph.initializer}] == ["x"]
+
+
+# ---- placement decisions (Python API) --------------------------------------------------------
+def test_every_node_gets_a_decision_with_a_reason():
+    g = Graph(m_two_convs())
+    plan = place(g, platform_mod.load("trt"), skip_layers=("conv2",))
+    decisions = {d.node: d for d in plan.decisions}
+    assert set(decisions) == {"conv1", "relu", "conv2"}
+    assert decisions["conv1"].quantized and not decisions["relu"].quantized
+    assert decisions["conv2"].reason == "skipped by --skip_layers"
+
+
+# ---- numbers: an independent fake-quant oracle ------------------------------------------------
+def test_one_conv_output_equals_hand_fake_quant_with_the_plans_scales(tmp_path):
+    model = m_conv()
+    feeds = input_feeds(model, 4, seed=5)
+    quantize_model(tmp_path, model, feeds=feeds, act_quant="minmax")
+    out = tmp_path / "out"
+    acts = json.loads((out / "act_clip_val.json").read_text())
+    weights = json.loads((out / "weight_clip_val.json").read_text())
+    assert set(acts) == {"x"} and set(weights) == {"w"}
+
+    # act: symmetric int8, scale = amax / 127; minmax clip = the data's range
+    xs = np.stack([f["x"] for f in feeds])
+    assert acts["x"] == pytest.approx([float(xs.min()), float(xs.max())], rel=1e-6)
+    s_x = np.float32(max(-acts["x"][0], acts["x"][1]) / 127)
+    # weight: per output channel, narrow range [-127, 127]
+    lo, hi = (np.array(v) for v in weights["w"])
+    s_w = (np.maximum(-lo, hi) / 127).astype(np.float32).reshape(-1, 1, 1, 1)
+    w = initializer(model, "w")
+    w_fq = np.clip(np.rint(w / s_w), -127, 127) * s_w
+
+    conv = ReferenceEvaluator(make_model([helper.make_node("Conv", ["x", "w", "b"], ["y"], pads=[1, 1, 1, 1])],
+                                         [vi("x", [1, 3, 8, 8]), vi("w", [4, 3, 3, 3]), vi("b", [4])],
+                                         [vi("y", [1, 4, 8, 8])]))
+    for feed in input_feeds(model, 3, seed=11):
+        x = feed["x"]
+        x_fq = (np.clip(np.rint(x / s_x), -128, 127) * s_x).astype(np.float32)
+        (expected,) = conv.run(None, {"x": x_fq, "w": w_fq.astype(np.float32), "b": initializer(model, "b")})
+        (got,) = ort_run(out / "quant_model.onnx", feed)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)

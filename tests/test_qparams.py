@@ -1,0 +1,158 @@
+"""dipoorlet.qparams: grids from clip ranges, and quantize_array against ONNX QuantizeLinear."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+from onnx.reference import ReferenceEvaluator
+
+from conftest import make_model, ort_run, vi
+from dipoorlet.platform import TensorRule
+from dipoorlet.qparams import MIN_SCALE, QParams, levels, make_qparams, quantize_array
+
+SYM = TensorRule(bits=8, symmetric=True)
+SYM_NARROW = TensorRule(bits=8, symmetric=True, narrow_range=True)
+ASYM_U8 = TensorRule(bits=8, symmetric=False, unsigned=True)
+ASYM_S8 = TensorRule(bits=8, symmetric=False)
+
+
+@pytest.mark.parametrize("rule, expected", [
+    (SYM, (-128, 127)), (SYM_NARROW, (-127, 127)), (ASYM_U8, (0, 255)),
+    (TensorRule(bits=4, symmetric=True, narrow_range=True), (-7, 7)),
+    (TensorRule(bits=4, symmetric=False, unsigned=True), (0, 15)),
+])
+def test_levels(rule, expected):
+    assert levels(rule) == expected
+
+
+def test_symmetric_scale_is_amax_over_127_and_zero_point_zero():
+    qp = make_qparams(-2.0, 3.0, SYM)
+    assert qp.scale == np.float32(3.0 / 127)
+    assert qp.zero_point == 0 and qp.zero_point.dtype == np.int8
+    assert (qp.qmin, qp.qmax) == (-128, 127)
+
+
+def test_symmetric_uses_the_larger_side():
+    assert make_qparams(-5.0, 1.0, SYM).scale == np.float32(5.0 / 127)
+
+
+def test_narrow_range_keeps_scale_and_drops_minus_128():
+    qp = make_qparams(-2.0, 3.0, SYM_NARROW)
+    assert qp.scale == np.float32(3.0 / 127)
+    assert (qp.qmin, qp.qmax) == (-127, 127)
+
+
+def test_asymmetric_unsigned_scale_and_zero_point():
+    qp = make_qparams(-1.0, 3.0, ASYM_U8)
+    assert qp.scale == pytest.approx(4.0 / 255, rel=1e-6)
+    assert qp.zero_point == np.round(1.0 / (4.0 / 255)) and qp.zero_point.dtype == np.uint8
+
+
+def test_asymmetric_signed_zero_point_is_shifted_by_qmin():
+    qp = make_qparams(-1.0, 3.0, ASYM_S8)
+    assert qp.zero_point == -128 + np.round(1.0 / (4.0 / 255))
+    assert qp.zero_point.dtype == np.int8
+
+
+def test_asymmetric_grid_represents_zero_exactly_and_covers_the_range():
+    qp = make_qparams(-0.37, 2.9, ASYM_U8)
+    s, z = float(qp.scale), int(qp.zero_point)
+    assert qp.qmin <= z <= qp.qmax  # 0.0 maps to the integer z, so it is exact on the grid
+    assert (qp.qmin - z) * s <= -0.37 + s / 2 and (qp.qmax - z) * s >= 2.9 - s / 2
+
+
+@pytest.mark.parametrize("rule", [SYM, ASYM_U8])
+def test_power_of_two_scale_rounds_up_to_a_power_of_two(rule):
+    rule = TensorRule(**{**rule.__dict__, "power_of_two": True})
+    qp = make_qparams(-1.0, 3.0, rule)
+    exact = make_qparams(-1.0, 3.0, TensorRule(**{**rule.__dict__, "power_of_two": False})).scale
+    log2 = np.log2(float(qp.scale))
+    assert log2 == np.round(log2)
+    assert exact <= qp.scale < 2 * exact
+
+
+def test_range_is_widened_to_contain_zero():
+    pos = make_qparams(0.5, 2.0, SYM)
+    neg = make_qparams(-2.0, -0.5, SYM)
+    assert (pos.lo, pos.hi) == (0.0, 2.0) and (neg.lo, neg.hi) == (-2.0, 0.0)
+    assert make_qparams(0.5, 2.0, ASYM_U8).zero_point == 0
+
+
+@pytest.mark.parametrize("rule", [SYM, ASYM_U8])
+def test_empty_range_gets_a_positive_scale(rule):
+    qp = make_qparams(0.0, 0.0, rule)
+    assert np.isfinite(qp.scale) and qp.scale > 0
+    assert np.all(np.isfinite(quantize_array(np.zeros(3, np.float32), qp)))
+
+
+def test_per_channel_arrays():
+    lo, hi = np.array([-1.0, -4.0, 0.0]), np.array([2.0, 1.0, 0.0])
+    qp = make_qparams(lo, hi, SYM_NARROW, axis=0)
+    np.testing.assert_allclose(qp.scale, np.array([2.0, 4.0, MIN_SCALE]) / 127, rtol=1e-6)
+    assert qp.scale.shape == (3,) and qp.zero_point.shape == (3,) and qp.axis == 0
+
+
+# ---- quantize_array vs ONNX QuantizeLinear --------------------------------------------------
+def _qlinear_model(x_shape, scale: np.ndarray, zp: np.ndarray, axis=None):
+    attrs = {"axis": axis} if axis is not None else {}
+    elem = TensorProto.INT8 if zp.dtype == np.int8 else TensorProto.UINT8
+    n = helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"], **attrs)
+    return make_model([n], [vi("x", list(x_shape))], [vi("q", list(x_shape), elem)],
+                      {"s": scale.astype(np.float32), "z": zp})
+
+
+def _tricky_values(scale: float, zp: int, qmin: int, qmax: int) -> np.ndarray:
+    """Exact .5 ties (round half to even), values far outside the grid (saturation), random."""
+    k = np.arange(qmin - zp - 5, qmax - zp + 5)
+    ties = (k + 0.5) * scale
+    r = np.random.default_rng(3).uniform((qmin - zp - 40) * scale, (qmax - zp + 40) * scale, 500)
+    return np.concatenate([ties, -ties, r, [0.0, 1e9, -1e9]]).astype(np.float32)
+
+
+@pytest.mark.parametrize("rule, lo, hi", [
+    (SYM, -64.0, 64.0),          # scale 64/127: not a power of two
+    (TensorRule(bits=8, symmetric=True), -63.5, 63.5),  # scale 0.5: exact ties
+    (ASYM_U8, -1.0, 3.0),
+    (ASYM_S8, -2.0, 6.0),
+])
+def test_quantize_array_equals_onnxruntime_quantizelinear(rule, lo, hi):
+    qp = make_qparams(lo, hi, rule)
+    x = _tricky_values(float(qp.scale), int(qp.zero_point), qp.qmin, qp.qmax)
+    (expected,) = ort_run(_qlinear_model(x.shape, qp.scale, qp.zero_point), {"x": x})
+    got = quantize_array(x, qp)
+    assert got.dtype == expected.dtype
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_round_half_to_even_on_exact_ties():
+    qp = make_qparams(-63.5, 63.5, SYM)  # scale 0.5
+    x = np.array([0.25, 0.75, 1.25, -0.25, -0.75, -1.25], np.float32)  # x/scale = .5, 1.5, 2.5 ...
+    np.testing.assert_array_equal(quantize_array(x, qp), [0, 2, 2, 0, -2, -2])
+
+
+def test_saturation_to_narrow_range():
+    qp = make_qparams(-1.0, 1.0, SYM_NARROW)
+    np.testing.assert_array_equal(quantize_array(np.array([-5.0, 5.0], np.float32), qp), [-127, 127])
+
+
+def test_per_channel_quantize_array_equals_reference_quantizelinear():
+    w = np.random.default_rng(5).standard_normal((4, 3, 2, 2)).astype(np.float32) * [[[[1]]], [[[3]]], [[[0.1]]], [[[10]]]]
+    w = w.astype(np.float32)
+    moved = w.reshape(4, -1)
+    qp = make_qparams(moved.min(1), moved.max(1), SYM_NARROW, axis=0)
+    model = _qlinear_model(w.shape, qp.scale, qp.zero_point, axis=0)
+    (expected,) = ReferenceEvaluator(model).run(None, {"x": w})
+    np.testing.assert_array_equal(quantize_array(w, qp), expected)
+    assert quantize_array(w, qp).min() >= -127
+
+
+def test_per_channel_on_last_axis_equals_onnxruntime():
+    w = np.random.default_rng(6).standard_normal((5, 3)).astype(np.float32) * np.array([0.1, 1, 7], np.float32)
+    qp = make_qparams(w.min(0), w.max(0), SYM_NARROW, axis=1)
+    (expected,) = ort_run(_qlinear_model(w.shape, qp.scale, qp.zero_point, axis=1), {"x": w})
+    np.testing.assert_array_equal(quantize_array(w, qp), expected)
+
+
+def test_qparams_amax():
+    qp = QParams(np.float32(1), np.int8(0), 8, True, -128, 127, None, np.float32(-3), np.float32(2))
+    assert qp.amax == 3.0

@@ -1,0 +1,140 @@
+"""dipoorlet.stats: fixed-edge histograms and min/max, checked against numpy."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from hypothesis.extra import numpy as hnp
+
+from dipoorlet.stats import Histogram, MinMax, TensorStats
+
+
+def centred_data(rng, amax, bins, n, signed):
+    """Values at bin centres +-30% of a bin: never on an edge, so binning is unambiguous."""
+    width = amax / bins
+    nbins = 2 * bins if signed else bins
+    left = -amax if signed else 0.0
+    k = rng.integers(0, nbins, size=n)
+    return (left + (k + 0.5 + rng.uniform(-0.3, 0.3, size=n)) * width).astype(np.float32)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_update_equals_np_histogram_on_same_edges(rng, signed):
+    amax, bins = 4.0, 64
+    x = centred_data(rng, amax, bins, 20_000, signed)
+    h = Histogram(-amax if signed else 0.0, amax, bins)
+    h.update(x)
+    expected, _ = np.histogram(x.astype(np.float64), bins=h.edges())
+    np.testing.assert_array_equal(h.counts, expected)
+
+
+def test_update_on_unrounded_data_matches_np_histogram_up_to_edge_ties(rng):
+    x = rng.standard_normal(50_000).astype(np.float32) * 1.7
+    h = Histogram(float(x.min()), float(x.max()), 256)
+    h.update(x)
+    expected, _ = np.histogram(x.astype(np.float64), bins=h.edges())
+    assert h.counts.sum() == x.size
+    assert np.abs(h.counts - expected).sum() <= 4  # only values within float32 rounding of an edge
+
+
+def test_layout_signed_covers_minus_amax_to_amax_in_2_bins():
+    h = Histogram(-1.0, 3.0, 100)
+    assert h.signed and h.counts.size == 200
+    assert h.edges()[0] == pytest.approx(-3.0) and h.edges()[-1] == pytest.approx(3.0)
+
+
+def test_layout_non_negative_covers_zero_to_amax_in_bins():
+    h = Histogram(0.0, 3.0, 100)
+    assert not h.signed and h.counts.size == 100
+    assert h.edges()[0] == 0.0 and h.edges()[-1] == pytest.approx(3.0)
+
+
+def test_extremes_land_in_first_and_last_bin():
+    h = Histogram(-2.0, 2.0, 16)
+    h.update(np.array([-2.0, 2.0], dtype=np.float32))
+    assert h.counts[0] == 1 and h.counts[-1] == 1 and h.counts.sum() == 2
+
+
+def test_abs_counts_equals_direct_abs_histogram(rng):
+    amax, bins = 2.0, 128
+    x = centred_data(rng, amax, bins, 30_000, signed=True)
+    h = Histogram(-amax, amax, bins)
+    h.update(x)
+    expected, _ = np.histogram(np.abs(x.astype(np.float64)), bins=bins, range=(0.0, amax))
+    np.testing.assert_array_equal(h.abs_counts(), expected)
+
+
+def test_abs_counts_of_non_negative_histogram_is_its_counts(rng):
+    x = np.abs(rng.standard_normal(1000)).astype(np.float32)
+    h = Histogram(0.0, float(x.max()), 32)
+    h.update(x)
+    np.testing.assert_array_equal(h.abs_counts(), h.counts)
+
+
+def test_merge_rejects_different_edges():
+    with pytest.raises(ValueError):
+        Histogram(-1, 1, 16).merge(Histogram(-2, 2, 16))
+
+
+finite32 = st.floats(-100, 100, allow_nan=False, width=32)
+
+
+@settings(max_examples=60, deadline=None)
+@given(x=hnp.arrays(np.float32, st.integers(1, 400), elements=finite32),
+       cuts=st.lists(st.integers(0, 400), max_size=5), order=st.randoms(use_true_random=False),
+       bins=st.integers(16, 64))
+def test_merge_of_splits_equals_one_pass_in_any_order(x, cuts, order, bins):
+    lo, hi = float(x.min()), float(x.max())
+    whole = Histogram(lo, hi, bins)
+    whole.update(x)
+    parts = np.split(x, sorted(c % (x.size + 1) for c in cuts))
+    order.shuffle(parts)
+    merged = Histogram(lo, hi, bins)
+    for p in parts:
+        h = Histogram(lo, hi, bins)
+        h.update(p)
+        merged = merged.merge(h)
+    np.testing.assert_array_equal(merged.counts, whole.counts)
+
+
+@settings(max_examples=60, deadline=None)
+@given(x=hnp.arrays(np.float32, st.integers(1, 200), elements=finite32),
+       cut=st.integers(0, 200))
+def test_minmax_merge_equals_one_pass_and_commutes(x, cut):
+    cut %= x.size + 1
+    a, b = MinMax(), MinMax()
+    for part, mm in ((x[:cut], a), (x[cut:], b)):
+        for v in part:
+            mm.update(float(v), float(v))
+    for m in (a.merge(b), b.merge(a)):
+        assert (m.lo, m.hi, m.count) == (float(x.min()), float(x.max()), x.size)
+
+
+def test_minmax_merge_with_empty_is_identity():
+    m = MinMax(-1.5, 2.0, 3)
+    for merged in (m.merge(MinMax()), MinMax().merge(m)):
+        assert (merged.lo, merged.hi, merged.count) == (-1.5, 2.0, 3)
+        assert merged.amax == 2.0
+
+
+def test_minmax_amax_of_empty_is_zero():
+    assert MinMax().amax == 0.0 and MinMax().lo == math.inf
+
+
+def test_tensorstats_merge_adds_histograms_and_ranges(rng):
+    x = rng.standard_normal(1000).astype(np.float32)
+    lo, hi = float(x.min()), float(x.max())
+    halves = []
+    for part in (x[:400], x[400:]):
+        s = TensorStats()
+        s.minmax.update(float(part.min()), float(part.max()))
+        s.hist = Histogram(lo, hi, 32)
+        s.hist.update(part)
+        halves.append(s)
+    merged = halves[0].merge(halves[1])
+    whole = Histogram(lo, hi, 32)
+    whole.update(x)
+    assert (merged.minmax.lo, merged.minmax.hi) == (lo, hi)
+    np.testing.assert_array_equal(merged.hist.counts, whole.counts)
