@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shape of a dynamic input for raw .bin data, e.g. x:1,3,640,640")
     p.add_argument("--savefp", action="store_true", help="save the float model's outputs per sample")
     p.add_argument("--skip_prof_layer", action="store_true", help="profile network outputs only")
+    p.add_argument("--quant_format", default="QDQ", choices=["QDQ", "QOP"],
+                   help="QDQ (Quantize/DequantizeLinear pairs) or QOP (QLinearConv, QGemm… where possible)")
+    p.add_argument("--stpu_wg", action="store_true", help="stpu: Winograd F(2,3) for 3x3 stride-1 convolutions")
     p.add_argument("--trt_version", default="8601", help="version in the TensorRT calibration cache header")
     p.add_argument("--mpirun", action="store_true", help="run as one of the processes mpirun/mpiexec started")
     p.add_argument("--slurm", action="store_true", help="run as one of the tasks srun started (PMI)")
@@ -125,6 +128,7 @@ def main(argv=None) -> int:
                           skip_layers=tuple(args.skip_layers),
                           input_shapes=parse_input_shapes(args.input_shape), savefp=args.savefp,
                           skip_prof_layer=args.skip_prof_layer, trt_version=args.trt_version,
+                          quant_format=args.quant_format, stpu_wg=args.stpu_wg,
                           device=args.device, debug=debug)
         check_model_path(cfg.model)  # before -O (default <model dir>/results) is created
         check_output_dir(cfg.output_dir)

@@ -24,6 +24,8 @@ class QuantConfig:
     savefp: bool = False
     skip_prof_layer: bool = False
     trt_version: str = "8601"
+    quant_format: str = "QDQ"
+    stpu_wg: bool = False
     device: str = "cpu"
     debug: bool = False
 
@@ -43,5 +45,7 @@ class QuantConfig:
             raise ConfigError(f"--threshold is a mass fraction in (0, 1], got {self.threshold}; e.g. 0.99999")
         if not 50.0 < self.percentile <= 100.0:
             raise ConfigError(f"--percentile must be in (50, 100], got {self.percentile}; e.g. 99.999")
+        if self.quant_format not in ("QDQ", "QOP"):
+            raise ConfigError(f"--quant_format must be QDQ or QOP, got {self.quant_format!r}")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")

@@ -27,7 +27,7 @@ from dipoorlet.dist import SingleProcess
 from dipoorlet.errors import ConfigError, ModelError, OutputError
 from dipoorlet.graph import Graph, save_model
 from dipoorlet.qdq import insert_qdq
-from dipoorlet.qparams import QuantPlan, levels, make_qparams
+from dipoorlet.qparams import QuantPlan, bias_qparams, levels, make_qparams, share_scales
 from dipoorlet.ranges import NEEDS_HISTOGRAM, RANGE_METHODS, RangeParams
 
 log = logging.getLogger(__name__)
@@ -72,12 +72,38 @@ def plan_activations(stats, cfg: QuantConfig, plat) -> QuantPlan:
                          threshold=cfg.threshold, percentile=cfg.percentile)
     method = RANGE_METHODS[cfg.act_quant]
     plan = QuantPlan()
+    unsigned = RangeParams(qmax=2**rule.bits - 1, threshold=cfg.threshold, percentile=cfg.percentile)
     for t, st in stats.items():
         if st.minmax.count == 0:
             continue
-        lo, hi = method(st, params)
+        nonneg = rule.unsigned_nonnegative and st.minmax.lo >= 0
+        lo, hi = method(st, unsigned if nonneg else params)
         plan.activations[t] = make_qparams(lo, hi, rule)
+        plan.rules[t] = rule
     return plan
+
+
+def plan_biases(g: Graph, places, plan: QuantPlan) -> None:
+    """int32 biases for Conv/ConvTranspose/Gemm whose input and weight are both quantized."""
+    act_of_use = {use: t for t, point in places.activations.items() for use in point.uses}
+    for (node_name, index), wp in list(places.weights.items()):
+        node = g.node_by_name[node_name]
+        if node.op_type not in ("Conv", "ConvTranspose", "Gemm") or len(node.input) < 3:
+            continue
+        bias = node.input[2]
+        if not bias or not g.is_constant(bias) or bias in plan.weights:
+            continue
+        src = act_of_use.get((node_name, 0))
+        prod = g.producer.get(node.input[0])
+        if src is None and prod is not None and prod.op_type == "Pad":
+            src = act_of_use.get((prod.name, 0))
+        if src is None or src not in plan.activations or wp.tensor not in plan.weights:
+            continue
+        s_w = plan.weights[wp.tensor]
+        if node.op_type == "ConvTranspose" and s_w.axis is not None:
+            continue  # axis-1 weight scales do not line up with the bias channels when grouped
+        plan.weights[bias] = bias_qparams(plan.activations[src], s_w)
+        places.weights[(node_name, 2)] = placement_mod.WeightPoint(bias, node_name, 2, plan.weights[bias].axis)
 
 
 def plan_weights(g: Graph, places, plan: QuantPlan, plat) -> None:
@@ -119,7 +145,11 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         stats = calibrate.histogram_pass(g, data, indices, stats, cfg.bins, comm, cfg.device)
     timings["calibration_s"] = time.perf_counter() - t
     plan = plan_activations(stats, cfg, plat)
+    if plat.share_scale:
+        share_scales(g, plan, plat.share_scale)
     plan_weights(g, places, plan, plat)
+    if plat.quantize_bias:
+        plan_biases(g, places, plan)
 
     qmodel = insert_qdq(g, places, plan)
     try:
@@ -140,7 +170,11 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         # Every collective step is done (the gather waited for all ranks): rank 0 writes.
         rows = profile.summarize(samples, targets_prof, g.output_names)
         staging.mkdir(exist_ok=True)
-        files = [save_model(qmodel, staging / "quant_model.onnx")]
+        if cfg.quant_format == "QOP":
+            files = [save_model(qmodel, staging / "quant_model_qdq.onnx"),
+                     save_model(_to_qop(qmodel), staging / "quant_model.onnx")]
+        else:
+            files = [save_model(qmodel, staging / "quant_model.onnx")]
         files += export_all(DeployContext(g, plan, places, plat, cfg), staging)
         meta = {"model": str(cfg.model), "platform": plat.name, "method": cfg.act_quant,
                 "samples": cfg.data_num,
@@ -154,6 +188,14 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
     finally:
         if comm.rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def _to_qop(qmodel):
+    from dipoorlet import qop
+
+    model, converted = qop.convert(qmodel)
+    log.info("--quant_format QOP: %d ops converted to QLinear form; the rest stay QDQ", converted)
+    return model
 
 
 def _fp_saver(staging: Path, outputs: list[str]):

@@ -18,6 +18,7 @@ from dipoorlet.platform import Platform
 class ActPoint:
     tensor: str
     uses: list[tuple[str, int]] = field(default_factory=list)  # (node name, input index)
+    output: bool = False  # a network output quantized in place (the chip's output is integer)
 
 
 @dataclass
@@ -106,6 +107,17 @@ def _through_pad(g: Graph, node, index: int, platform: Platform) -> tuple[str, i
     return prod.input[0], 0, prod.name
 
 
+def _fused_activation_input(g: Graph, node, index: int, platform: Platform) -> bool:
+    """An activation (Relu, Clip…) reading a Conv/Gemm/Add output that the backend fuses with it:
+    the tensor between them never exists on the chip, so it gets no Q/DQ."""
+    if node.op_type not in platform.fused_activations or index != 0:
+        return False
+    tensor = node.input[0]
+    prod = g.producer.get(tensor)
+    return (prod is not None and prod.op_type in platform.activation_producers
+            and len(g.consumers[tensor]) == 1 and tensor not in g.output_names)
+
+
 def place(g: Graph, platform: Platform, skip_layers=(), weight_only=()) -> Placement:
     plan = Placement()
     skip = set(skip_layers)
@@ -131,7 +143,7 @@ def place(g: Graph, platform: Platform, skip_layers=(), weight_only=()) -> Place
         if not act_inputs and not weights:
             plan.decisions.append(Decision(node.name, op, False, "no float activation or weight input"))
             continue
-        if op == "Add" and len(act_inputs) < 2:
+        if op == "Add" and len(act_inputs) < 2 and platform.residual_add_producers:
             plan.decisions.append(Decision(node.name, op, False, "Add with a constant is fused, not quantized"))
             continue
         fused = _fused_input(g, node, act_inputs, platform)
@@ -141,7 +153,7 @@ def place(g: Graph, platform: Platform, skip_layers=(), weight_only=()) -> Place
                                            "runs in float"))
             continue
         for i in act_inputs:
-            if i == fused:
+            if i == fused or _fused_activation_input(g, node, i, platform):
                 continue
             moved = _through_pad(g, node, i, platform)
             if moved is not None:
@@ -156,7 +168,9 @@ def place(g: Graph, platform: Platform, skip_layers=(), weight_only=()) -> Place
             reason += f"; input {node.input[fused]!r} fused into its producer, kept float"
         plan.decisions.append(Decision(node.name, op, True, reason))
     if platform.quantize_network_output:
+        quantized = set(plan.quantized_nodes)
         for name in g.output_names:
-            if g.is_float(name) and name in g.producer:
-                plan.activations.setdefault(name, ActPoint(name))
+            prod = g.producer.get(name)
+            if g.is_float(name) and prod is not None and prod.name in quantized:
+                plan.activations.setdefault(name, ActPoint(name)).output = True
     return plan

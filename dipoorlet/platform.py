@@ -24,6 +24,7 @@ class TensorRule:
     per_channel: bool = False
     narrow_range: bool = False
     power_of_two: bool = False
+    unsigned_nonnegative: bool = False
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,9 @@ class Platform:
     weight_inputs: dict[str, int] = field(default_factory=dict)
     residual_add_producers: frozenset[str] = frozenset()
     pad_into: frozenset[str] = frozenset()
+    activation_producers: frozenset[str] = frozenset()
+    fused_activations: frozenset[str] = frozenset()
+    share_scale: frozenset[str] = frozenset()
     source: str = ""
 
 
@@ -47,7 +51,11 @@ _SCHEMA = {
     "activation": dict, "weight": dict, "bias": dict, "ops": dict, "fusion": dict,
 }
 _RULE_KEYS = {"bits": int, "symmetric": bool, "unsigned": bool, "per_channel": bool,
-              "narrow_range": bool, "power_of_two": bool, "quantize_network_output": bool}
+              "narrow_range": bool, "power_of_two": bool, "unsigned_nonnegative": bool,
+              "quantize_network_output": bool}
+_OPS_KEYS = {"quantize": list, "weights": dict, "share_scale": list}
+_FUSION_KEYS = {"residual_add_producers": list, "pad_into": list, "activation_producers": list,
+                "activations": list}
 
 
 def platforms_dir() -> Path:
@@ -104,6 +112,9 @@ def _rule(d: dict, where: str, defaults: dict) -> TensorRule:
         raise ConfigError(f"platform spec {where}: bits must be 2..16, got {vals['bits']}")
     if vals["unsigned"] and vals["symmetric"]:
         raise ConfigError(f"platform spec {where}: unsigned grids are asymmetric; set symmetric = false")
+    if vals["unsigned_nonnegative"] and not vals["symmetric"]:
+        raise ConfigError(f"platform spec {where}: unsigned_nonnegative applies to symmetric grids; "
+                          "set symmetric = true or drop it")
     return TensorRule(**vals)
 
 
@@ -113,15 +124,20 @@ def parse(data: dict, source: str) -> Platform:
     unknown = set(data) - set(_SCHEMA)
     if unknown:
         raise ConfigError(f"platform spec {source}: unknown key(s) {sorted(unknown)}; valid: {sorted(_SCHEMA)}")
-    defaults = {"unsigned": False, "per_channel": False, "narrow_range": False, "power_of_two": False}
+    defaults = {"unsigned": False, "per_channel": False, "narrow_range": False, "power_of_two": False,
+                "unsigned_nonnegative": False}
     act = _rule(data["activation"], source + " [activation]", defaults)
     wt = _rule(data["weight"], source + " [weight]", defaults)
     ops = data["ops"]
+    _known(ops, _OPS_KEYS, source + " [ops]")
     quantize = _need(ops, "quantize", list, source + " [ops]")
     weights = ops.get("weights", {})
-    if not isinstance(weights, dict) or not all(isinstance(v, int) and v >= 0 for v in weights.values()):
+    if not isinstance(weights, dict) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                                for v in weights.values()):
         raise ConfigError(f"platform spec {source} [ops]: 'weights' must map op types to input indices")
     fusion = data["fusion"]
+    _known(fusion, _FUSION_KEYS, source + " [fusion]")
+    _known(data["bias"], {"quantize": bool}, source + " [bias]")
     from dipoorlet.deploy import FORMATS
     for fmt in data["deploy"]:
         if fmt not in FORMATS:
@@ -133,5 +149,19 @@ def parse(data: dict, source: str) -> Platform:
         quantize_bias=bool(_need(data["bias"], "quantize", bool, source + " [bias]")),
         quantize_ops=frozenset(quantize), weight_inputs=dict(weights),
         residual_add_producers=frozenset(fusion.get("residual_add_producers", [])),
-        pad_into=frozenset(fusion.get("pad_into", [])), source=source,
+        pad_into=frozenset(fusion.get("pad_into", [])),
+        activation_producers=frozenset(fusion.get("activation_producers", [])),
+        fused_activations=frozenset(fusion.get("activations", [])),
+        share_scale=frozenset(ops.get("share_scale", [])), source=source,
     )
+
+
+def _known(d: dict, keys: dict, where: str) -> None:
+    unknown = set(d) - set(keys)
+    if unknown:
+        raise ConfigError(f"platform spec {where}: unknown key(s) {sorted(unknown)}; valid: {sorted(keys)}")
+    for key, typ in keys.items():
+        if key in d and not isinstance(d[key], typ):
+            raise ConfigError(f"platform spec {where}: key '{key}' must be {typ.__name__}, got {d[key]!r}")
+        if key in d and typ is list and not all(isinstance(x, str) for x in d[key]):
+            raise ConfigError(f"platform spec {where}: key '{key}' must be a list of op type names")

@@ -47,7 +47,7 @@ def insert_qdq(g: Graph, placement: Placement, plan: QuantPlan) -> onnx.ModelPro
 
     for tensor, point in placement.activations.items():
         qp = plan.activations.get(tensor)
-        if qp is None or not point.uses:
+        if qp is None or not (point.uses or point.output):
             continue
         s = _const(graph, tensor + "_scale", qp.scale)
         z = _const(graph, tensor + "_zero_point", qp.zero_point)
@@ -61,6 +61,8 @@ def insert_qdq(g: Graph, placement: Placement, plan: QuantPlan) -> onnx.ModelPro
         new_nodes[tensor] = [q, *extra, dq]
         for node_name, index in point.uses:
             nodes[node_name].input[index] = tensor + "_dq"
+        if point.output:
+            _quantize_output(graph, tensor, q, dq, nodes, new_nodes)
 
     weight_names_used = {}
     for (node_name, index), wp in placement.weights.items():
@@ -85,6 +87,26 @@ def insert_qdq(g: Graph, placement: Placement, plan: QuantPlan) -> onnx.ModelPro
     _rebuild(graph, new_nodes)
     _drop_unused_initializers(graph)
     return model
+
+
+def _quantize_output(graph, tensor: str, q, dq, nodes: dict, new_nodes: dict) -> None:
+    """Make network output ``tensor`` the dequantized value, keeping its name.
+
+    The producer now writes ``<t>_float``; Q reads it and DQ writes ``<t>``, so every consumer
+    and the graph output see what the chip outputs, under the name users already know.
+    """
+    src = tensor + "_float"
+    for node in graph.node:
+        for i, out in enumerate(node.output):
+            if out == tensor:
+                node.output[i] = src
+    for node in nodes.values():
+        for i, name in enumerate(node.input):
+            if name == tensor + "_dq":
+                node.input[i] = tensor
+    q.input[0] = src
+    dq.output[0] = tensor
+    new_nodes[src] = new_nodes.pop(tensor)
 
 
 def _rebuild(graph: onnx.GraphProto, new_nodes: dict[str, list]) -> None:

@@ -8,6 +8,7 @@ get a Clip between Q and DQ so onnxruntime simulates the narrower grid exactly.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,14 +46,21 @@ def levels(rule: TensorRule) -> tuple[int, int]:
 
 
 def make_qparams(lo, hi, rule: TensorRule, axis: int | None = None) -> QParams:
-    """The grid a rule gives to the clip range [lo, hi] (scalars or per-channel arrays)."""
+    """The grid a rule gives to the clip range [lo, hi] (scalars or per-channel arrays).
+
+    Power-of-two scales round *up* (``2^ceil(log2 s)``) so the grid still covers the clip range;
+    the reference tool rounds to the nearest power, which can clip up to sqrt(2) of the range.
+    """
     lo = np.minimum(np.asarray(lo, dtype=np.float64), 0.0)
     hi = np.maximum(np.asarray(hi, dtype=np.float64), 0.0)
+    if rule.unsigned_nonnegative and rule.symmetric and np.all(lo >= 0):
+        # TI-style: a tensor that is never negative uses the unsigned grid [0, 2^b - 1] with
+        # zero point 0, one more bit of resolution than the signed symmetric grid.
+        rule = dataclasses.replace(rule, symmetric=False, unsigned=True, unsigned_nonnegative=False)
     qmin, qmax = levels(rule)
     if rule.symmetric:
         amax = np.maximum(np.maximum(-lo, hi), MIN_SCALE)
-        # symmetric grids use the positive side: scale = amax / qmax (127 for int8)
-        scale = amax / (qmax if not rule.unsigned else qmax)
+        scale = amax / qmax  # the positive side: 127 levels for int8
         if rule.power_of_two:
             scale = 2.0 ** np.ceil(np.log2(scale))
         zp = np.zeros_like(scale)
@@ -61,6 +69,7 @@ def make_qparams(lo, hi, rule: TensorRule, axis: int | None = None) -> QParams:
         scale = span / (qmax - qmin)
         if rule.power_of_two:
             scale = 2.0 ** np.ceil(np.log2(scale))
+        # zero must be exactly representable (padding, ReLU zeros): integer zero point in range
         zp = np.clip(np.round(qmin - lo / scale), qmin, qmax)
     dtype = np.uint8 if not rule_signed(rule) else np.int8
     if rule.bits > 8:
@@ -91,3 +100,46 @@ class QuantPlan:
 
     activations: dict[str, QParams] = field(default_factory=dict)
     weights: dict[str, QParams] = field(default_factory=dict)
+    rules: dict = field(default_factory=dict)  # tensor -> the TensorRule its grid came from
+
+
+def bias_qparams(s_in: QParams, s_w: QParams) -> QParams:
+    """int32 bias grid of a Conv/Gemm: scale = input scale x weight scale (per channel), zp 0."""
+    scale = (s_in.scale.astype(np.float64) * s_w.scale.astype(np.float64)).astype(np.float32)
+    scale = np.maximum(scale, np.float32(1e-30))
+    zp = np.zeros(scale.shape, dtype=np.int32)
+    lim = 2**31 - 1
+    return QParams(scale=scale, zero_point=zp, bits=32, signed=True, qmin=-lim, qmax=lim,
+                   axis=0 if scale.ndim else None, lo=-scale * lim, hi=scale * lim)
+
+
+def share_scales(graph, plan: QuantPlan, ops) -> int:
+    """Give ops that only move values (MaxPool, Reshape, Concat…) the grid of their input.
+
+    Backends that run these ops in integers need input and output on one grid. A Concat's inputs
+    and output all take one grid covering the union of their ranges. Returns how many grids changed.
+    """
+    changed = 0
+    for node in graph.topological_nodes():
+        if node.op_type not in ops:
+            continue
+        out = node.output[0] if node.output else None
+        ins = [t for t in node.input if t in plan.activations]
+        if out not in plan.activations or not ins:
+            continue
+        if node.op_type == "Concat":
+            group = ins + [out]
+            lo = min(float(plan.activations[t].lo) for t in group)
+            hi = max(float(plan.activations[t].hi) for t in group)
+            rule = plan.rules.get(out)
+            if rule is None:
+                continue
+            shared = make_qparams(lo, hi, rule)
+            for t in group:
+                plan.activations[t] = shared
+        else:
+            if node.input[0] not in plan.activations:
+                continue
+            plan.activations[out] = plan.activations[node.input[0]]
+        changed += 1
+    return changed
