@@ -44,6 +44,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quant_format", default="QDQ", choices=["QDQ", "QOP"],
                    help="QDQ (Quantize/DequantizeLinear pairs) or QOP (QLinearConv, QGemm… where possible)")
     p.add_argument("--stpu_wg", action="store_true", help="stpu: Winograd F(2,3) for 3x3 stride-1 convolutions")
+    p.add_argument("--sens_samples", type=int, default=8,
+                   help="samples for isolated layer sensitivity and --auto_skip (default 8)")
+    p.add_argument("--criterion", default="cosine", choices=["cosine", "sqnr", "maxabs"],
+                   help="how layers are ranked by sensitivity")
+    p.add_argument("--auto_skip", default=None, metavar="TARGET",
+                   help="keep the most sensitive layers float until the output meets TARGET "
+                        "(e.g. 0.999 or cosine:0.999 or sqnr:30)")
+    p.add_argument("--max_float_layers", type=int, default=10, help="at most this many float layers for --auto_skip")
+    p.add_argument("--fail_below", type=float, default=None, metavar="COSINE",
+                   help="exit with code 3 when the network output cosine is below COSINE (for CI)")
     p.add_argument("--trt_version", default="8601", help="version in the TensorRT calibration cache header")
     p.add_argument("--mpirun", action="store_true", help="run as one of the processes mpirun/mpiexec started")
     p.add_argument("--slurm", action="store_true", help="run as one of the tasks srun started (PMI)")
@@ -102,6 +112,15 @@ def summary(result, cfg) -> str:
     return "\n".join(lines)
 
 
+def below_bar(report: dict, bar: float | None) -> str:
+    """A message when an output's mean cosine is below ``bar`` (--fail_below), else ''."""
+    if bar is None:
+        return ""
+    low = [f"{o['tensor']} cosine {o['cosine']}" for o in report.get("outputs", [])
+           if o["cosine"] is None or o["cosine"] < bar]
+    return ("; ".join(low) + f" below {bar} (outputs were written)") if low else ""
+
+
 def _log_to_file(message: str) -> None:
     for h in logging.getLogger("dipoorlet").handlers:
         if isinstance(h, logging.FileHandler):
@@ -129,6 +148,8 @@ def main(argv=None) -> int:
                           input_shapes=parse_input_shapes(args.input_shape), savefp=args.savefp,
                           skip_prof_layer=args.skip_prof_layer, trt_version=args.trt_version,
                           quant_format=args.quant_format, stpu_wg=args.stpu_wg,
+                          sens_samples=args.sens_samples, criterion=args.criterion, auto_skip=args.auto_skip,
+                          max_float_layers=args.max_float_layers, fail_below=args.fail_below,
                           device=args.device, debug=debug)
         check_model_path(cfg.model)  # before -O (default <model dir>/results) is created
         check_output_dir(cfg.output_dir)
@@ -140,6 +161,10 @@ def main(argv=None) -> int:
         result = quantize(cfg, comm)
         if comm.rank == 0:
             log.info(summary(result, cfg))
+            low = below_bar(result.report, cfg.fail_below)
+            if low:
+                log.error("dipoorlet: --fail_below %s: %s", cfg.fail_below, low)
+                return 3
         log.debug("done in %.2f s", time.perf_counter() - start)
         return 0
     except DipoorletError as exc:

@@ -25,6 +25,11 @@ class QuantConfig:
     skip_prof_layer: bool = False
     trt_version: str = "8601"
     quant_format: str = "QDQ"
+    sens_samples: int = 8
+    criterion: str = "cosine"
+    auto_skip: str | None = None
+    max_float_layers: int = 10
+    fail_below: float | None = None
     stpu_wg: bool = False
     device: str = "cpu"
     debug: bool = False
@@ -45,6 +50,17 @@ class QuantConfig:
             raise ConfigError(f"--threshold is a mass fraction in (0, 1], got {self.threshold}; e.g. 0.99999")
         if not 50.0 < self.percentile <= 100.0:
             raise ConfigError(f"--percentile must be in (50, 100], got {self.percentile}; e.g. 99.999")
+        if not isinstance(self.sens_samples, int) or self.sens_samples < 1:
+            raise ConfigError(f"--sens_samples must be a positive integer, got {self.sens_samples!r}")
+        if self.criterion not in ("cosine", "sqnr", "maxabs"):
+            raise ConfigError(f"--criterion must be cosine, sqnr or maxabs, got {self.criterion!r}")
+        if not isinstance(self.max_float_layers, int) or self.max_float_layers < 1:
+            raise ConfigError(f"--max_float_layers must be a positive integer, got {self.max_float_layers!r}")
+        if self.auto_skip is not None:
+            from dipoorlet.sensitivity import parse_target
+            parse_target(self.auto_skip)
+        if self.fail_below is not None and not -1.0 <= self.fail_below <= 1.0:
+            raise ConfigError(f"--fail_below is an output cosine in [-1, 1], got {self.fail_below}")
         if self.quant_format not in ("QDQ", "QOP"):
             raise ConfigError(f"--quant_format must be QDQ or QOP, got {self.quant_format!r}")
         if self.device not in ("cpu", "cuda"):

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from dipoorlet import calibrate, placement as placement_mod, platform as platform_mod, prepare, profile, report
+from dipoorlet import calibrate, placement as placement_mod, platform as platform_mod, prepare, profile, report, sensitivity
 from dipoorlet.config import QuantConfig
 from dipoorlet.data import DataSource, input_specs, shard
 from dipoorlet.deploy import DeployContext, export_all
@@ -151,11 +151,14 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
     if plat.quantize_bias:
         plan_biases(g, places, plan)
 
+    t = time.perf_counter()
+    analysis = analyse(cfg, g, places, plan, data, comm)
+    if analysis.get("auto_skip") is not None:
+        places = places.restrict([n for n in places.quantized_nodes
+                                  if n not in analysis["auto_skip"].float_layers])
+    timings["sensitivity_s"] = time.perf_counter() - t
     qmodel = insert_qdq(g, places, plan)
-    try:
-        onnx.checker.check_model(qmodel, full_check=False) if qmodel.ByteSize() < 2**31 - 1 else None
-    except Exception as exc:  # a bug of ours, not the user's input
-        raise RuntimeError(f"the quantized model fails onnx.checker: {exc}") from exc
+    _check(qmodel)
 
     targets_prof = profile.profile_targets(g, places, layers=not cfg.skip_prof_layer)
     # --savefp: every rank writes its samples into one staging folder that rank 0 names.
@@ -179,8 +182,9 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         meta = {"model": str(cfg.model), "platform": plat.name, "method": cfg.act_quant,
                 "samples": cfg.data_num,
                 "quantized_nodes": len(places.quantized_nodes),
-                "qdq_tensors": len(plan.activations), "weights": len(plan.weights)}
-        rep = report.build(rows, places, meta)
+                "qdq_tensors": sum(1 for t in places.activations if t in plan.activations),
+                "weights": len(places.weights)}
+        rep = report.build(rows, places, meta, analysis, stats, plan, samples)
         files += report.write(staging, rep)
         timings["total_s"] = time.perf_counter() - t0
         final = _publish(staging, out_dir)
@@ -188,6 +192,30 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
     finally:
         if comm.rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm) -> dict:
+    """Isolated sensitivity, weight range spread and auto_skip, as the config asks."""
+    out: dict = {"weight_spread": sensitivity.weight_spread(g, places)}
+    if cfg.skip_prof_layer and not cfg.auto_skip:
+        return out
+    n = min(cfg.sens_samples, cfg.data_num)
+    scorer = sensitivity.Scorer(g, data, shard(n, comm.rank, comm.world), comm, cfg.device)
+    out["sens_samples"] = n
+    out["isolated"] = sensitivity.isolated(g, places, plan, scorer, cfg.criterion)
+    if cfg.auto_skip:
+        crit, target = sensitivity.parse_target(cfg.auto_skip)
+        out["auto_skip"] = sensitivity.auto_skip(g, places, plan, scorer, out["isolated"], crit,
+                                                 target, cfg.max_float_layers)
+    return out
+
+
+def _check(qmodel) -> None:
+    try:
+        if qmodel.ByteSize() < 2**31 - 1:
+            onnx.checker.check_model(qmodel, full_check=False)
+    except Exception as exc:  # a bug of ours, not the user's input
+        raise RuntimeError(f"the quantized model fails onnx.checker: {exc}") from exc
 
 
 def _to_qop(qmodel):

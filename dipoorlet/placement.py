@@ -19,6 +19,7 @@ class ActPoint:
     tensor: str
     uses: list[tuple[str, int]] = field(default_factory=list)  # (node name, input index)
     output: bool = False  # a network output quantized in place (the chip's output is integer)
+    owners: list[str] = field(default_factory=list)  # the quantized node each use serves
 
 
 @dataclass
@@ -42,13 +43,33 @@ class Placement:
     activations: dict[str, ActPoint] = field(default_factory=dict)
     weights: dict[tuple[str, int], WeightPoint] = field(default_factory=dict)
     decisions: list[Decision] = field(default_factory=list)
+    output_owners: dict[str, str] = field(default_factory=dict)  # quantized output -> producer
 
     @property
     def quantized_nodes(self) -> list[str]:
         return [d.node for d in self.decisions if d.quantized]
 
-    def add_act(self, tensor: str, node: str, index: int) -> None:
-        self.activations.setdefault(tensor, ActPoint(tensor)).uses.append((node, index))
+    def add_act(self, tensor: str, node: str, index: int, owner: str | None = None) -> None:
+        point = self.activations.setdefault(tensor, ActPoint(tensor))
+        point.uses.append((node, index))
+        point.owners.append(owner or node)
+
+    def restrict(self, keep, acts: bool = True, weights: bool = True) -> "Placement":
+        """The same placement with only the nodes in ``keep`` quantized (others float)."""
+        keep = set(keep)
+        out = Placement(decisions=[d if not d.quantized or d.node in keep else
+                                   Decision(d.node, d.op_type, False, "kept in float (mixed precision)")
+                                   for d in self.decisions])
+        if acts:
+            for t, p in self.activations.items():
+                pairs = [(u, o) for u, o in zip(p.uses, p.owners) if o in keep]
+                as_output = p.output and self.output_owners.get(t) in keep
+                if pairs or as_output:
+                    out.activations[t] = ActPoint(t, [u for u, _ in pairs], as_output, [o for _, o in pairs])
+        out.output_owners = dict(self.output_owners)
+        if weights:
+            out.weights = {k: w for k, w in self.weights.items() if w.node in keep}
+        return out
 
 
 def weight_axis(g: Graph, node, index: int, per_channel: bool) -> int | None:
@@ -157,7 +178,7 @@ def place(g: Graph, platform: Platform, skip_layers=(), weight_only=()) -> Place
                 continue
             moved = _through_pad(g, node, i, platform)
             if moved is not None:
-                plan.add_act(moved[0], moved[2], moved[1])
+                plan.add_act(moved[0], moved[2], moved[1], owner=node.name)
             else:
                 plan.add_act(node.input[i], node.name, i)
         for i in weights:
@@ -173,4 +194,5 @@ def place(g: Graph, platform: Platform, skip_layers=(), weight_only=()) -> Place
             prod = g.producer.get(name)
             if g.is_float(name) and prod is not None and prod.name in quantized:
                 plan.activations.setdefault(name, ActPoint(name)).output = True
+                plan.output_owners[name] = prod.name
     return plan

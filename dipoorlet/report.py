@@ -1,40 +1,120 @@
-"""Error report writers: JSON for machines, Markdown for people, a terminal table at the end."""
+"""The report: ``report.json`` (every number), ``report.md`` (tables for a terminal or a merge
+request) and ``report.html`` (one self-contained page with plots, see :mod:`dipoorlet.report_html`)."""
 from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from dipoorlet.util import write_json, write_text
 
 
-def _num(x: float):
-    return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else round(x, 6)
+def _num(x):
+    if x is None:
+        return None
+    x = float(x)
+    return None if not math.isfinite(x) else round(x, 6)
+
+
+def _score(s):
+    return None if s is None else {"cosine": _num(s.cosine), "sqnr_db": _num(s.sqnr_db),
+                                   "max_abs_err": _num(s.max_abs_err)}
 
 
 def worst(rows, k: int = 10):
     return sorted((r for r in rows if not r.is_output), key=lambda r: r.cosine)[:k]
 
 
-def build(rows, placement, meta: dict) -> dict:
-    return {
+def _histograms(nodes, places, stats, plan, bins: int = 64) -> dict:
+    """Activation histograms (folded to ``bins`` bins) of the inputs of ``nodes``."""
+    out = {}
+    for node in nodes:
+        for t, p in places.activations.items():
+            if node not in p.owners or t in out or t not in stats:
+                continue
+            st = stats[t]
+            entry = {"node": node, "min": _num(st.minmax.lo), "max": _num(st.minmax.hi)}
+            if t in plan.activations:
+                entry["clip"] = [_num(plan.activations[t].lo), _num(plan.activations[t].hi)]
+            if st.hist is not None:
+                counts = st.hist.counts
+                k = max(1, counts.size // bins)
+                folded = counts[: counts.size // k * k].reshape(-1, k).sum(axis=1)
+                entry["edges"] = [_num(st.hist.left), _num(st.hist.left + st.hist.width * k * folded.size)]
+                entry["counts"] = folded.astype(int).tolist()
+            out[t] = entry
+    return out
+
+
+def _output_distribution(samples: dict, outputs: list[str], bins: int = 20) -> dict:
+    dist = {}
+    for t in outputs:
+        cos = np.array([s[1] for s in samples.get(t, [])], dtype=np.float64)
+        if cos.size == 0:
+            continue
+        lo = float(min(cos.min(), 0.99))
+        counts, edges = np.histogram(cos, bins=bins, range=(lo, 1.0))
+        dist[t] = {"edges": [_num(e) for e in edges], "counts": counts.astype(int).tolist(),
+                   "samples": int(cos.size)}
+    return dist
+
+
+def build(rows, places, meta: dict, analysis: dict | None = None, stats=None, plan=None,
+          samples=None) -> dict:
+    analysis = analysis or {}
+    iso = {s.node: s for s in analysis.get("isolated", [])}
+    layers = []
+    for r in rows:
+        if r.is_output:
+            continue
+        row = {"node": r.node, "op_type": r.op_type, "tensor": r.tensor, "cosine": _num(r.cosine),
+               "min_cosine": _num(r.min_cosine), "sqnr_db": _num(r.sqnr_db), "max_abs_err": _num(r.max_abs_err)}
+        if r.node in iso:
+            s = iso[r.node]
+            row["isolated"] = _score(s.isolated)
+            if s.weight_only is not None:
+                row["weight_only"] = _score(s.weight_only)
+                row["activation_only"] = _score(s.activation_only)
+        layers.append(row)
+    worst_nodes = [r.node for r in worst(rows)]
+    rep = {
         **meta,
         "outputs": [{"tensor": r.tensor, "cosine": _num(r.cosine), "min_cosine": _num(r.min_cosine),
                      "sqnr_db": _num(r.sqnr_db), "max_abs_err": _num(r.max_abs_err)}
                     for r in rows if r.is_output],
-        "layers": [{"node": r.node, "op_type": r.op_type, "tensor": r.tensor, "cosine": _num(r.cosine),
-                    "min_cosine": _num(r.min_cosine), "sqnr_db": _num(r.sqnr_db),
-                    "max_abs_err": _num(r.max_abs_err)} for r in rows if not r.is_output],
-        "worst_layers": [r.node for r in worst(rows)],
+        "layers": layers,
+        "worst_layers": worst_nodes,
+        "most_sensitive_layers": [s.node for s in sorted(iso.values(), key=lambda s: s.isolated.cosine)[:10]],
+        "weight_spread": analysis.get("weight_spread", [])[:10],
         "decisions": [{"node": d.node, "op_type": d.op_type, "quantized": d.quantized, "reason": d.reason}
-                      for d in placement.decisions],
+                      for d in places.decisions],
     }
+    if "sens_samples" in analysis:
+        rep["sensitivity_samples"] = analysis["sens_samples"]
+    a = analysis.get("auto_skip")
+    if a is not None:
+        rep["auto_skip"] = {"criterion": a.criterion, "target": a.target, "met": a.met,
+                            "float_layers": a.float_layers, "before": _score(a.before),
+                            "after": _score(a.after), "steps": a.steps}
+    if stats is not None and plan is not None:
+        focus = list(dict.fromkeys(rep["most_sensitive_layers"][:5] + worst_nodes[:5]))
+        rep["activation_histograms"] = _histograms(focus, places, stats, plan)
+    if samples is not None:
+        rep["output_distribution"] = _output_distribution(samples, [o["tensor"] for o in rep["outputs"]])
+    return rep
 
 
 def table(headers, body) -> str:
-    cells = [list(map(str, headers))] + [[str(c) for c in row] for row in body]
+    cells = [list(map(str, headers))] + [["-" if c is None else str(c) for c in row] for row in body]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     fmt = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([fmt(cells[0]), sep] + [fmt(r) for r in cells[1:]])
+
+
+def _iso(layer, key="isolated"):
+    s = layer.get(key)
+    return (s["cosine"], s["sqnr_db"]) if s else (None, None)
 
 
 def markdown(report: dict) -> str:
@@ -42,16 +122,43 @@ def markdown(report: dict) -> str:
            f"platform `{report['platform']}`, method `{report['method']}`, {report['samples']} samples, "
            f"{report['quantized_nodes']} quantized nodes, {report['qdq_tensors']} Q/DQ activations", "",
            "## Network outputs", "",
-           table(["output", "mean cosine", "min cosine", "SQNR dB"],
-                 [[o["tensor"], o["cosine"], o["min_cosine"], o["sqnr_db"]] for o in report["outputs"]])]
+           table(["output", "mean cosine", "min cosine", "SQNR dB", "max |err|"],
+                 [[o["tensor"], o["cosine"], o["min_cosine"], o["sqnr_db"], o["max_abs_err"]]
+                  for o in report["outputs"]])]
     layers = {l["node"]: l for l in report["layers"]}
     if report["worst_layers"]:
-        out += ["", "## 10 worst layers (cumulative error)", "",
-                table(["node", "op", "cosine", "SQNR dB"],
-                      [[n, layers[n]["op_type"], layers[n]["cosine"], layers[n]["sqnr_db"]]
+        out += ["", "## 10 worst layers (cumulative: everything upstream quantized)", "",
+                table(["node", "op", "cosine", "SQNR dB", "isolated cosine"],
+                      [[n, layers[n]["op_type"], layers[n]["cosine"], layers[n]["sqnr_db"], _iso(layers[n])[0]]
                        for n in report["worst_layers"]])]
+    if report.get("most_sensitive_layers"):
+        body = []
+        for n in report["most_sensitive_layers"]:
+            l = layers.get(n, {})
+            body.append([n, l.get("op_type"), *_iso(l), _iso(l, "weight_only")[0], _iso(l, "activation_only")[0]])
+        out += ["", f"## 10 most sensitive layers (isolated: only this layer quantized, effect at the "
+                f"output, {report.get('sensitivity_samples')} samples)", "",
+                table(["node", "op", "output cosine", "SQNR dB", "weights only", "activations only"], body)]
+    if report.get("weight_spread"):
+        out += ["", "## Weight range spread (max channel / median channel; large = per-tensor hurts)", "",
+                table(["node", "channels", "spread"],
+                      [[w["node"], w["channels"], round(w["spread"], 2)] for w in report["weight_spread"]])]
+    a = report.get("auto_skip")
+    if a:
+        out += ["", f"## auto_skip: target {a['criterion']} ≥ {a['target']} "
+                f"({'met' if a['met'] else 'NOT met'})", "",
+                f"kept in float: {', '.join(a['float_layers']) or 'none'}; output cosine "
+                f"{a['before']['cosine']} → {a['after']['cosine']}, SQNR {a['before']['sqnr_db']} → "
+                f"{a['after']['sqnr_db']} dB"]
+    skipped = [d for d in report["decisions"] if not d["quantized"] and "not quantized on" not in d["reason"]]
+    if skipped:
+        out += ["", "## Nodes kept in float, and why", "",
+                table(["node", "op", "reason"], [[d["node"], d["op_type"], d["reason"]] for d in skipped[:50]])]
     return "\n".join(out) + "\n"
 
 
 def write(folder, report: dict) -> list:
-    return [write_json(folder / "report.json", report), write_text(folder / "report.md", markdown(report))]
+    from dipoorlet.report_html import html
+
+    return [write_json(folder / "report.json", report), write_text(folder / "report.md", markdown(report)),
+            write_text(folder / "report.html", html(report))]

@@ -52,7 +52,7 @@ def error_lines(stderr: str) -> list[str]:
 
 
 def assert_nothing_written(case: Case):
-    leftovers = [p for pat in ("quant_model.onnx", ".dipoorlet-staging-*", "*.tmp", "*.json", "*.cache", "report.md")
+    leftovers = [p for pat in ("quant_model.onnx", ".dipoorlet-staging-*", "*.tmp", "*.json", "*.cache", "report.md", "report.html")
                  for p in case.tmp.rglob(pat)]
     assert leftovers == []
     if case.out.is_file():

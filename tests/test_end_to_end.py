@@ -15,7 +15,7 @@ from dipoorlet.ranges import RANGE_METHODS
 
 N = 8
 EXPECTED_FILES = {"quant_model.onnx", "trt_clip_val.json", "trt_calib.cache", "act_clip_val.json",
-                  "weight_clip_val.json", "report.json", "report.md", "dipoorlet.log"}
+                  "weight_clip_val.json", "report.json", "report.md", "report.html", "dipoorlet.log"}
 
 
 def _close_logs():

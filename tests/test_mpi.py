@@ -17,7 +17,7 @@ MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent) + os.paths
 pytestmark = pytest.mark.skipif(MPIRUN is None, reason="mpirun not found (pip install mpich)")
 
 OUTPUTS = ["quant_model.onnx", "trt_clip_val.json", "trt_calib.cache", "act_clip_val.json",
-           "weight_clip_val.json", "report.json", "report.md"]
+           "weight_clip_val.json", "report.json", "report.md", "report.html"]
 
 
 def _model(path: Path) -> None:

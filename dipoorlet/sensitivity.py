@@ -1,0 +1,179 @@
+"""Where accuracy is lost: isolated layer sensitivity and automatic mixed precision.
+
+*Isolated* error of a node: the model with only that node's inputs and weights quantized,
+everything else float, measured at the network outputs against the float model. It answers "what
+does quantizing this layer cost by itself", which the cumulative profile cannot (there, every
+layer inherits the error of all layers before it).
+
+Cost: one pass of the full model per quantized node over the sensitivity samples (``--sens_samples``,
+default 16; sharded across MPI ranks), plus one float pass per sample for the reference outputs.
+We chose whole-model passes over extracting each node's downstream subgraph: the downstream part
+is on average half the model, but extracting it needs the float values of every tensor crossing
+the cut for every sample, which would either be stored (memory growing with N) or recomputed.
+For the worst layers, two more passes split the error into its weight-only and activation-only
+parts.
+
+``auto_skip`` greedily keeps the most sensitive layers in float until the network output meets a
+target (cosine or SQNR) or a maximum number of float layers is reached, re-measuring the whole
+model after each step; a layer whose float version does not improve the output is quantized
+again (layer errors interact: the isolated ranking is a guide, not a guarantee). It reports what
+each step bought.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dipoorlet.progress import progress
+from dipoorlet.profile import sample_metrics
+from dipoorlet.qdq import insert_qdq
+from dipoorlet.runtime import Runner
+
+log = logging.getLogger(__name__)
+
+CRITERIA = ("cosine", "sqnr", "maxabs")
+
+
+@dataclass
+class OutputScore:
+    """Error at the network outputs; the worst output counts for multi-output models."""
+    cosine: float
+    sqnr_db: float
+    max_abs_err: float
+
+    def value(self, criterion: str) -> float:
+        return {"cosine": self.cosine, "sqnr": self.sqnr_db, "maxabs": -self.max_abs_err}[criterion]
+
+
+class Scorer:
+    """Scores quantized variants of one model against float outputs computed once per sample."""
+
+    def __init__(self, graph, data, indices, comm, device="cpu"):
+        self.graph, self.data, self.indices, self.comm, self.device = graph, data, list(indices), comm, device
+        self.outputs = list(graph.output_names)
+        fp = Runner(graph.model, self.outputs, types=graph.types, device=device)
+        # Float reference outputs of the (few) sensitivity samples: network outputs only.
+        self.reference = {i: fp.run(data.sample(i))[0] for i in self.indices}
+
+    def score(self, qmodel) -> OutputScore:
+        runner = Runner(qmodel, self.outputs, types=self.graph.types, optimize=False, device=self.device)
+        rows = []
+        for i in self.indices:
+            q, _ = runner.run(self.data.sample(i))
+            rows.append((i, [sample_metrics(self.reference[i][t], q[t]) for t in self.outputs]))
+        rows = self.comm.gather_samples({"_": rows})["_"]
+        rows.sort(key=lambda r: r[0])
+        worst = None
+        for k, _ in enumerate(self.outputs):
+            cos = math.fsum(r[1][k][0] for r in rows) / max(len(rows), 1)
+            err = math.fsum(r[1][k][1] for r in rows)
+            sig = math.fsum(r[1][k][2] for r in rows)
+            sqnr = math.inf if err == 0 else (10 * math.log10(sig / err) if sig > 0 else -math.inf)
+            mx = max((r[1][k][3] for r in rows), default=0.0)
+            s = OutputScore(cos, sqnr, mx)
+            if worst is None or s.cosine < worst.cosine:
+                worst = s
+        return self.comm.bcast(worst)
+
+
+@dataclass
+class LayerSensitivity:
+    node: str
+    op_type: str
+    isolated: OutputScore
+    weight_only: OutputScore | None = None
+    activation_only: OutputScore | None = None
+
+
+def isolated(graph, places, plan, scorer: Scorer, criterion="cosine", split_worst=10) -> list[LayerSensitivity]:
+    ops = {d.node: d.op_type for d in places.decisions}
+    rows = []
+    for node in progress(places.quantized_nodes, "sensitivity: isolated layers", scorer.comm):
+        q = insert_qdq(graph, places.restrict({node}), plan)
+        rows.append(LayerSensitivity(node, ops[node], scorer.score(q)))
+    for row in sorted(rows, key=lambda r: r.isolated.value(criterion))[:split_worst]:
+        row.weight_only = scorer.score(insert_qdq(graph, places.restrict({row.node}, acts=False), plan))
+        row.activation_only = scorer.score(insert_qdq(graph, places.restrict({row.node}, weights=False), plan))
+    return rows
+
+
+@dataclass
+class AutoSkipResult:
+    target: float
+    criterion: str
+    before: OutputScore
+    after: OutputScore
+    float_layers: list[str] = field(default_factory=list)
+    steps: list[dict] = field(default_factory=list)
+    met: bool = False
+
+
+def parse_target(text: str) -> tuple[str, float]:
+    """``"0.999"`` or ``"cosine:0.999"`` / ``"sqnr:30"`` → (criterion, value)."""
+    from dipoorlet.errors import ConfigError
+
+    crit, _, val = text.rpartition(":")
+    crit = crit or "cosine"
+    try:
+        value = float(val)
+    except ValueError:
+        raise ConfigError(f"--auto_skip {text!r}: expected a number or CRITERION:NUMBER, "
+                          "e.g. 0.999 or sqnr:30") from None
+    if crit not in ("cosine", "sqnr"):
+        raise ConfigError(f"--auto_skip criterion {crit!r}: use cosine or sqnr")
+    if crit == "cosine" and not 0 < value <= 1:
+        raise ConfigError(f"--auto_skip cosine target must be in (0, 1], got {value}")
+    return crit, value
+
+
+def auto_skip(graph, places, plan, scorer: Scorer, sens: list[LayerSensitivity], criterion: str,
+              target: float, max_layers: int) -> AutoSkipResult:
+    """Keep the most sensitive layers float, one at a time, until the output meets ``target``."""
+    quantized = list(places.quantized_nodes)
+    before = scorer.score(insert_qdq(graph, places, plan))
+    res = AutoSkipResult(target, criterion, before, before)
+    order = [s.node for s in sorted(sens, key=lambda s: s.isolated.value(criterion))]
+    current = before
+    for node in order:
+        if current.value(criterion) >= target or len(res.float_layers) >= max_layers:
+            break
+        keep = [n for n in quantized if n not in res.float_layers and n != node]
+        trial = scorer.score(insert_qdq(graph, places.restrict(keep), plan))
+        helped = trial.value(criterion) > current.value(criterion)
+        res.steps.append({"float_layer": node, "cosine": trial.cosine, "sqnr_db": trial.sqnr_db,
+                          "kept": helped})
+        log.info("auto_skip: %s float -> output cosine %.6f, SQNR %.2f dB%s", node, trial.cosine,
+                 trial.sqnr_db, "" if helped else " (no gain: quantized again)")
+        if helped:
+            res.float_layers.append(node)
+            current = trial
+    res.after = current
+    res.met = current.value(criterion) >= target
+    return res
+
+
+def weight_spread(graph, places) -> list[dict]:
+    """Per-channel range spread of each weight: max over channels of max|w_c| / median of them.
+
+    On per-tensor platforms a large spread means most channels get only a few integer levels
+    (the reference tool's "degradation by per layer" list); cross-layer equalization fixes it.
+    """
+    rows = []
+    for wp in places.weights.values():
+        node = graph.node_by_name[wp.node]
+        if wp.index != 1 or node.op_type not in ("Conv", "ConvTranspose", "Gemm", "MatMul"):
+            continue
+        w = graph.weight(wp.tensor).astype(np.float32)
+        axis = 1 if node.op_type in ("ConvTranspose", "MatMul") else 0
+        if node.op_type == "Gemm" and not any(a.name == "transB" and a.i for a in node.attribute):
+            axis = 1
+        if w.ndim < 2:
+            continue
+        amax = np.abs(np.moveaxis(w, axis, 0).reshape(w.shape[axis], -1)).max(axis=1)
+        med = float(np.median(amax))
+        rows.append({"node": wp.node, "weight": wp.tensor, "channels": int(amax.size),
+                     "spread": float(amax.max() / med) if med > 0 else math.inf})
+    return sorted(rows, key=lambda r: -r["spread"])
