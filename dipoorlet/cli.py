@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_float_layers", type=int, default=10, help="at most this many float layers for --auto_skip")
     p.add_argument("--fail_below", type=float, default=None, metavar="COSINE",
                    help="exit with code 3 when the network output cosine is below COSINE (for CI)")
+    p.add_argument("--w_bits", type=int, default=None, help="weight bits for every layer (default: the platform's)")
+    p.add_argument("--a_bits", type=int, default=None, help="activation bits for every layer (2..8)")
+    p.add_argument("--layer_bits", nargs="+", default=[], metavar="NODE=wNaM",
+                   help="per-layer bit widths, e.g. conv1=w8a8 fc=w4 (w or a may be left out)")
     p.add_argument("--trt_version", default="8601", help="version in the TensorRT calibration cache header")
     p.add_argument("--mpirun", action="store_true", help="run as one of the processes mpirun/mpiexec started")
     p.add_argument("--slurm", action="store_true", help="run as one of the tasks srun started (PMI)")
@@ -112,6 +116,22 @@ def summary(result, cfg) -> str:
     return "\n".join(lines)
 
 
+def parse_layer_bits(items) -> dict:
+    """``["conv1=w4a8", "fc=w4"]`` -> {"conv1": (4, 8), "fc": (4, None)}."""
+    import re
+
+    from dipoorlet.errors import ConfigError
+
+    out = {}
+    for item in items:
+        node, sep, spec = item.rpartition("=")
+        m = re.fullmatch(r"(?:w(\d+))?(?:a(\d+))?", spec.lower())
+        if not sep or not node or not m or not spec:
+            raise ConfigError(f"--layer_bits {item!r} is not NODE=wNaM; write e.g. conv1=w4a8 or fc=w4")
+        out[node] = (int(m.group(1)) if m.group(1) else None, int(m.group(2)) if m.group(2) else None)
+    return out
+
+
 def below_bar(report: dict, bar: float | None) -> str:
     """A message when an output's mean cosine is below ``bar`` (--fail_below), else ''."""
     if bar is None:
@@ -150,6 +170,7 @@ def main(argv=None) -> int:
                           quant_format=args.quant_format, stpu_wg=args.stpu_wg,
                           sens_samples=args.sens_samples, criterion=args.criterion, auto_skip=args.auto_skip,
                           max_float_layers=args.max_float_layers, fail_below=args.fail_below,
+                          w_bits=args.w_bits, a_bits=args.a_bits, layer_bits=parse_layer_bits(args.layer_bits),
                           device=args.device, debug=debug)
         check_model_path(cfg.model)  # before -O (default <model dir>/results) is created
         check_output_dir(cfg.output_dir)

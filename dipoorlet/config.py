@@ -30,6 +30,9 @@ class QuantConfig:
     auto_skip: str | None = None
     max_float_layers: int = 10
     fail_below: float | None = None
+    w_bits: int | None = None          # override the platform's weight bits
+    a_bits: int | None = None          # override the platform's activation bits
+    layer_bits: dict = field(default_factory=dict)  # node -> (weight bits | None, act bits | None)
     stpu_wg: bool = False
     device: str = "cpu"
     debug: bool = False
@@ -61,6 +64,15 @@ class QuantConfig:
             parse_target(self.auto_skip)
         if self.fail_below is not None and not -1.0 <= self.fail_below <= 1.0:
             raise ConfigError(f"--fail_below is an output cosine in [-1, 1], got {self.fail_below}")
+        for name, value in (("--w_bits", self.w_bits), ("--a_bits", self.a_bits)):
+            if value is not None and not (isinstance(value, int) and 2 <= value <= 16):
+                raise ConfigError(f"{name} must be an integer in 2..16, got {value!r}")
+        for node, pair in self.layer_bits.items():
+            if any(b is not None and not 2 <= b <= 16 for b in pair):
+                raise ConfigError(f"--layer_bits {node}: bits must be in 2..16, got {pair}")
+        if (self.a_bits or 8) > 8 or any((p[1] or 8) > 8 for p in self.layer_bits.values()):
+            raise ConfigError("activation bits above 8 need int16 Q/DQ (opset 21), not supported yet; "
+                              "use --a_bits 2..8")
         if self.quant_format not in ("QDQ", "QOP"):
             raise ConfigError(f"--quant_format must be QDQ or QOP, got {self.quant_format!r}")
         if self.device not in ("cpu", "cuda"):

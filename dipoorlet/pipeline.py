@@ -7,6 +7,7 @@ leaves no half-written file behind.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -58,26 +59,33 @@ def load_graph(cfg: QuantConfig) -> Graph:
     done = prepare.prepare(g)
     log.info("model %s: opset %d (was %d), %d nodes, %d Constant weights moved to initializers",
              cfg.model, g.opset, done["opset_from"], len(g.graph.node), done["constants_to_initializers"])
-    missing = set(cfg.skip_layers) - set(g.node_by_name)
+    missing = (set(cfg.skip_layers) | set(cfg.layer_bits)) - set(g.node_by_name)
     if missing:
         sample = ", ".join(sorted(g.node_by_name)[:5])
-        raise ConfigError(f"--skip_layers names {sorted(missing)}, which are not nodes of the model "
+        raise ConfigError(f"--skip_layers/--layer_bits name {sorted(missing)}, which are not nodes of the model "
                           f"(nodes are named like: {sample}, ...); use node names, not tensor names")
     return g
 
 
-def plan_activations(stats, cfg: QuantConfig, plat) -> QuantPlan:
-    rule = plat.activation
-    params = RangeParams(qmax=levels(rule)[1] if rule.symmetric else levels(rule)[1] - levels(rule)[0],
-                         threshold=cfg.threshold, percentile=cfg.percentile)
+def rule_for(base, bits: int | None):
+    """The platform's rule with another bit width (per-layer overrides, --a_bits/--w_bits)."""
+    return base if bits is None or bits == base.bits else dataclasses.replace(base, bits=bits)
+
+
+def plan_activations(stats, cfg: QuantConfig, plat, places=None) -> QuantPlan:
     method = RANGE_METHODS[cfg.act_quant]
     plan = QuantPlan()
-    unsigned = RangeParams(qmax=2**rule.bits - 1, threshold=cfg.threshold, percentile=cfg.percentile)
     for t, st in stats.items():
         if st.minmax.count == 0:
             continue
+        owners = places.activations[t].owners if places is not None and t in places.activations else []
+        bits = [cfg.layer_bits[o][1] for o in owners if o in cfg.layer_bits and cfg.layer_bits[o][1]]
+        rule = rule_for(plat.activation, min(bits) if bits else cfg.a_bits)
         nonneg = rule.unsigned_nonnegative and st.minmax.lo >= 0
-        lo, hi = method(st, unsigned if nonneg else params)
+        qmin, qmax = levels(rule)
+        steps = 2**rule.bits - 1 if nonneg else (qmax if rule.symmetric else qmax - qmin)
+        params = RangeParams(qmax=steps, threshold=cfg.threshold, percentile=cfg.percentile)
+        lo, hi = method(st, params)
         plan.activations[t] = make_qparams(lo, hi, rule)
         plan.rules[t] = rule
     return plan
@@ -106,7 +114,7 @@ def plan_biases(g: Graph, places, plan: QuantPlan) -> None:
         places.weights[(node_name, 2)] = placement_mod.WeightPoint(bias, node_name, 2, plan.weights[bias].axis)
 
 
-def plan_weights(g: Graph, places, plan: QuantPlan, plat) -> None:
+def plan_weights(g: Graph, places, plan: QuantPlan, plat, cfg: QuantConfig) -> None:
     for wp in places.weights.values():
         if wp.tensor in plan.weights:
             continue
@@ -116,7 +124,8 @@ def plan_weights(g: Graph, places, plan: QuantPlan, plat) -> None:
         else:
             moved = np.moveaxis(w, wp.axis, 0).reshape(w.shape[wp.axis], -1)
             lo, hi = moved.min(axis=1), moved.max(axis=1)
-        plan.weights[wp.tensor] = make_qparams(lo, hi, plat.weight, axis=wp.axis)
+        w_bits = cfg.layer_bits.get(wp.node, (None, None))[0] or cfg.w_bits
+        plan.weights[wp.tensor] = make_qparams(lo, hi, rule_for(plat.weight, w_bits), axis=wp.axis)
 
 
 def quantize(cfg: QuantConfig, comm=None) -> Result:
@@ -144,10 +153,10 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
     if cfg.act_quant in NEEDS_HISTOGRAM:
         stats = calibrate.histogram_pass(g, data, indices, stats, cfg.bins, comm, cfg.device)
     timings["calibration_s"] = time.perf_counter() - t
-    plan = plan_activations(stats, cfg, plat)
+    plan = plan_activations(stats, cfg, plat, places)
     if plat.share_scale:
         share_scales(g, plan, plat.share_scale)
-    plan_weights(g, places, plan, plat)
+    plan_weights(g, places, plan, plat, cfg)
     if plat.quantize_bias:
         plan_biases(g, places, plan)
 
