@@ -85,6 +85,9 @@ def build(rows, places, meta: dict, analysis: dict | None = None, stats=None, pl
         "layers": layers,
         "worst_layers": worst_nodes,
         "most_sensitive_layers": [s.node for s in sorted(iso.values(), key=lambda s: s.isolated.cosine)[:10]],
+        "sensitivity": [{"node": s.node, "op_type": s.op_type, "isolated": _score(s.isolated),
+                         "weight_only": _score(s.weight_only), "activation_only": _score(s.activation_only)}
+                        for s in iso.values()],
         "weight_spread": analysis.get("weight_spread", [])[:10],
         "decisions": [{"node": d.node, "op_type": d.op_type, "quantized": d.quantized, "reason": d.reason}
                       for d in places.decisions],
@@ -131,10 +134,11 @@ def markdown(report: dict) -> str:
                 table(["node", "op", "cosine", "SQNR dB", "isolated cosine"],
                       [[n, layers[n]["op_type"], layers[n]["cosine"], layers[n]["sqnr_db"], _iso(layers[n])[0]]
                        for n in report["worst_layers"]])]
+    sens = {s["node"]: s for s in report.get("sensitivity", [])}
     if report.get("most_sensitive_layers"):
         body = []
         for n in report["most_sensitive_layers"]:
-            l = layers.get(n, {})
+            l = sens.get(n, {})
             body.append([n, l.get("op_type"), *_iso(l), _iso(l, "weight_only")[0], _iso(l, "activation_only")[0]])
         out += ["", f"## 10 most sensitive layers (isolated: only this layer quantized, effect at the "
                 f"output, {report.get('sensitivity_samples')} samples)", "",

@@ -126,10 +126,11 @@ def html(rep: dict) -> str:
                        [[i + 1, esc(s["float_layer"]), _fmt(s["cosine"], 6), _fmt(s["sqnr_db"], 2),
                          "yes" if s.get("kept") else "no gain"] for i, s in enumerate(a["steps"])])]
     out += ["<h2>Error along the network</h2>", depth_plot(layers)]
+    sens = {s["node"]: s for s in rep.get("sensitivity", [])}
     if rep.get("most_sensitive_layers"):
         rows = []
         for n in rep["most_sensitive_layers"]:
-            l = by_node.get(n, {})
+            l = sens.get(n, {})
             iso, wo, ao = l.get("isolated") or {}, l.get("weight_only") or {}, l.get("activation_only") or {}
             rows.append([esc(n), esc(l.get("op_type")), _cos_cell(iso.get("cosine")), _fmt(iso.get("sqnr_db"), 2),
                          _fmt(wo.get("cosine"), 6), _fmt(ao.get("cosine"), 6)])
