@@ -180,7 +180,8 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         if comm.rank != 0:
             return Result(out_dir, [], {}, [], timings)
         # Every collective step is done (the gather waited for all ranks): rank 0 writes.
-        rows = profile.summarize(samples, targets_prof, g.output_names)
+        rows = profile.summarize(samples, targets_prof, g.output_names,
+                                 places.quantized_nodes if not cfg.skip_prof_layer else ())
         staging.mkdir(exist_ok=True)
         if cfg.quant_format == "QOP":
             files = [save_model(qmodel, staging / "quant_model_qdq.onnx"),

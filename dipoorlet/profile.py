@@ -79,7 +79,10 @@ def collect_errors(graph, qmodel, data, indices, targets: dict, comm, device="cp
     return comm.gather_samples(per_sample)
 
 
-def summarize(per_sample: dict, targets: dict, outputs: list[str]) -> list[ErrorRow]:
+def summarize(per_sample: dict, targets: dict, outputs: list[str], quantized=()) -> list[ErrorRow]:
+    """One row per layer tensor and one per network output (a quantized layer's output that is
+    also a network output gets both)."""
+    quantized = set(quantized)
     rows = []
     for t, samples in per_sample.items():
         samples = sorted(samples)
@@ -90,6 +93,9 @@ def summarize(per_sample: dict, targets: dict, outputs: list[str]) -> list[Error
         sig = math.fsum(s[3] for s in samples)
         sqnr = math.inf if err == 0 else (10 * math.log10(sig / err) if sig > 0 else -math.inf)
         node, op = targets[t]
-        rows.append(ErrorRow(t, node, op, math.fsum(cos) / len(cos), min(cos), sqnr,
-                             max(s[4] for s in samples), t in outputs))
+        values = (math.fsum(cos) / len(cos), min(cos), sqnr, max(s[4] for s in samples))
+        if t not in outputs or node in quantized:
+            rows.append(ErrorRow(t, node, op, *values, False))
+        if t in outputs:
+            rows.append(ErrorRow(t, node, op, *values, True))
     return rows

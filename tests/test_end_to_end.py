@@ -124,7 +124,7 @@ def test_report_json_metadata_and_layers(run):
     _, _, out = run
     report = json.loads((out / "report.json").read_text())
     assert (report["platform"], report["method"], report["samples"]) == ("trt", "mse", N)
-    assert {l["node"] for l in report["layers"]} == {"conv1", "pool1", "conv2", "add2", "gap"}
+    assert {l["node"] for l in report["layers"]} == {"conv1", "pool1", "conv2", "add2", "gap", "fc"}
     assert {d["node"] for d in report["decisions"]} == {n.name for n in tiny_cnn().graph.node}
 
 

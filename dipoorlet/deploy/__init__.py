@@ -35,4 +35,4 @@ def export_all(ctx: DeployContext, folder: Path) -> list[Path]:
     return written
 
 
-from dipoorlet.deploy import reference, trt  # noqa: E402,F401  (registration)
+from dipoorlet.deploy import atlas, imx, magicmind, reference, rockchip, snpe, stpu, ti, trt  # noqa: E402,F401,I001

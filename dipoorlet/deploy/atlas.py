@@ -1,0 +1,90 @@
+"""Huawei Ascend (Atlas) side files: activation scale/offset and an AMCT-style record.
+
+Sources: ModelTC Dipoorlet ``deploy/deploy_atlas.py`` (``atlas_quant_param.json``) and the AMCT
+record prototype ``SingleLayerRecord {scale_d, offset_d, scale_w, offset_w, ...}`` keyed by layer
+name (``amct_onnx/proto/scale_offset_record_onnx.proto``, CANN AMCT guide "Record Files").
+
+AMCT's unified INT8 form is ``q = round(x / scale) + offset`` with ``q`` in [-128, 127], so an
+unsigned grid's zero point ``zp`` becomes ``offset = zp - 128`` and a signed grid keeps its zero
+point (``offset = 0`` for a symmetric one). Three files:
+
+- ``atlas_quant_param.json``: ``{tensor: {"scale": f, "offset": i}}``, the reference's flat
+  layout, kept so its readers still work. One entry per tensor that carries Q/DQ in
+  ``quant_model.onnx`` (the reference keyed the first input of each quantized node; the two differ
+  only where a Pad sits between the Q/DQ and the Conv). The reference's scale/offset came from
+  the raw clip range; these are the plan's.
+- ``atlas_record.json``: ``{layer: {"scale_d": f, "offset_d": i, "scale_w": [f...],
+  "offset_w": [i...]}}`` keyed by node name, for every quantized node whose data input has a
+  grid; ``scale_w``/``offset_w`` (one per output channel, or one) only for nodes with a quantized
+  weight. The reference omitted weights, leaving AMCT to recompute them.
+- ``atlas_record.txt``: the same records in protobuf text format (``record { key: ... value {
+  ... } }``), the form AMCT reads as a record file.
+
+Not verified against AMCT: whether it accepts a record without ``shift_bit``, and layer names
+are ONNX node names.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from dipoorlet.deploy import register
+from dipoorlet.deploy.snpe import floats, ints, tensor_grid, unsigned_zero_point, weighted_layers
+from dipoorlet.util import write_json, write_text
+
+
+def amct_offset(qp) -> np.ndarray:
+    """The zero point in AMCT's signed form: the unsigned zero point minus 2^(b-1)."""
+    return unsigned_zero_point(qp) - 2 ** (int(qp.bits) - 1)
+
+
+def _data_record(qp) -> dict:
+    return {"scale_d": floats(qp.scale)[0], "offset_d": ints(amct_offset(qp))[0]}
+
+
+def records(ctx) -> dict[str, dict]:
+    g = ctx.graph
+    weighted = {layer.node.name: layer for layer in weighted_layers(ctx)}
+    out = {}
+    for name in ctx.placement.quantized_nodes:
+        node = g.node_by_name.get(name)
+        if node is None:
+            continue
+        layer = weighted.get(name)
+        if layer is not None:
+            dqp = layer.dqp
+        else:
+            data = next((i for i, t in enumerate(node.input) if t and not g.is_constant(t)), None)
+            dqp = None if data is None else tensor_grid(ctx, node, data)[1]
+        if dqp is None:
+            continue
+        rec = _data_record(dqp)
+        if layer is not None:
+            rec["scale_w"] = floats(layer.wqp.scale)
+            rec["offset_w"] = ints(amct_offset(layer.wqp))
+        out[name] = rec
+    return out
+
+
+def _prototxt(recs: dict[str, dict]) -> str:
+    lines = []
+    for name, rec in recs.items():
+        lines += ["record {", f"  key: {_quote(name)}", "  value {"]
+        for field, value in rec.items():
+            for v in value if isinstance(value, list) else [value]:
+                lines.append(f"    {field}: {v!r}")
+        lines += ["  }", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def _quote(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+@register("atlas")
+def export(ctx, folder):
+    flat = {t: {"scale": floats(qp.scale)[0], "offset": ints(amct_offset(qp))[0]}
+            for t, qp in ctx.plan.activations.items()}
+    recs = records(ctx)
+    return [write_json(folder / "atlas_quant_param.json", flat),
+            write_json(folder / "atlas_record.json", recs),
+            write_text(folder / "atlas_record.txt", _prototxt(recs))]

@@ -1,0 +1,34 @@
+"""Texas Instruments TIDL side files: ``ti_blob_range.txt`` and ``ti_blob_range.json``.
+
+Source: ModelTC Dipoorlet ``deploy/deploy_ti.py``: a text file of ``<tensor> <min> <max>`` lines
+and ``{"blob_range": {tensor: [min, max]}}`` (for NART), one entry per quantized activation.
+
+The reference wrote the raw calibration range. TIDL quantizes with power-of-two scales,
+symmetric for signed tensors and unsigned for non-negative ones, so the raw range is not what the
+chip computes with; here ``[min, max]`` is the grid the plan's QParams actually use,
+``scale * (qmin - zp)`` and ``scale * (qmax - zp)`` (e.g. ``[-128 s, 127 s]`` for a signed
+tensor, ``[0, 255 s]`` for an unsigned one). Numbers are written with Python's shortest
+round-trip ``repr``, so parsing them back gives the same float64. Tensor names are taken as they
+are; a name with a space would make the text file ambiguous (use the JSON file then).
+"""
+from __future__ import annotations
+
+from dipoorlet.deploy import register
+from dipoorlet.deploy.snpe import floats, grid_range
+from dipoorlet.util import write_json, write_text
+
+
+def blob_ranges(ctx) -> dict[str, list[float]]:
+    out = {}
+    for t, qp in ctx.plan.activations.items():
+        lo, hi = grid_range(qp)
+        out[t] = [min(floats(lo)), max(floats(hi))]
+    return out
+
+
+@register("ti")
+def export(ctx, folder):
+    ranges = blob_ranges(ctx)
+    text = "".join(f"{t} {lo!r} {hi!r}\n" for t, (lo, hi) in ranges.items())
+    return [write_text(folder / "ti_blob_range.txt", text),
+            write_json(folder / "ti_blob_range.json", {"blob_range": ranges})]

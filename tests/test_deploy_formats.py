@@ -1,0 +1,484 @@
+"""Deploy side-file exporters: goldens, parse-back of the plan's numbers, range consistency.
+
+Two hand-built contexts on one tiny model (x -> Conv(2 channels, 3x3) -> Relu -> r), with numbers
+exact in binary so the goldens are readable:
+
+- ``asym``: unsigned asymmetric activations (x: scale 1/4, zp 128 -> [-32, 31.75]; r: scale 1/8,
+  zp 0 -> [0, 31.875]), a per-tensor unsigned weight (scale 2^-7, zp 128 -> [-1, 0.9921875]),
+  int32 bias derived as s_in * s_w = 2^-9;
+- ``sym``: a signed symmetric x (scale 1/4 -> [-32, 31.75]), the same unsigned r, per-channel
+  narrow symmetric int8 weights (scales 2^-7, 2^-8), the int32 bias grid held in the plan.
+
+Goldens: ``DIPOORLET_UPDATE_GOLDEN=1`` rewrites them (then check the diff by hand).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import onnx
+import pytest
+import yaml
+from onnx import helper
+
+from conftest import initializer, input_feeds, make_model, save, tiny_cnn, vi, write_samples
+import dipoorlet
+from dipoorlet.deploy import DeployContext, FORMATS
+from dipoorlet.deploy import atlas, imx, magicmind, rockchip, snpe, stpu, ti  # noqa: F401 (registration)
+from dipoorlet.graph import Graph
+from dipoorlet.placement import ActPoint, Decision, Placement, WeightPoint
+from dipoorlet.platform import platforms_dir
+from dipoorlet.qparams import QParams
+
+GOLDEN = Path(__file__).parent / "golden"
+UPDATE = os.environ.get("DIPOORLET_UPDATE_GOLDEN") == "1"
+
+W = np.array([[[[1.0, 0.0, -1.0], [0.5, 0.0, -0.5], [0.25, 0.0, -0.25]]],
+              [[[0.5, 0.25, 0.0], [0.0, -0.5, 0.0], [0.0, 0.0, 0.125]]]], dtype=np.float32)
+B = np.array([0.5, -0.25], dtype=np.float32)
+
+
+# ---- contexts -------------------------------------------------------------------------------
+def tiny_graph() -> Graph:
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"], name="relu")]
+    model = make_model(nodes, [vi("x", [1, 1, 4, 4])], [vi("r", [1, 2, 4, 4])], {"w": W, "b": B})
+    return Graph(model)
+
+
+def qp(scale, zp, signed, qmin, qmax, bits=8, axis=None, dtype=None):
+    scale = np.asarray(scale, dtype=np.float32)
+    dtype = dtype or (np.int8 if signed else np.uint8)
+    zp = np.broadcast_to(np.asarray(zp), scale.shape).astype(dtype)
+    lo, hi = scale * (qmin - zp.astype(np.int64)), scale * (qmax - zp.astype(np.int64))
+    return QParams(scale=scale, zero_point=zp, bits=bits, signed=signed, qmin=qmin, qmax=qmax,
+                   axis=axis, lo=lo.astype(np.float32), hi=hi.astype(np.float32))
+
+
+def placement(axis) -> Placement:
+    p = Placement()
+    p.activations = {"x": ActPoint("x", [("conv", 0)]), "r": ActPoint("r", [])}
+    p.weights = {("conv", 1): WeightPoint("w", "conv", 1, axis)}
+    p.decisions = [Decision("conv", "Conv", True, "quantized"),
+                   Decision("relu", "Relu", False, "Relu is not quantized on test")]
+    return p
+
+
+def make_ctx(kind: str, graph: Graph | None = None, stpu_wg: bool = False) -> DeployContext:
+    graph = graph or tiny_graph()
+    platform = SimpleNamespace(name="test", quantize_bias=True, deploy=())
+    config = SimpleNamespace(stpu_wg=stpu_wg)
+    if kind == "asym":
+        plan = SimpleNamespace(
+            activations={"x": qp(0.25, 128, False, 0, 255), "r": qp(0.125, 0, False, 0, 255)},
+            weights={"w": qp(2.0**-7, 128, False, 0, 255)})
+        return DeployContext(graph, plan, placement(None), platform, config)
+    plan = SimpleNamespace(
+        activations={"x": qp(0.25, 0, True, -128, 127), "r": qp(0.125, 0, False, 0, 255)},
+        weights={"w": qp([2.0**-7, 2.0**-8], 0, True, -127, 127, axis=0),
+                 "b": qp([2.0**-9, 2.0**-10], 0, True, -2**31, 2**31 - 1, bits=32, axis=0,
+                         dtype=np.int32)})
+    return DeployContext(graph, plan, placement(0), platform, config)
+
+
+def export(fmt: str, ctx, folder: Path) -> dict[str, Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    files = FORMATS[fmt](ctx, folder)
+    assert all(p.parent == folder and p.is_file() for p in files)
+    assert not [p for p in folder.iterdir() if p.name.startswith(".")], "temporary file left behind"
+    return {p.name: p for p in files}
+
+
+def grid(q):
+    """(min, max) of a QParams' grid, computed independently of the exporters."""
+    s = q.scale.astype(np.float64)
+    z = q.zero_point.astype(np.int64)
+    return (s * (q.qmin - z)).reshape(-1), (s * (q.qmax - z)).reshape(-1)
+
+
+def signed_offset(q):
+    return (q.zero_point.astype(np.int64) - (-(2 ** (q.bits - 1)) if q.signed else 0)).reshape(-1)
+
+
+CONTEXTS = ["asym", "sym"]
+
+
+# ---- goldens --------------------------------------------------------------------------------
+GOLDENS = [  # (format, context, stpu_wg, files)
+    ("snpe", "asym", False, ["snpe_encodings.json"]),
+    ("rockchip_rv", "asym", False, ["rv_quantized_param.yaml", "rv_quantized_param.json"]),
+    ("rockchip_rk", "sym", False, ["rk_quantized_param.yaml", "rk_quantized_param.json"]),
+    ("atlas", "asym", False, ["atlas_quant_param.json", "atlas_record.json", "atlas_record.txt"]),
+    ("ti", "sym", False, ["ti_blob_range.txt", "ti_blob_range.json"]),
+    ("imx", "sym", False, ["imx_scale.json"]),
+    ("magicmind", "asym", False, ["magicmind_quant_param.json"]),
+    ("stpu", "sym", False, ["stpu_minmax.json"]),
+    ("stpu", "sym", True, ["stpu_minmax.json"]),
+]
+
+
+GOLDEN_IDS = [f"{g[0]}-{g[1]}{'-wg' if g[2] else ''}" for g in GOLDENS]
+
+
+@pytest.mark.parametrize("fmt,kind,wg,names", GOLDENS, ids=GOLDEN_IDS)
+def test_golden(tmp_path, fmt, kind, wg, names):
+    files = export(fmt, make_ctx(kind, stpu_wg=wg), tmp_path)
+    assert sorted(files) == sorted(names)
+    for name in names:
+        golden = GOLDEN / (f"{Path(name).stem}_wg{Path(name).suffix}" if wg else name)
+        text = files[name].read_text()
+        if UPDATE:
+            golden.parent.mkdir(exist_ok=True)
+            golden.write_text(text)
+        assert text == golden.read_text(), f"{name} differs from {golden}"
+
+
+def test_qnn_writes_the_snpe_content(tmp_path):
+    ctx = make_ctx("sym")
+    a = export("snpe", ctx, tmp_path / "a")["snpe_encodings.json"]
+    b = export("qnn", ctx, tmp_path / "b")["qnn_encodings.json"]
+    assert json.loads(a.read_text()) == json.loads(b.read_text())
+
+
+# ---- SNPE / QNN (AIMET 0.6.1) ---------------------------------------------------------------
+def check_aimet(enc: dict, q):
+    lo, hi = grid(q)
+    assert len(enc) == q.scale.size
+    for i, e in enumerate(enc):
+        assert set(e) == {"bitwidth", "dtype", "is_symmetric", "max", "min", "offset", "scale"}
+        assert e["bitwidth"] == q.bits and e["dtype"] == "int" and isinstance(e["offset"], int)
+        assert e["is_symmetric"] in ("True", "False")
+        assert e["scale"] == pytest.approx(float(q.scale.reshape(-1)[i]), abs=1e-12)
+        full_qmin = -(2 ** (q.bits - 1)) if q.signed else 0
+        assert full_qmin - e["offset"] == int(q.zero_point.reshape(-1)[i])  # offset = full_qmin - zp
+        # the AIMET identities, and the plan's grid inside the encoded range
+        assert e["min"] == pytest.approx(e["offset"] * e["scale"], rel=1e-12)
+        assert e["max"] == pytest.approx(e["min"] + (2 ** e["bitwidth"] - 1) * e["scale"], rel=1e-12)
+        assert e["min"] <= 0 <= e["max"]
+        assert e["min"] <= lo[i] + 1e-12 and hi[i] <= e["max"] + 1e-12
+        assert hi[i] == pytest.approx(e["max"], rel=1e-12)  # the positive end is the plan's
+        if q.qmin == -(2 ** (q.bits - 1)) or not q.signed:  # full-range grid: both ends
+            assert lo[i] == pytest.approx(e["min"], rel=1e-12)
+
+
+@pytest.mark.parametrize("kind", CONTEXTS)
+def test_snpe_parse_back(tmp_path, kind):
+    ctx = make_ctx(kind)
+    doc = json.loads(export("snpe", ctx, tmp_path)["snpe_encodings.json"].read_text())
+    assert doc["version"] == "0.6.1"
+    assert set(doc["activation_encodings"]) == {"x", "r"}
+    for t, q in ctx.plan.activations.items():
+        check_aimet(doc["activation_encodings"][t], q)
+    check_aimet(doc["param_encodings"]["w"], ctx.plan.weights["w"])
+    bias = doc["param_encodings"]["b"]
+    s_in, s_w = ctx.plan.activations["x"].scale, ctx.plan.weights["w"].scale.reshape(-1)
+    assert [e["scale"] for e in bias] == pytest.approx(list(s_in * s_w), rel=1e-7)
+    assert all(e["bitwidth"] == 32 and e["offset"] == -2**31 and e["is_symmetric"] == "True" for e in bias)
+    args = doc["quantizer_args"]
+    assert args["per_channel_quantization"] is (kind == "sym")
+    assert args["is_symmetric"] is (kind == "sym")
+    assert args["activation_bitwidth"] == 8 and args["param_bitwidth"] == 8
+
+
+def test_snpe_symmetric_uses_aimet_convention(tmp_path):
+    doc = json.loads(export("snpe", make_ctx("sym"), tmp_path)["snpe_encodings.json"].read_text())
+    x = doc["activation_encodings"]["x"][0]
+    assert (x["offset"], x["min"], x["max"], x["is_symmetric"]) == (-128, -32.0, 31.75, "True")
+    r = doc["activation_encodings"]["r"][0]  # unsigned, never negative: min == 0, not > 0
+    assert (r["offset"], r["min"], r["max"], r["is_symmetric"]) == (0, 0.0, 31.875, "False")
+
+
+def test_snpe_no_bias_encodings_without_bias_quantization(tmp_path):
+    ctx = make_ctx("asym")
+    ctx.platform.quantize_bias = False
+    doc = json.loads(export("snpe", ctx, tmp_path)["snpe_encodings.json"].read_text())
+    assert set(doc["param_encodings"]) == {"w"}
+
+
+# ---- Rockchip -------------------------------------------------------------------------------
+def load_pair(files: dict, stem: str):
+    text = files[f"{stem}.yaml"].read_text()
+    assert "&id" not in text and "*id" not in text, "YAML anchors/aliases written"
+    doc = yaml.safe_load(text)
+    assert doc == json.loads(files[f"{stem}.json"].read_text())
+    return doc
+
+
+@pytest.mark.parametrize("kind", CONTEXTS)
+def test_rv_parse_back(tmp_path, kind):
+    ctx = make_ctx(kind)
+    doc = load_pair(export("rockchip_rv", ctx, tmp_path), "rv_quantized_param")
+    assert doc["customized_quantize_layers"] == {}
+    params = doc["quantize_parameters"]
+    keys = {"@x:out0": "x", "@relu:out0": "r", "@conv:out0": "r"}  # conv's output: fused Relu's range
+    for key, t in keys.items():
+        e, q = params[key], ctx.plan.activations[t]
+        lo, hi = grid(q)
+        assert e["dtype"] == "asymmetric_affine" and e["qtype"] == "u8" and e["method"] == "layer"
+        assert e["scale"] == pytest.approx(list(q.scale.reshape(-1)), abs=1e-12)
+        assert e["zero_point"] == list(signed_offset(q))
+        assert e["min_value"] == pytest.approx(list(lo)) and e["max_value"] == pytest.approx(list(hi))
+        assert e["min_value"][0] <= 0 <= e["max_value"][0]
+        # the toolkit's own derivation recovers the plan's grid
+        step = (e["max_value"][0] - e["min_value"][0]) / 255
+        assert step == pytest.approx(e["scale"][0], rel=1e-7)
+        assert round(-e["min_value"][0] / step) == e["zero_point"][0]
+    assert params["@conv:out0"] is not params["@relu:out0"]
+    w = params["@conv:weight"]
+    assert w["scale"] == pytest.approx(list(ctx.plan.weights["w"].scale.reshape(-1)), abs=1e-12)
+    bias = params["@conv:bias"]
+    assert bias["qtype"] == "i32" and bias["zero_point"] == [0] and bias["max_value"] == []
+    s_w = ctx.plan.weights["w"].scale.reshape(-1)
+    assert bias["scale"] == pytest.approx(list(0.25 * s_w), rel=1e-7)
+
+
+@pytest.mark.parametrize("kind", CONTEXTS)
+def test_rk_parse_back(tmp_path, kind):
+    ctx = make_ctx(kind)
+    params = load_pair(export("rockchip_rk", ctx, tmp_path), "rk_quantized_param")["quantize_parameters"]
+    for t, src in {"x": "x", "r": "r", "c": "r"}.items():
+        lo, hi = grid(ctx.plan.activations[src])
+        assert params[t]["min"] == pytest.approx(list(lo)) and params[t]["max"] == pytest.approx(list(hi))
+        assert params[t]["min"][0] <= 0 <= params[t]["max"][0]
+    wq = ctx.plan.weights["w"]
+    wr = params["conv_W"]
+    if kind == "sym":  # symmetric weights: ±qmax*scale, one per channel
+        assert wr["max"] == pytest.approx(list(wq.scale * 127)) and wr["min"] == [-v for v in wr["max"]]
+    else:
+        lo, hi = grid(wq)
+        assert wr["min"] == pytest.approx(list(lo)) and wr["max"] == pytest.approx(list(hi))
+    assert params["conv_b"] == {"max": [0.5], "min": [-0.5]}
+
+
+def test_relu_fill_in_never_overrides_a_plan_grid(tmp_path):
+    ctx = make_ctx("asym")
+    ctx.plan.activations["c"] = qp(0.5, 64, False, 0, 255)
+    ctx.placement.activations["c"] = ActPoint("c", [("relu", 0)])
+    params = load_pair(export("rockchip_rv", ctx, tmp_path), "rv_quantized_param")["quantize_parameters"]
+    assert params["@conv:out0"]["scale"] == [0.5] and params["@conv:out0"]["zero_point"] == [64]
+
+
+def test_relu_fill_in_matches_whole_names_and_survives_relu_on_input(tmp_path):
+    # x -> Relu(relu0) -> Conv(conv1) -> Relu(relu1) -> Conv(conv10) -> Relu(relu10) -> y
+    w = np.ones((1, 1, 1, 1), np.float32)
+    nodes = [helper.make_node("Relu", ["x"], ["a"], name="relu0"),
+             helper.make_node("Conv", ["a", "w1"], ["c1"], name="conv1"),
+             helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+             helper.make_node("Conv", ["r1", "w10"], ["c10"], name="conv10"),
+             helper.make_node("Relu", ["c10"], ["y"], name="relu10")]
+    g = Graph(make_model(nodes, [vi("x", [1, 1, 2, 2])], [vi("y", [1, 1, 2, 2])], {"w1": w, "w10": w}))
+    p = Placement()
+    p.activations = {"a": ActPoint("a", [("conv1", 0)]), "r1": ActPoint("r1", [("conv10", 0)]),
+                     "y": ActPoint("y", [])}
+    plan = SimpleNamespace(activations={"a": qp(0.25, 0, False, 0, 255), "r1": qp(0.5, 0, False, 0, 255),
+                                        "y": qp(1.0, 0, False, 0, 255)}, weights={})
+    ctx = DeployContext(g, plan, p, SimpleNamespace(quantize_bias=False), SimpleNamespace())
+    assert snpe.relu_fill_ins(ctx) == {"c1": "r1", "c10": "y"}
+    params = load_pair(export("rockchip_rv", ctx, tmp_path), "rv_quantized_param")["quantize_parameters"]
+    assert params["@conv1:out0"]["scale"] == [0.5] and params["@conv10:out0"]["scale"] == [1.0]
+    assert params["@relu0:out0"]["scale"] == [0.25] and "@x:out0" not in params
+
+
+# ---- Atlas ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", CONTEXTS)
+def test_atlas_parse_back(tmp_path, kind):
+    ctx = make_ctx(kind)
+    files = export("atlas", ctx, tmp_path)
+    flat = json.loads(files["atlas_quant_param.json"].read_text())
+    assert set(flat) == set(ctx.plan.activations)
+    for t, q in ctx.plan.activations.items():
+        assert flat[t]["scale"] == pytest.approx(float(q.scale), abs=1e-12)
+        assert -128 <= flat[t]["offset"] <= 127
+        assert flat[t]["offset"] + 128 == signed_offset(q)[0]  # unsigned zero point - 128
+    rec = json.loads(files["atlas_record.json"].read_text())
+    assert list(rec) == ["conv"]
+    x, w = ctx.plan.activations["x"], ctx.plan.weights["w"]
+    assert rec["conv"]["scale_d"] == flat["x"]["scale"] and rec["conv"]["offset_d"] == flat["x"]["offset"]
+    assert rec["conv"]["scale_w"] == pytest.approx(list(w.scale.reshape(-1)), abs=1e-12)
+    assert rec["conv"]["offset_w"] == [0] * w.scale.size  # symmetric int8 weights in AMCT's form
+    # the protobuf text record carries the same numbers
+    txt = files["atlas_record.txt"].read_text()
+    assert re.findall(r'key: "(.*)"', txt) == ["conv"]
+    fields = {}
+    for name, value in re.findall(r"^    (\w+): (\S+)$", txt, re.M):
+        fields.setdefault(name, []).append(float(value))
+    assert fields == {"scale_d": [rec["conv"]["scale_d"]], "offset_d": [rec["conv"]["offset_d"]],
+                      "scale_w": rec["conv"]["scale_w"], "offset_w": rec["conv"]["offset_w"]}
+    assert x.scale == rec["conv"]["scale_d"]
+
+
+# ---- TI, i.MX, MagicMind --------------------------------------------------------------------
+@pytest.mark.parametrize("kind", CONTEXTS)
+def test_ti_parse_back(tmp_path, kind):
+    ctx = make_ctx(kind)
+    files = export("ti", ctx, tmp_path)
+    rows = [line.split() for line in files["ti_blob_range.txt"].read_text().splitlines()]
+    txt = {t: [float(lo), float(hi)] for t, lo, hi in rows}
+    assert txt == json.loads(files["ti_blob_range.json"].read_text())["blob_range"]
+    assert list(txt) == list(ctx.plan.activations)
+    for t, q in ctx.plan.activations.items():
+        lo, hi = grid(q)
+        assert txt[t] == [lo[0], hi[0]]  # exact: repr round-trips
+        assert txt[t][0] <= 0 <= txt[t][1]
+    assert txt["r"] == [0.0, 255 * 0.125]  # non-negative tensor: the unsigned grid
+
+
+@pytest.mark.parametrize("kind", CONTEXTS)
+def test_imx_parse_back(tmp_path, kind):
+    ctx = make_ctx(kind)
+    table = json.loads(export("imx", ctx, tmp_path)["imx_scale.json"].read_text())["blob_range"]
+    assert set(table) == {"x", "r", "w"}
+    for t, q in list(ctx.plan.activations.items()) + [("w", ctx.plan.weights["w"])]:
+        assert table[t] == pytest.approx(list(q.scale.reshape(-1)), abs=1e-12)
+    assert len(table["w"]) == (2 if kind == "sym" else 1)
+
+
+def test_imx_warns_on_a_scale_that_is_not_a_power_of_two(tmp_path, caplog):
+    ctx = make_ctx("sym")
+    ctx.plan.activations["x"] = qp(0.3, 0, True, -128, 127)
+    export("imx", ctx, tmp_path)
+    assert "not powers of two" in caplog.text
+
+
+@pytest.mark.parametrize("kind", CONTEXTS)
+def test_magicmind_parse_back(tmp_path, kind):
+    ctx = make_ctx(kind)
+    path = export("magicmind", ctx, tmp_path)["magicmind_quant_param.json"]
+    table = json.loads(path.read_text())["blob_range"]
+    assert set(table) == set(ctx.plan.activations)
+    for t, q in ctx.plan.activations.items():
+        lo, hi = grid(q)
+        assert table[t] == {"min": lo[0], "max": hi[0]} and lo[0] <= 0 <= hi[0]
+        if not q.signed:  # an asymmetric quantizer's own (max-min)/255 and zero point give ours back
+            step = (table[t]["max"] - table[t]["min"]) / 255
+            assert step == pytest.approx(float(q.scale)) and round(-table[t]["min"] / step) == q.zero_point
+
+
+# ---- STPU -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", CONTEXTS)
+def test_stpu_parse_back(tmp_path, kind):
+    ctx = make_ctx(kind)
+    p = json.loads(export("stpu", ctx, tmp_path)["stpu_minmax.json"].read_text())
+    assert set(p) == {"conv_weights", "x", "r", "c", "conv_bias"}
+    for key, entry in p.items():
+        if "min" in entry:
+            assert entry["min"] == -entry["max"] and entry["max"] >= 0
+    x, w = ctx.plan.activations["x"], ctx.plan.weights["w"]
+    if kind == "sym":  # symmetric grids: A / qmax is the plan's scale
+        assert p["x"]["max"] / 127 == pytest.approx(float(x.scale))
+        assert p["conv_weights"]["max"] / 127 == pytest.approx(float(w.scale.max()))
+    else:  # an asymmetric grid: A covers it
+        lo, hi = grid(x)
+        assert p["x"]["max"] == max(-lo[0], hi[0])
+    assert p["c"] == p["r"]  # fused Relu
+    alpha = p["conv_bias"]["alpha"]
+    s = list(x.scale * w.scale.reshape(-1))
+    assert (alpha if isinstance(alpha, list) else [alpha]) == pytest.approx(s, rel=1e-7)
+    assert p["conv_bias"]["zero_point"] == 0
+
+
+def winograd_loop(w, g):
+    out = []
+    for o in range(w.shape[0]):
+        for i in range(w.shape[1]):
+            out.append(np.abs(g @ w[o, i].astype(np.float64) @ g.T).max())
+    return max(out)
+
+
+def test_stpu_winograd(tmp_path):
+    p = json.loads(export("stpu", make_ctx("sym", stpu_wg=True), tmp_path)["stpu_minmax.json"].read_text())
+    g = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]])
+    a = winograd_loop(W, g)
+    assert p["layer_conv"] == {"wg": True}
+    assert p["conv_weights"] == {"min": -a, "max": a}
+    assert winograd_loop(W, 2 * g) == 4 * a  # the reference's 2G: four times larger
+    assert p["conv_bias"]["alpha"] == pytest.approx(a / 127 * 0.25, rel=1e-7)
+    # not eligible: stride 2, group != 1 (through the attribute)
+    assert stpu.winograd_eligible(helper.make_node("Conv", ["x", "w"], ["y"], strides=[2, 2]), W) is False
+    assert stpu.winograd_eligible(helper.make_node("Conv", ["x", "w"], ["y"], group=2), W) is False
+    assert stpu.winograd_eligible(helper.make_node("Conv", ["x", "w"], ["y"], dilations=[2, 2]), W) is False
+    assert stpu.winograd_eligible(helper.make_node("Conv", ["x", "w"], ["y"]), W) is True
+    assert stpu.winograd_eligible(helper.make_node("Conv", ["x", "w"], ["y"]), W[:, :, :2, :2]) is False
+
+
+def test_stpu_winograd_off_by_default(tmp_path):
+    ctx = make_ctx("sym")
+    ctx.config = SimpleNamespace()
+    p = json.loads(export("stpu", ctx, tmp_path)["stpu_minmax.json"].read_text())
+    assert "layer_conv" not in p
+
+
+# ---- a real run: the files agree with quant_model.onnx ---------------------------------------
+ALL = ["snpe", "qnn", "rockchip_rv", "rockchip_rk", "atlas", "ti", "imx", "magicmind", "stpu"]
+
+
+def test_end_to_end_files_match_the_simulated_model(tmp_path):
+    spec = (platforms_dir() / "trt.toml").read_text()
+    spec = re.sub(r"(?m)^name = .*$", 'name = "alldeploy"', spec)
+    spec = re.sub(r"(?m)^deploy = .*$", "deploy = " + json.dumps(ALL), spec)
+    toml = tmp_path / "alldeploy.toml"
+    toml.write_text(spec)
+    model = tiny_cnn()
+    model_path = save(model, tmp_path / "model.onnx")
+    data = write_samples(tmp_path / "data", input_feeds(model, 4))
+    out = tmp_path / "out"
+    dipoorlet.quantize(model=model_path, input_dir=data, data_num=4, deploy=str(toml), output_dir=out,
+                       act_quant="minmax")
+    qm = onnx.load(str(out / "quant_model.onnx"))
+    qdq = {n.input[0] for n in qm.graph.node if n.op_type == "QuantizeLinear"}
+    enc = json.loads((out / "snpe_encodings.json").read_text())
+    assert json.loads((out / "qnn_encodings.json").read_text()) == enc
+    assert set(enc["activation_encodings"]) == qdq and qdq
+    for t, (e,) in enc["activation_encodings"].items():
+        s, z = float(initializer(qm, t + "_scale")), initializer(qm, t + "_zero_point")
+        full = -128 if z.dtype == np.int8 else 0
+        assert e["scale"] == pytest.approx(s, rel=1e-7) and e["offset"] == full - int(z)
+        assert e["min"] <= 0 <= e["max"]
+    for w, encs in enc["param_encodings"].items():
+        s = initializer(qm, w + "_scale").reshape(-1)
+        assert [e["scale"] for e in encs] == pytest.approx(list(s), rel=1e-7)
+    ti_json = json.loads((out / "ti_blob_range.json").read_text())["blob_range"]
+    mm = json.loads((out / "magicmind_quant_param.json").read_text())["blob_range"]
+    rk = yaml.safe_load((out / "rk_quantized_param.yaml").read_text())["quantize_parameters"]
+    for t in qdq:
+        s = float(initializer(qm, t + "_scale"))
+        lo, hi = ti_json[t]
+        assert hi == pytest.approx(127 * s, rel=1e-6) and lo == pytest.approx(-128 * s, rel=1e-6)
+        assert mm[t] == {"min": lo, "max": hi} and rk[t] == {"min": [lo], "max": [hi]}
+    for name in ["rv_quantized_param.yaml", "rv_quantized_param.json", "atlas_quant_param.json",
+                 "atlas_record.json", "atlas_record.txt", "imx_scale.json", "stpu_minmax.json"]:
+        assert (out / name).stat().st_size > 0
+
+
+def test_a_bias_listed_among_the_placement_weights_is_not_a_layer_weight(tmp_path):
+    ctx = make_ctx("sym")
+    ctx.placement.weights[("conv", 2)] = WeightPoint("b", "conv", 2, 0)
+    layers = snpe.weighted_layers(ctx)
+    assert [(l.node.name, l.weight, l.bias) for l in layers] == [("conv", "w", "b")]
+    rk = load_pair(export("rockchip_rk", ctx, tmp_path / "rk"), "rk_quantized_param")["quantize_parameters"]
+    assert rk["conv_W"]["max"] == pytest.approx([127 * 2.0**-7, 127 * 2.0**-8])
+    imx_table = json.loads(export("imx", ctx, tmp_path / "imx")["imx_scale.json"].read_text())["blob_range"]
+    assert "b" not in imx_table
+    enc = json.loads(export("snpe", ctx, tmp_path / "snpe")["snpe_encodings.json"].read_text())
+    assert [e["scale"] for e in enc["param_encodings"]["b"]] == [2.0**-9, 2.0**-10]
+    assert enc["quantizer_args"]["param_bitwidth"] == 8
+
+
+def test_pad_between_qdq_and_conv(tmp_path):
+    """The placement moves a Conv's Q/DQ in front of a Pad feeding it: the layer still finds it."""
+    nodes = [helper.make_node("Pad", ["x", "pads"], ["xp"], name="pad"),
+             helper.make_node("Conv", ["xp", "w", "b"], ["c"], name="conv"),
+             helper.make_node("Relu", ["c"], ["r"], name="relu")]
+    g = Graph(make_model(nodes, [vi("x", [1, 1, 4, 4])], [vi("r", [1, 2, 4, 4])],
+                         {"w": W, "b": B, "pads": np.array([0, 0, 1, 1, 0, 0, 1, 1], np.int64)}))
+    ctx = make_ctx("asym", graph=g)
+    ctx.placement.activations["x"] = ActPoint("x", [("pad", 0)])
+    (layer,) = snpe.weighted_layers(ctx)
+    assert layer.data == "x" and layer.dqp is ctx.plan.activations["x"]
+    assert float(layer.bqp.scale) == 0.25 * 2.0**-7
+    rec = json.loads(export("atlas", ctx, tmp_path)["atlas_record.json"].read_text())
+    assert rec["conv"]["scale_d"] == 0.25

@@ -1,0 +1,141 @@
+"""Isolated sensitivity, cumulative profile and auto_skip against independent computations."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from conftest import input_feeds, make_model, ort_run, quantize_model, rand, tiny_cnn, vi
+from dipoorlet.cli import parse_layer_bits
+from dipoorlet.errors import ConfigError
+
+
+def cosine(a, b):
+    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+    return float(a @ b / np.sqrt((a @ a) * (b @ b)))
+
+
+def fake_quant(x, scale, axis=None):
+    s = scale if axis is None else scale.reshape([-1 if i == axis else 1 for i in range(x.ndim)])
+    return (np.clip(np.rint(x / s), -128, 127) * s).astype(np.float32)
+
+
+def test_isolated_sensitivity_equals_quantizing_that_layer_alone_by_hand(tmp_path):
+    model = tiny_cnn()
+    feeds = input_feeds(model, 6, seed=3)
+    result, _ = quantize_model(tmp_path, model, feeds=feeds, sens_samples=6)
+    rep = result.report
+    acts = json.loads((tmp_path / "out" / "act_clip_val.json").read_text())
+    weights = json.loads((tmp_path / "out" / "weight_clip_val.json").read_text())
+    # conv2 alone: its input p1 and its weight w2 quantized, everything else float
+    s_act = max(-acts["p1"][0], acts["p1"][1]) / 127
+    lo, hi = (np.array(v) for v in weights["w2"])
+    s_w = (np.maximum(-lo, hi) / 127).astype(np.float32)
+    inits = {t.name: t for t in model.graph.initializer}
+    from onnx import numpy_helper
+    w2 = numpy_helper.to_array(inits["w2"])
+    hand = model.__class__()
+    hand.CopyFrom(model)
+    for t in hand.graph.initializer:
+        if t.name == "w2":
+            t.CopyFrom(numpy_helper.from_array(fake_quant(w2, s_w, axis=0), "w2"))
+    # quantize conv2's input only (p1 also feeds the residual Add, which must stay float)
+    hand.graph.initializer.append(numpy_helper.from_array(np.array(s_act, np.float32), "s"))
+    hand.graph.initializer.append(numpy_helper.from_array(np.array(0, np.int8), "z"))
+    conv2 = next(n for n in hand.graph.node if n.name == "conv2")
+    conv2.input[0] = "p1_fq"
+    idx = [n.name for n in hand.graph.node].index("conv2")
+    hand.graph.node.insert(idx, helper.make_node("DequantizeLinear", ["p1_q", "s", "z"], ["p1_fq"]))
+    hand.graph.node.insert(idx, helper.make_node("QuantizeLinear", ["p1", "s", "z"], ["p1_q"]))
+    cos = np.mean([cosine(ort_run(model, f)[0], ort_run(hand, f)[0]) for f in feeds])
+    got = next(s for s in rep["sensitivity"] if s["node"] == "conv2")["isolated"]["cosine"]
+    assert got == pytest.approx(cos, abs=1e-6)
+
+
+def test_cumulative_error_of_the_last_layer_is_the_output_error(tmp_path):
+    result, _ = quantize_model(tmp_path, tiny_cnn(), n=5)
+    rep = result.report
+    fc = next(l for l in rep["layers"] if l["node"] == "fc")
+    out = rep["outputs"][0]
+    assert fc["tensor"] == out["tensor"] == "logits"
+    assert fc["cosine"] == out["cosine"] and fc["sqnr_db"] == out["sqnr_db"]
+
+
+def sensitive_model():
+    """conv2's input carries one huge channel that conv2's weights ignore: with a per-tensor
+    activation scale set by that channel, the small channels that carry the signal round to 0."""
+    gain = np.ones((1, 4, 1, 1), np.float32)
+    gain[0, 0] = 2000.0
+    w2 = rand((4, 4, 1, 1), 5, 0.5)
+    w2[:, 0] = 0.0
+    inits = {"w1": rand((4, 3, 3, 3), 1, 0.4), "w2": w2, "gain": gain, "w3": rand((4, 4, 3, 3), 7, 0.3)}
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Mul", ["c1", "gain"], ["m"], name="mul"),
+        helper.make_node("Conv", ["m", "w2"], ["c2"], name="conv2"),
+        helper.make_node("Relu", ["c2"], ["r2"], name="relu"),
+        helper.make_node("Conv", ["r2", "w3"], ["y"], name="conv3", pads=[1, 1, 1, 1]),
+    ]
+    return make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("y", [1, 4, 8, 8])], inits)
+
+
+def test_auto_skip_keeps_the_layer_made_sensitive_by_construction_float(tmp_path):
+    model = sensitive_model()
+    result, qm = quantize_model(tmp_path, model, n=6, sens_samples=6, auto_skip="cosine:0.999")
+    rep = result.report
+    a = rep["auto_skip"]
+    assert a["before"]["cosine"] < 0.999
+    assert a["met"] and a["float_layers"] == ["conv2"]
+    assert rep["most_sensitive_layers"][0] == "conv2"
+    assert rep["outputs"][0]["cosine"] >= 0.999
+    conv2 = next(n for n in qm.graph.node if n.name == "conv2")
+    assert conv2.input[0] == "m" and conv2.input[1] == "w2"  # float input and float weight
+
+
+def test_auto_skip_reports_not_met_when_capped(tmp_path):
+    result, _ = quantize_model(tmp_path, sensitive_model(), n=4, sens_samples=4,
+                               auto_skip="cosine:1.0", max_float_layers=1)
+    a = result.report["auto_skip"]
+    assert not a["met"] and len(a["float_layers"]) <= 1
+
+
+def test_weight_and_activation_split_for_the_worst_layer(tmp_path):
+    result, _ = quantize_model(tmp_path, sensitive_model(), n=4, sens_samples=4)
+    conv2 = next(s for s in result.report["sensitivity"] if s["node"] == "conv2")
+    # the damage is in the activation grid, not the weights
+    assert conv2["activation_only"]["cosine"] < 0.99 < conv2["weight_only"]["cosine"]
+
+
+def test_fail_below_exits_3_after_writing_outputs(tmp_path, capsys):
+    from conftest import save, write_samples
+    from dipoorlet.cli import main
+
+    model = save(sensitive_model(), tmp_path / "m.onnx")
+    data = write_samples(tmp_path / "d", input_feeds(sensitive_model(), 3))
+    argv = ["-M", str(model), "-I", str(data), "-N", "3", "-D", "trt", "-A", "minmax",
+            "-O", str(tmp_path / "o"), "--skip_prof_layer"]
+    assert main(argv + ["--fail_below", "0.9999"]) == 3
+    assert (tmp_path / "o" / "quant_model.onnx").exists()
+    assert "below 0.9999" in capsys.readouterr().err
+    assert main(argv + ["--fail_below", "-1"]) == 0
+
+
+@pytest.mark.parametrize("text,want", [("conv1=w4a8", {"conv1": (4, 8)}), ("fc=w4", {"fc": (4, None)}),
+                                       ("a/b=a6", {"a/b": (None, 6)})])
+def test_layer_bits_parse(text, want):
+    assert parse_layer_bits([text]) == want
+
+
+@pytest.mark.parametrize("text", ["conv1", "conv1=x4", "=w4", "conv1="])
+def test_layer_bits_malformed(text):
+    with pytest.raises(ConfigError, match="NODE=wNaM"):
+        parse_layer_bits([text])
+
+
+def test_four_bit_weights_use_sixteen_levels(tmp_path):
+    _, qm = quantize_model(tmp_path, tiny_cnn(), n=3, w_bits=4, skip_prof_layer=True)
+    from onnx import numpy_helper
+    w = numpy_helper.to_array(next(t for t in qm.graph.initializer if t.name == "w1_quantized"))
+    assert w.min() >= -7 and w.max() <= 7 and len(np.unique(w)) > 8
