@@ -149,9 +149,8 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
                          "check the platform or the --skip_layers list")
 
     t = time.perf_counter()
-    stats = calibrate.range_pass(g, data, indices, targets, comm, cfg.device)
-    if cfg.act_quant in NEEDS_HISTOGRAM:
-        stats = calibrate.histogram_pass(g, data, indices, stats, cfg.bins, comm, cfg.device)
+    stats = calibrate.collect(g, data, indices, targets, comm, cfg.act_quant in NEEDS_HISTOGRAM,
+                              cfg.bins, cfg.device)
     timings["calibration_s"] = time.perf_counter() - t
     plan = plan_activations(stats, cfg, plat, places)
     if plat.share_scale:

@@ -105,6 +105,8 @@ class Runner:
                                        else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
         if threads:
             so.intra_op_num_threads = threads
+        # No busy-waiting between ops: calibration bins histograms on a worker thread meanwhile.
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         providers = choose_providers(device)
         with tempfile.TemporaryDirectory(prefix="dipoorlet-") as tmp:
             src = _exposed_model_bytes_or_path(model, self.outputs, self.reduced, types or {}, tmp)
@@ -116,20 +118,24 @@ class Runner:
                                  f"{msg}; check that every op is a standard ONNX op or register "
                                  "a custom-op library") from exc
         self.input_names = [i.name for i in self.session.get_inputs()]
-        self._fetch = self.outputs + [n + s for n in self.reduced for s in (MIN_SUFFIX, MAX_SUFFIX)]
 
-    def run(self, feed: dict[str, np.ndarray]):
-        """Run one batch; returns (exposed tensors by name, {tensor: (min, max)})."""
+    def run(self, feed: dict[str, np.ndarray], tensors: bool = True, ranges: bool = True):
+        """Run one batch; returns (exposed tensors by name, {tensor: (min, max)}).
+
+        ``tensors=False`` / ``ranges=False`` skip fetching those outputs: onnxruntime then runs
+        only what the requested ones need, so one session serves a range pass and a tensor pass.
+        """
+        out_names = self.outputs if tensors else []
+        red_names = self.reduced if ranges else []
+        fetch = out_names + [n + s for n in red_names for s in (MIN_SUFFIX, MAX_SUFFIX)]
         try:
-            values = self.session.run(self._fetch, {k: feed[k] for k in self.input_names})
+            values = self.session.run(fetch, {k: feed[k] for k in self.input_names})
         except Exception as exc:
             msg = ort_message(exc)
             shapes = {k: tuple(v.shape) for k, v in feed.items()}
             raise ModelError(f"onnxruntime failed to run the model on inputs {shapes}: {msg}; "
                              "check the calibration data's shapes and dtypes") from exc
-        n = len(self.outputs)
-        tensors = dict(zip(self.outputs, values[:n]))
-        ranges = {}
-        for i, name in enumerate(self.reduced):
-            ranges[name] = (float(values[n + 2 * i]), float(values[n + 2 * i + 1]))
-        return tensors, ranges
+        n = len(out_names)
+        found = dict(zip(out_names, values[:n]))
+        mm = {name: (float(values[n + 2 * i]), float(values[n + 2 * i + 1])) for i, name in enumerate(red_names)}
+        return found, mm

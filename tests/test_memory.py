@@ -36,8 +36,7 @@ def _calibration_peak(tmp_path, n: int, layout: str) -> int:
     comm = SingleProcess()
     tracemalloc.start()
     try:
-        stats = calibrate.range_pass(g, source, range(n), targets, comm)
-        stats = calibrate.histogram_pass(g, source, range(n), stats, 2048, comm)
+        stats = calibrate.collect(g, source, range(n), targets, comm, histograms=True, bins=2048)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

