@@ -57,8 +57,9 @@ def check_output_dir(path: Path) -> None:
 def load_graph(cfg: QuantConfig) -> Graph:
     g = Graph.load(cfg.model)
     done = prepare.prepare(g)
-    log.info("model %s: opset %d (was %d), %d nodes, %d Constant weights moved to initializers",
-             cfg.model, g.opset, done["opset_from"], len(g.graph.node), done["constants_to_initializers"])
+    log.info("model %s: opset %d (was %d), %d nodes, %d Constant weights moved to initializers, "
+             "%d constant subexpressions folded", cfg.model, g.opset, done["opset_from"], len(g.graph.node),
+             done["constants_to_initializers"], done["constants_folded"])
     missing = (set(cfg.skip_layers) | set(cfg.layer_bits)) - set(g.node_by_name)
     if missing:
         sample = ", ".join(sorted(g.node_by_name)[:5])

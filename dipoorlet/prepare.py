@@ -17,7 +17,10 @@ import onnx
 from onnx import helper, numpy_helper, version_converter
 
 from dipoorlet.errors import ModelError
-from dipoorlet.graph import MAX_OPSET, MIN_OPSET, QDQ_OPSET, Graph, constant_value, infer_shapes
+import numpy as np
+
+from dipoorlet.graph import (MAX_OPSET, MIN_OPSET, QDQ_OPSET, Graph, _subgraph_outer_refs, constant_value,
+                             infer_shapes)
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +43,59 @@ def constants_to_initializers(g: Graph) -> int:
         g.graph.node.extend(keep)
         g.refresh()
     return moved
+
+
+_NOT_FOLDED = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
+               "Bernoulli", "If", "Loop", "Scan", "QuantizeLinear", "DequantizeLinear"}
+FOLD_LIMIT = 64 * 2**20  # bytes: never materialize a folded tensor larger than this
+
+
+def fold_constants(g: Graph) -> int:
+    """Evaluate nodes whose inputs are all constants and store their outputs as initializers.
+
+    Exporters leave chains like ``Reshape(bias, [1, C, 1, 1]) → Add`` (paddle2onnx does this for
+    every Conv bias). Left in the graph, such a tensor looks like an activation: a backend rule
+    would quantize the bias as if it were the residual input of an Add. Folding it makes it the
+    constant it is. Nodes are evaluated one at a time with onnx's reference evaluator.
+    """
+    from onnx.reference import ReferenceEvaluator
+
+    folded, keep = 0, []
+    const = {name: None for name in g.initializers}
+    values: dict[str, np.ndarray] = {}
+    for node in g.topological_nodes():
+        ins = [i for i in node.input if i]
+        if (node.op_type in _NOT_FOLDED or node.domain not in ("", "ai.onnx") or not ins
+                or not all(i in const for i in ins) or any(o in g.output_names for o in node.output)):
+            keep.append(node)
+            continue
+        try:
+            feeds = {i: values[i] if i in values else g.weight(i) for i in ins}
+            sub = helper.make_graph([node], "fold", [helper.make_tensor_value_info(i, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape) for i, v in feeds.items()],
+                                    [helper.make_tensor_value_info(o, 0, None) for o in node.output if o])
+            model = helper.make_model(sub, opset_imports=list(g.model.opset_import))
+            outs = ReferenceEvaluator(model).run(None, feeds)
+        except Exception:  # an op the reference evaluator lacks: leave it to the runtime
+            keep.append(node)
+            continue
+        if sum(np.asarray(o).nbytes for o in outs) > FOLD_LIMIT:
+            keep.append(node)
+            continue
+        for name, value in zip([o for o in node.output if o], outs):
+            values[name] = np.asarray(value)
+            const[name] = None
+        folded += 1
+    if folded:
+        used = {i for n in keep for i in n.input} | set(g.output_names)
+        for n in keep:
+            used.update(_subgraph_outer_refs(n))
+        for name, value in values.items():
+            if name in used:
+                g.graph.initializer.append(numpy_helper.from_array(value, name))
+        del g.graph.node[:]
+        g.graph.node.extend(keep)
+        g.refresh()
+    return folded
 
 
 def remove_identities(g: Graph) -> int:
@@ -118,6 +174,7 @@ def prepare(g: Graph) -> dict:
     done = {"ir_version_from": lower_ir_version(g), "nodes_named": name_nodes(g)}
     done["constants_to_initializers"] = constants_to_initializers(g)
     done["opset_from"] = ensure_opset(g)
+    done["constants_folded"] = fold_constants(g)
     done["identities_removed"] = remove_identities(g)
     g.model = infer_shapes(g.model)
     g.refresh()

@@ -1,7 +1,8 @@
 """Where accuracy is lost: isolated layer sensitivity and automatic mixed precision.
 
 *Isolated* error of a node: the model with only that node's inputs and weights quantized,
-everything else float, measured at the network outputs against the float model. It answers "what
+everything else float, measured at the network outputs against the float model (on the logits
+when an output is a Softmax). It answers "what
 does quantizing this layer cost by itself", which the cumulative profile cannot (there, every
 layer inherits the error of all layers before it).
 
@@ -48,12 +49,24 @@ class OutputScore:
         return {"cosine": self.cosine, "sqnr": self.sqnr_db, "maxabs": -self.max_abs_err}[criterion]
 
 
+def scored_tensor(graph, output: str) -> str:
+    """The tensor sensitivity is measured on: a Softmax output is scored on its logits.
+
+    Probabilities of a confident classifier barely move until a decision flips, so their cosine
+    ranks layers by noise; the logits show every layer's effect smoothly.
+    """
+    prod = graph.producer.get(output)
+    if prod is not None and prod.op_type == "Softmax" and graph.is_float(prod.input[0]):
+        return prod.input[0]
+    return output
+
+
 class Scorer:
     """Scores quantized variants of one model against float outputs computed once per sample."""
 
     def __init__(self, graph, data, indices, comm, device="cpu"):
         self.graph, self.data, self.indices, self.comm, self.device = graph, data, list(indices), comm, device
-        self.outputs = list(graph.output_names)
+        self.outputs = [scored_tensor(graph, o) for o in graph.output_names]
         fp = Runner(graph.model, self.outputs, types=graph.types, device=device)
         # Float reference outputs of the (few) sensitivity samples: network outputs only.
         self.reference = {i: fp.run(data.sample(i))[0] for i in self.indices}
