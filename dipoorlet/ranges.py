@@ -108,10 +108,11 @@ def quant_error(counts: np.ndarray, centres: np.ndarray, clips: np.ndarray, qmax
     clipping to ``s`` outside. Unlike the uniform-noise model it knows that zeros (post-ReLU
     tensors are mostly zeros) cost nothing.
     """
+    nz = counts > 0  # empty bins cost nothing; activation histograms are mostly empty
     step = (clips / qmax)[:, None]
-    x = centres[None, :]
+    x = centres[nz][None, :]
     q = np.minimum(np.round(x / step), qmax) * step
-    return ((x - q) ** 2) @ counts.astype(np.float64)
+    return ((x - q) ** 2) @ counts[nz].astype(np.float64)
 
 
 @register("mse", histogram=True)

@@ -1,0 +1,67 @@
+"""Every platform on every real model: does the run complete, are the side files written, and what
+does the quantized model score against the float one.
+
+    python scripts/platforms.py [--tasks ocr_cls,ocr_det,vad,minilm] [--platforms trt,snpe,...] [-N 32]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))
+
+from benchmark import SHARED, load_task  # noqa: E402
+from dipoorlet import platform as platforms  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tasks", default="ocr_cls,ocr_det,ocr_rec,vad,minilm")
+    ap.add_argument("--platforms", default=",".join(platforms.available()))
+    ap.add_argument("-N", type=int, default=32)
+    ap.add_argument("-A", default="mse")
+    ap.add_argument("--out", default=str(ROOT / "scripts" / ".cache" / "platforms"))
+    a = ap.parse_args(argv)
+    shared = SHARED if SHARED.is_dir() else None
+    results = {}
+    for name in a.tasks.split(","):
+        task = load_task(name)(Path(a.out) / f"{name}-work", a.N, shared)
+        results[name] = {}
+        for plat in a.platforms.split(","):
+            out = Path(a.out) / f"{name}-{plat}"
+            cmd = [sys.executable, "-m", "dipoorlet", "-M", str(task.model), "-I", str(task.calib_dir),
+                   "-N", str(a.N), "-D", plat, "-A", a.A, "-O", str(out), "--skip_prof_layer"]
+            t = time.perf_counter()
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            cell = {"rc": r.returncode, "wall_s": round(time.perf_counter() - t, 1)}
+            if r.returncode == 0:
+                spec = platforms.load(plat)
+                files = sorted(p.name for p in out.iterdir() if p.is_file())
+                cell["files"] = files
+                cell.update({k: round(v, 4) for k, v in task.evaluate(out / "quant_model.onnx").items()
+                             if isinstance(v, float)})
+                cell["deploy"] = list(spec.deploy)
+            else:
+                cell["error"] = (r.stderr.strip().splitlines() or ["?"])[-1][:160]
+            results[name][plat] = cell
+            print(name, plat, json.dumps(cell), flush=True)
+        results[name]["float"] = {k: round(v, 4) for k, v in task.evaluate(task.model).items() if isinstance(v, float)}
+    plats = a.platforms.split(",")
+    print("\n| model (metric) | " + " | ".join(plats) + " |\n|---|" + "---|" * len(plats))
+    for name, row in results.items():
+        metric = next((k for k in ("agreement", "iou", "exact_match", "spearman") if k in row["float"]), None)
+        cells = [str(row[p].get(metric, "FAIL " + row[p].get("error", ""))) for p in plats]
+        print(f"| {name} ({metric}; float {row['float'].get(metric)}) | " + " | ".join(cells) + " |")
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "platforms.json").write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

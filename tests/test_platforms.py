@@ -1,0 +1,158 @@
+"""Every shipped platform end to end, the rules each one imposes, QOperator output, user specs."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from conftest import input_feeds, ort_run, save, tiny_cnn, write_samples
+import dipoorlet
+from dipoorlet import platform as platforms
+from dipoorlet.cli import main
+from dipoorlet.errors import ConfigError
+
+SIDE_FILES = {
+    "trt": ["trt_clip_val.json", "trt_calib.cache"], "snpe": ["snpe_encodings.json"],
+    "qnn": ["qnn_encodings.json"], "rv": ["rv_quantized_param.yaml", "rv_quantized_param.json"],
+    "rk": ["rk_quantized_param.yaml", "rk_quantized_param.json"], "atlas": ["atlas_quant_param.json"],
+    "ti": ["ti_blob_range.txt", "ti_blob_range.json"], "imx": ["imx_scale.json"],
+    "magicmind": ["magicmind_quant_param.json"], "stpu": ["stpu_minmax.json"], "ort": [],
+}
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    root = tmp_path_factory.mktemp("plat")
+    model = save(tiny_cnn(), root / "m.onnx")
+    feeds = input_feeds(tiny_cnn(), 6, seed=2)
+    data = write_samples(root / "data", feeds)
+    return root, model, data, feeds
+
+
+def run(case, plat, **kw):
+    root, model, data, _ = case
+    out = root / f"out-{plat}-{'-'.join(f'{k}{v}' for k, v in kw.items())}"
+    res = dipoorlet.quantize(model=model, input_dir=data, data_num=6, deploy=plat, output_dir=out,
+                             skip_prof_layer=True, **kw)
+    return res, out, onnx.load(str(out / "quant_model.onnx"))
+
+
+def scales(qm):
+    return {t.name[:-6]: numpy_helper.to_array(t) for t in qm.graph.initializer if t.name.endswith("_scale")}
+
+
+def test_every_shipped_platform_is_listed():
+    assert set(platforms.available()) == set(SIDE_FILES)
+
+
+@pytest.mark.parametrize("plat", sorted(SIDE_FILES))
+def test_platform_runs_writes_its_files_and_keeps_the_output(case, plat):
+    res, out, qm = run(case, plat)
+    onnx.checker.check_model(qm)
+    for f in SIDE_FILES[plat] + ["quant_model.onnx", "act_clip_val.json", "report.json"]:
+        assert (out / f).is_file(), f
+    assert res.report["outputs"][0]["cosine"] > 0.99
+    # the quantized model runs in onnxruntime with the float model's output names
+    assert [o.name for o in qm.graph.output] == ["logits"]
+
+
+@pytest.mark.parametrize("plat", ["ti", "imx"])
+def test_power_of_two_platforms_use_power_of_two_scales(case, plat):
+    _, _, qm = run(case, plat)
+    acts = [v for k, v in scales(qm).items() if not k.startswith(("w", "b"))]
+    assert acts
+    for s in acts:
+        assert np.allclose(np.log2(s), np.round(np.log2(s)))
+
+
+def test_ti_uses_the_unsigned_grid_for_non_negative_tensors(case):
+    _, _, qm = run(case, "ti")
+    zps = {t.name[:-11]: numpy_helper.to_array(t) for t in qm.graph.initializer if t.name.endswith("_zero_point")}
+    assert zps["p1"].dtype == np.uint8 and int(zps["p1"]) == 0     # MaxPool of a ReLU: never negative
+    assert zps["x"].dtype == np.int8                                 # the network input is signed
+
+
+@pytest.mark.parametrize("plat", ["snpe", "rv", "qnn", "imx", "rk"])
+def test_platforms_with_integer_outputs_quantize_the_network_output(case, plat):
+    _, _, qm = run(case, plat)
+    last = next(n for n in qm.graph.node if "logits" in n.output)
+    assert last.op_type == "DequantizeLinear"
+
+
+@pytest.mark.parametrize("plat", ["snpe", "rv"])
+def test_asymmetric_uint8_platforms(case, plat):
+    _, _, qm = run(case, plat)
+    zp = numpy_helper.to_array(next(t for t in qm.graph.initializer if t.name == "x_zero_point"))
+    assert zp.dtype == np.uint8 and 0 < int(zp) < 255
+
+
+def test_int32_biases_where_the_platform_asks(case):
+    _, _, qm = run(case, "qnn")
+    b1 = numpy_helper.to_array(next(t for t in qm.graph.initializer if t.name == "b1_quantized"))
+    assert b1.dtype == np.int32
+    s = scales(qm)
+    assert np.allclose(s["b1"], s["x"] * s["w1"], rtol=1e-6)
+
+
+def test_maxpool_shares_its_input_grid(case):
+    _, _, qm = run(case, "snpe")
+    s = scales(qm)
+    assert "r1" in s and "p1" in s and np.array_equal(s["r1"], s["p1"])
+
+
+def test_qop_model_runs_is_smaller_and_agrees_with_qdq(case):
+    root, model, data, feeds = case
+    out = root / "qop"
+    dipoorlet.quantize(model=model, input_dir=data, data_num=6, deploy="ort", output_dir=out,
+                       quant_format="QOP", skip_prof_layer=True)
+    qop, qdq = onnx.load(str(out / "quant_model.onnx")), onnx.load(str(out / "quant_model_qdq.onnx"))
+    ops = {n.op_type for n in qop.graph.node}
+    assert {"QLinearConv", "QGemm"} & ops, ops
+    assert os.path.getsize(out / "quant_model.onnx") < os.path.getsize(out / "quant_model_qdq.onnx")
+    for f in feeds:
+        a, b = ort_run(qop, f, optimize=True)[0], ort_run(qdq, f)[0]
+        # integer kernels round once per op where QDQ rounds per tensor: agree to a few steps
+        assert np.abs(a - b).max() <= 0.05 * np.abs(b).max()
+        assert a.argmax() == b.argmax()
+
+
+def test_user_spec_from_a_path(case, tmp_path):
+    src = (platforms.platforms_dir() / "trt.toml").read_text().replace('name = "trt"', 'name = "mychip"')
+    spec = tmp_path / "mychip.toml"
+    spec.write_text(src)
+    res, _, _ = run(case, str(spec))
+    assert res.report["platform"] == "mychip"
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda s: s.replace("bits = 8\nsymmetric = true\nunsigned", "bitz = 8\nsymmetric = true\nunsigned", 1), "bitz"),
+    (lambda s: s.replace("bits = 8", "bits = 0", 1), "bits must be 2..16"),
+    (lambda s: s.replace('deploy = ["trt", "reference"]', 'deploy = ["nope"]'), "deploy format 'nope'"),
+    (lambda s: s.replace("[bias]\nquantize = false", "[bias]\nquantize = \"no\""), "'quantize' must be bool"),
+    (lambda s: s.replace('name = "trt"\n', ""), "missing key 'name'"),
+    (lambda s: s + "\n[extra]\n", "unknown key(s) ['extra']"),
+])
+def test_bad_user_spec_names_the_key(tmp_path, edit, needle):
+    spec = tmp_path / "bad.toml"
+    spec.write_text(edit((platforms.platforms_dir() / "trt.toml").read_text()))
+    with pytest.raises(ConfigError) as exc:
+        platforms.load(str(spec))
+    assert needle in str(exc.value) and "bad.toml" in str(exc.value)
+
+
+def test_unknown_platform_lists_the_valid_names(case, capsys):
+    root, model, data, _ = case
+    rc = main(["-M", str(model), "-I", str(data), "-N", "2", "-D", "tpu9000", "-O", str(root / "x")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "tpu9000" in err and "snpe" in err and "rk" in err
+
+
+def test_ops_a_platform_cannot_quantize_stay_float_with_a_reason(case):
+    res, _, _ = run(case, "atlas")  # atlas quantizes Conv/Gemm/AveragePool only
+    reasons = {d["node"]: d for d in res.report["decisions"]}
+    assert not reasons["pool1"]["quantized"] and "not quantized on atlas" in reasons["pool1"]["reason"]
+    assert reasons["conv1"]["quantized"]
