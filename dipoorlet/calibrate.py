@@ -10,6 +10,7 @@ plus the statistics: it does not grow with -N.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -43,7 +44,7 @@ def range_pass(runner, data, indices, targets: list[str], comm) -> dict[str, Ten
 
 
 def histogram_pass(runner, data, indices, stats: dict[str, TensorStats], bins: int, comm) -> dict[str, TensorStats]:
-    targets = [t for t, s in stats.items() if s.minmax.count]
+    targets = [t for t, s in stats.items() if s.minmax.count and math.isfinite(s.minmax.amax)]
     for t in targets:
         stats[t].hist = Histogram(stats[t].minmax.lo, stats[t].minmax.hi, bins)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -78,6 +79,10 @@ def plan_activations(stats, cfg: QuantConfig, plat, places=None) -> QuantPlan:
     plan = QuantPlan()
     for t, st in stats.items():
         if st.minmax.count == 0:
+            continue
+        if not math.isfinite(st.minmax.amax):
+            log.warning("tensor %s reaches %s/%s on the calibration data; it stays float", t,
+                        st.minmax.lo, st.minmax.hi)
             continue
         owners = places.activations[t].owners if places is not None and t in places.activations else []
         bits = [cfg.layer_bits[o][1] for o in owners if o in cfg.layer_bits and cfg.layer_bits[o][1]]

@@ -61,11 +61,14 @@ class Histogram:
         n = self.counts.size
         # Bin index (x - left) * bins / amax, as x * k + c in float32: deterministic per element,
         # so every process bins a value alike; three passes over memory, no temporaries but one.
+        # No clip pass: values lie in [left, amax], so indices lie in [-eps, n]; truncation sends
+        # -eps to 0 and the one extra bin (x == amax) is folded into the last.
         k = np.float32(self.bins / self.amax)
         idx = np.multiply(x, k)
         idx += np.float32(-self.left) * k
-        np.clip(idx, 0, n - 1, out=idx)
-        self.counts += np.bincount(idx.astype(np.intp), minlength=n)
+        counts = np.bincount(idx.astype(np.intp), minlength=n + 1)
+        self.counts += counts[:n]
+        self.counts[-1] += counts[n:].sum()
 
     def merge(self, other: "Histogram") -> "Histogram":
         if (other.amax, other.bins, other.signed) != (self.amax, self.bins, self.signed):
