@@ -150,7 +150,7 @@ def auto_skip(graph, places, plan, scorer: Scorer, sens: list[LayerSensitivity],
     res = AutoSkipResult(target, criterion, before, before)
     order = [s.node for s in sorted(sens, key=lambda s: s.isolated.value(criterion))]
     current = before
-    for node in order:
+    for node in order[:3 * max_layers]:  # bounded: at most 3 trials per float layer allowed
         if current.value(criterion) >= target or len(res.float_layers) >= max_layers:
             break
         keep = [n for n in quantized if n not in res.float_layers and n != node]
