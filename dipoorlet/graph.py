@@ -211,6 +211,20 @@ def _subgraph_outer_refs(node: onnx.NodeProto) -> list[str]:
     return refs
 
 
+def save_external(model: onnx.ModelProto, path: str) -> None:
+    """Write ``model`` with external data to ``path`` and leave the in-memory model as it was.
+
+    ``onnx.save_model(..., save_as_external_data=True)`` rewrites the tensors it is given into
+    references to the file; reading the data back while the file exists undoes that without
+    holding a second copy of the weights.
+    """
+    from onnx.external_data_helper import load_external_data_for_model
+
+    onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=os.path.basename(path) + ".data", size_threshold=1024)
+    load_external_data_for_model(model, os.path.dirname(path))
+
+
 def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     """ONNX shape inference with data propagation; through a file for models over 2 GB."""
     try:
@@ -218,13 +232,23 @@ def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
             return shape_inference.infer_shapes(model, data_prop=True)
         with tempfile.TemporaryDirectory() as tmp:
             src, dst = os.path.join(tmp, "in.onnx"), os.path.join(tmp, "out.onnx")
-            onnx.save_model(model, src, save_as_external_data=True, location="in.onnx.data")
+            save_external(model, src)
             shape_inference.infer_shapes_path(src, dst, data_prop=True)
-            return onnx.load(dst, load_external_data=True)
+            inferred = onnx.load(dst, load_external_data=False)
+            # keep our tensors (already in memory), take the inferred value_info
+            del inferred.graph.initializer[:]
+            inferred.graph.initializer.extend(model.graph.initializer)
+            return _with_value_info(model, inferred)
     except Exception as exc:  # inference is an aid, never a reason to stop
         log.warning("shape inference failed (%s); continuing with the types onnxruntime reports",
                     _first_line(exc))
         return model
+
+
+def _with_value_info(model: onnx.ModelProto, inferred: onnx.ModelProto) -> onnx.ModelProto:
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(inferred.graph.value_info)
+    return model
 
 
 def save_model(model: onnx.ModelProto, path: str | os.PathLike, external: bool | None = None) -> Path:

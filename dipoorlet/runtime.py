@@ -20,7 +20,8 @@ import onnx
 from onnx import helper
 
 from dipoorlet.errors import ModelError
-from dipoorlet.graph import EXTERNAL_THRESHOLD, opset_of
+from dipoorlet import graph as _graph
+from dipoorlet.graph import opset_of, save_external
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +79,10 @@ def _exposed_model_bytes_or_path(model: onnx.ModelProto, outputs: list[str],
                 out = name + suffix
                 g.node.append(helper.make_node(op, [name], [out], name=out, keepdims=0))
                 g.output.append(helper.make_tensor_value_info(out, onnx.TensorProto.FLOAT, []))
-        if model.ByteSize() < EXTERNAL_THRESHOLD:
+        if model.ByteSize() < _graph.EXTERNAL_THRESHOLD:
             return model.SerializeToString()
         path = os.path.join(tmpdir, "model.onnx")
-        onnx.save_model(model, path, save_as_external_data=True, location="model.onnx.data")
+        save_external(model, path)
         return path
     finally:
         del g.output[:]

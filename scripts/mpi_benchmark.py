@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from benchmark import SHARED, load_task  # noqa: E402
+from benchmark import default_shared, resolve_task  # noqa: E402
 
 COMPARED = ["quant_model.onnx", "act_clip_val.json", "weight_clip_val.json", "report.json", "report.md",
             "report.html"]
@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     mpirun = shutil.which("mpirun", path=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"])
     if mpirun is None:
         raise SystemExit("mpirun not found: pip install 'dipoorlet[mpi]'")
-    task = load_task(a.task)(Path(a.out) / f"{a.task}-work", a.n_calib, SHARED if SHARED.is_dir() else None)
+    task = resolve_task(a.task)(Path(a.out) / f"{a.task}-work", a.n_calib, default_shared())
     rows, first = [], None
     for ranks in [int(r) for r in a.ranks.split(",")]:
         out = Path(a.out) / f"{a.task}-{ranks}"

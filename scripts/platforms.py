@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
-from benchmark import SHARED, load_task  # noqa: E402
+from benchmark import default_shared, resolve_task  # noqa: E402
 from dipoorlet import platform as platforms  # noqa: E402
 
 
@@ -28,10 +28,10 @@ def main(argv=None) -> int:
     ap.add_argument("-A", default="mse")
     ap.add_argument("--out", default=str(ROOT / "scripts" / ".cache" / "platforms"))
     a = ap.parse_args(argv)
-    shared = SHARED if SHARED.is_dir() else None
+    shared = default_shared()
     results = {}
     for name in a.tasks.split(","):
-        task = load_task(name)(Path(a.out) / f"{name}-work", a.N, shared)
+        task = resolve_task(name)(Path(a.out) / f"{name}-work", a.N, shared)
         results[name] = {}
         for plat in a.platforms.split(","):
             out = Path(a.out) / f"{name}-{plat}"
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     plats = a.platforms.split(",")
     print("\n| model (metric) | " + " | ".join(plats) + " |\n|---|" + "---|" * len(plats))
     for name, row in results.items():
-        metric = next((k for k in ("agreement", "iou", "exact_match", "spearman") if k in row["float"]), None)
+        metric = next((k for k in ("agreement", "mask_iou", "exact_match", "spearman") if k in row["float"]), None)
         cells = [str(row[p].get(metric, "FAIL " + row[p].get("error", ""))) for p in plats]
         print(f"| {name} ({metric}; float {row['float'].get(metric)}) | " + " | ".join(cells) + " |")
     Path(a.out).mkdir(parents=True, exist_ok=True)

@@ -183,3 +183,20 @@ def test_constant_subexpressions_are_folded_so_a_reshaped_bias_is_not_quantized(
     assert add.input[1] == "b4" and "b4" in {t.name for t in qm.graph.initializer}
     assert not any(n.op_type == "QuantizeLinear" and n.input[0] == "b4" for n in qm.graph.node)
     assert result.report["outputs"][0]["cosine"] > 0.999
+
+
+def test_models_past_the_protobuf_limit_go_through_external_data(tmp_path, monkeypatch):
+    """The >2 GB path (shape inference via a file, sessions from a file, output saved with
+    external data), exercised on a small model by lowering the threshold."""
+    from conftest import input_feeds, ort_run, quantize_model, tiny_cnn
+    from dipoorlet import graph as graph_mod
+
+    monkeypatch.setattr(graph_mod, "EXTERNAL_THRESHOLD", 1000)
+    model = tiny_cnn()
+    result, _ = quantize_model(tmp_path, model, n=3, skip_prof_layer=True)
+    out = tmp_path / "out"
+    assert (out / "quant_model.onnx.data").is_file()
+    qm = onnx.load(str(out / "quant_model.onnx"))  # loads its external data
+    feed = input_feeds(model, 1)[0]
+    assert np.abs(ort_run(qm, feed)[0] - ort_run(model, feed)[0]).max() < 0.1
+    assert result.report["outputs"][0]["cosine"] > 0.99
