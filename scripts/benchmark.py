@@ -1,173 +1,368 @@
-"""Benchmark dipoorlet against onnxruntime's quantizer on a real model: wall time, peak RSS, task metric.
+"""Benchmark dipoorlet against onnxruntime's own quantizer on a real model.
 
-    python scripts/benchmark.py --task ocr_cls --n-calib 64
-    python scripts/benchmark.py --task ocr_det --methods dipoorlet:mse,ort:MinMax
-    python scripts/benchmark.py --task ocr_cls --methods dipoorlet:mse --n-calib 32,512   # memory vs N
+    python scripts/benchmark.py --task ocr_cls [--n-calib 64] \\
+        [--methods dipoorlet:mse,dipoorlet:minmax,ort:MinMax,ort:Percentile] [--out scripts/.cache/bench]
 
-Each quantizer runs in a fresh child process (peak RSS is that run's alone). Every quantized model is
-scored by the task's ``evaluate`` with onnxruntime graph optimizations disabled (Q/DQ as float: the
-quantization error, not a CPU int8 kernel's). dipoorlet's calibration time is read from its report
-(range + histogram passes), next to one plain float pass over the same samples.
-Tasks: ocr_cls, ocr_det, ocr_rec (PP-OCR, rapidocr-onnxruntime wheel), vad (Silero), minilm.
+Tasks live in scripts/tasks/ (ocr_cls, ocr_det, ocr_rec in ocr.py; vad, minilm in their own
+modules when present). Every quantizer runs in a fresh process, through a small wrapper that reports
+that one run's wall time and peak RSS. Each produced model is then evaluated by the task with
+onnxruntime's graph optimizations off (Q/DQ run as float: the quantization error alone). A plain
+float pass of the model over the calibration samples, also in a fresh process, is timed as the
+yardstick for calibration speed.
+
+onnxruntime's quantizer (``ort:MinMax|Entropy|Percentile``): ``quantize_static`` in QDQ format,
+per-channel weights, activations and weights QInt8 (W8A8), after ``quant_pre_process`` (retried with
+``skip_symbolic_shape=True`` where its symbolic shape inference fails, skipped if that fails too); a model below opset 13 is converted to 13 first (onnxruntime writes per-channel
+DequantizeLinear that it can't load at opset 11/12). Its histogram methods need one input shape, so
+samples of different shapes are zero-padded to the largest for them (noted in the table).
+
+``ort:Entropy`` gets 2048 histogram bins (``--ort-entropy-bins``): with quantize_static's default of 128
+its ranges equal MinMax's.
+
+dipoorlet (``dipoorlet:<method>``): ``python -m dipoorlet -M model -I calib -N n -D trt -O out -A method``.
+
+Results go to ``<out>/<task>/results.{json,md}`` and the table is printed.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import json
+import math
+import os
+import pkgutil
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
+SCRIPTS = Path(__file__).resolve().parent
+ROOT = SCRIPTS.parent
+if str(SCRIPTS) not in sys.path:
+    sys.path.insert(0, str(SCRIPTS))
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from fetch import run_measured  # noqa: E402
-from tasks import session  # noqa: E402
-
-SHARED = ROOT.parent / "shared" / "data"
 DEFAULT_METHODS = ("dipoorlet:mse,dipoorlet:minmax,dipoorlet:hist,dipoorlet:entropy,dipoorlet:percentile,"
                    "ort:MinMax,ort:Entropy,ort:Percentile")
 
-ORT_SCRIPT = r'''
-import sys, json, glob, os
-from pathlib import Path
-import numpy as np, onnx
-from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
-                                      quantize_static)
-model, calib, n, method, out = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-names = sorted(p.name for p in calib.iterdir() if p.is_dir())
-class Reader(CalibrationDataReader):
-    def __init__(self):
-        self.i = 0
-    def get_next(self):
-        if self.i >= n:
-            return None
-        feed = {k: np.load(calib / k / f"{self.i}.npy") for k in names}
-        self.i += 1
-        return feed
-src = out + ".pre.onnx"
-m = onnx.load(model)
-if m.opset_import[0].version < 13:
-    m = onnx.version_converter.convert_version(m, 13)
-onnx.save(m, src)
-try:
-    from onnxruntime.quantization.shape_inference import quant_pre_process
-    quant_pre_process(src, src, skip_symbolic_shape=True)
-except Exception as e:
-    print("quant_pre_process failed, quantizing without it:", e, file=sys.stderr)
-quantize_static(src, out, Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
-                activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
-                calibrate_method=getattr(CalibrationMethod, method))
-'''
 
+# ----------------------------------------------------------------------------------- tasks
+def task_registry() -> dict:
+    """task name -> prepare function, over every importable module in scripts/tasks/."""
+    import tasks
 
-def load_task(name: str):
-    for module in ("tasks.ocr", "tasks.vad", "tasks.minilm"):
+    reg = {}
+    for info in pkgutil.iter_modules(tasks.__path__):
         try:
-            mod = importlib.import_module(module)
-        except ImportError as exc:
-            print(f"(skipping {module}: {exc})", file=sys.stderr)
+            mod = importlib.import_module(f"tasks.{info.name}")
+        except Exception as e:  # a task module that can't be imported here: skip it
+            reg.setdefault("_errors", {})[info.name] = f"{type(e).__name__}: {e}"
             continue
-        tasks = getattr(mod, "TASKS", {mod.NAME: mod.prepare})
-        if name in tasks:
-            return tasks[name]
-    raise SystemExit(f"unknown task {name!r}; try ocr_cls, ocr_det, ocr_rec, vad, minilm")
+        if hasattr(mod, "TASKS"):
+            reg.update(mod.TASKS)
+        if hasattr(mod, "NAME") and hasattr(mod, "prepare"):
+            reg.setdefault(mod.NAME, mod.prepare)
+    return reg
 
 
-def float_pass_seconds(model: Path, calib: Path, n: int) -> float:
-    """One float pass as a user would run it: build the session, read each sample, run it.
+def resolve_task(name: str):
+    reg = task_registry()
+    if name in reg and name != "_errors":
+        return reg[name]
+    errors = reg.get("_errors", {})
+    known = sorted(k for k in reg if k != "_errors")
+    msg = f"unknown task {name!r}; available: {', '.join(known) or 'none'}"
+    if errors:
+        msg += "; modules that failed to import: " + "; ".join(f"{k} ({v})" for k, v in errors.items())
+    raise SystemExit(msg)
 
-    dipoorlet's calibration time is measured the same way (its session, its reads, its runs)."""
-    t = time.perf_counter()
-    sess = session(model, simulated=False)
-    names = [i.name for i in sess.get_inputs()]
-    for i in range(n):
-        sess.run(None, {k: np.load(calib / k / f"{i}.npy") for k in names})
-    return time.perf_counter() - t
+
+def default_shared() -> Path | None:
+    p = ROOT.parent / "shared" / "data"
+    return p if p.is_dir() else None
 
 
-def run_method(spec: str, task, n: int, out: Path, platform: str) -> dict:
-    tool, method = spec.split(":")
+# ----------------------------------------------------------------------------------- calibration data
+def calib_inputs(calib_dir: Path, n: int | None = None) -> list[dict]:
+    """The samples of a dipoorlet calibration folder (calib/<input>/<i>.npy) as feed dicts."""
+    import numpy as np
+
+    names = sorted(d.name for d in Path(calib_dir).iterdir() if d.is_dir())
+    files = {k: sorted((Path(calib_dir) / k).glob("*.npy"), key=lambda p: int(p.stem) if p.stem.isdigit() else p.stem)
+             for k in names}
+    count = min(len(v) for v in files.values()) if files else 0
+    if n:
+        count = min(count, n)
+    return [{k: np.load(files[k][i]) for k in names} for i in range(count)]
+
+
+def pad_to_common(feeds: list[dict]) -> tuple[list[dict], bool]:
+    """Zero-pad every input to the largest shape seen for it (bottom/right). True if any changed."""
+    import numpy as np
+
+    if not feeds:
+        return feeds, False
+    shapes = {k: np.max([f[k].shape for f in feeds], 0) for k in feeds[0]}
+    changed = False
+    out = []
+    for f in feeds:
+        g = {}
+        for k, a in f.items():
+            if tuple(a.shape) != tuple(shapes[k]):
+                changed = True
+                b = np.zeros(shapes[k], a.dtype)
+                b[tuple(slice(0, s) for s in a.shape)] = a
+                a = b
+            g[k] = a
+        out.append(g)
+    return out, changed
+
+
+# ----------------------------------------------------------------------------------- child processes
+def child_float(model: str, calib: str, n: int) -> None:
+    """One plain float pass (onnxruntime, default optimizations) over the calibration samples."""
+    t0 = time.perf_counter()
+    from tasks import session
+
+    feeds = calib_inputs(Path(calib), n)
+    s = session(model, simulated=False)
+    t1 = time.perf_counter()
+    for f in feeds:
+        s.run(None, f)
+    t2 = time.perf_counter()
+    print(json.dumps({"float_run_s": t2 - t1, "float_total_s": t2 - t0, "samples": len(feeds)}))
+
+
+def child_ort(model: str, calib: str, n: int, method: str, out: str, entropy_bins: int = 2048) -> None:
+    import onnx
+    from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat,
+                                          QuantType, quantize_static)
+
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    m = onnx.load(model)
+    opset = next((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), 13)
+    src = model
+    if opset < 13:
+        from onnx import version_converter
+
+        m = version_converter.convert_version(m, 13)
+        src = str(out / "opset13.onnx")
+        onnx.save(m, src)
+    pre = str(out / "pre.onnx")
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    try:
+        quant_pre_process(src, pre)
+    except Exception as e:
+        # its symbolic shape inference fails on some exports (Concat along axis != 0 of shapes):
+        # the rest of the pre-processing (onnx shape inference, constant folding, BN fusion) still runs
+        print(f"note: quant_pre_process failed ({type(e).__name__}: {e}); retrying with skip_symbolic_shape")
+        try:
+            quant_pre_process(src, pre, skip_symbolic_shape=True)
+        except Exception as e2:
+            print(f"note: quant_pre_process failed again ({type(e2).__name__}: {e2}); quantizing without it")
+            pre = src
+    feeds = calib_inputs(Path(calib), n)
+    padded = False
+    if method in ("Entropy", "Percentile", "Distribution"):
+        feeds, padded = pad_to_common(feeds)
+    if padded:
+        print("note: samples zero-padded to one shape")
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.it = iter(feeds)
+
+        def get_next(self):
+            return next(self.it, None)
+
+        def rewind(self):
+            self.it = iter(feeds)
+
+    if method == "Entropy" and entropy_bins:
+        # quantize_static passes no bin count to the entropy calibrator: its default, 128 bins for
+        # 128 quantized bins, leaves nothing to clip (the ranges equal MinMax's). Use 2048 bins, as
+        # TensorRT's entropy calibration does.
+        q = importlib.import_module("onnxruntime.quantization.quantize")
+
+        orig = q.create_calibrator
+
+        def create_calibrator(*a, extra_options=None, **k):
+            extra_options = dict(extra_options or {})
+            extra_options.setdefault("num_bins", entropy_bins)
+            return orig(*a, extra_options=extra_options, **k)
+
+        q.create_calibrator = create_calibrator
+    quantize_static(pre, str(out / "quant_model.onnx"), Reader(), quant_format=QuantFormat.QDQ,
+                    per_channel=True, activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
+                    calibrate_method=getattr(CalibrationMethod, method))
+    print(json.dumps({"padded": padded, "samples": len(feeds)}))
+
+
+# ----------------------------------------------------------------------------------- driver
+def _last_json(text: str) -> dict:
+    for line in reversed(text.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                pass
+    return {}
+
+
+def _reason(r: dict) -> str:
+    if r["rc"] == 124:
+        return "timeout"
+    text = (r.get("stderr") or "") + "\n" + (r.get("stdout") or "")
+    if "MemoryError" in text or "bad_alloc" in text or "Failed to allocate" in text or r["rc"] in (-9, 137):
+        return "out of memory"
+    lines = [l.strip() for l in (r.get("stderr") or "").strip().splitlines()
+             if l.strip() and not l.startswith("WARNING")]
+    lines = lines or [l.strip() for l in text.strip().splitlines() if l.strip()]
+    return (lines[-1] if lines else f"exit code {r['rc']}")[:160]
+
+
+def run_method(spec: str, task, n: int, out: Path, args) -> dict:
+    from fetch import run_measured
+
+    tool, _, method = spec.partition(":")
+    mdir = out / spec.replace(":", "_")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     if tool == "dipoorlet":
         cmd = [sys.executable, "-m", "dipoorlet", "-M", task.model, "-I", task.calib_dir, "-N", n,
-               "-D", platform, "-A", method, "-O", out, "--skip_prof_layer"]
-        qmodel = out / "quant_model.onnx"
+               "-D", "trt", "-O", mdir, "-A", method]
+    elif tool == "ort":
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--_child", "ort", str(task.model),
+               str(task.calib_dir), str(args.ort_n_calib or n), method, str(mdir), str(args.ort_entropy_bins)]
     else:
-        qmodel = out / f"ort_{method}.onnx"
-        cmd = [sys.executable, "-c", ORT_SCRIPT, task.model, task.calib_dir, n, method, qmodel]
-    r = run_measured(cmd, timeout=3600)
-    row = {"method": spec, "rc": r["rc"], "wall_s": round(r["wall_s"], 2), "peak_rss_mb": round(r["peak_rss_mb"], 1)}
-    if r["rc"] != 0:
-        row["error"] = (r["stderr"].strip().splitlines() or ["?"])[-1][:200]
-        return row
-    if tool == "dipoorlet":
-        rep = json.loads((out / "report.json").read_text())
-        row["output_cosine"] = rep["outputs"][0]["cosine"]
-    t = time.perf_counter()
-    row.update({k: (round(v, 4) if isinstance(v, float) else v) for k, v in task.evaluate(qmodel).items()})
-    row["eval_s"] = round(time.perf_counter() - t, 1)
+        raise SystemExit(f"unknown method {spec!r} (use dipoorlet:<method> or ort:<MinMax|Entropy|Percentile>)")
+    qmodel = mdir / "quant_model.onnx"
+    if qmodel.exists():
+        qmodel.unlink()
+    r = run_measured(cmd, cwd=ROOT, env=env, timeout=args.timeout,
+                     mem_limit_mb=args.mem_limit_gb * 1024 if args.mem_limit_gb else None)
+    (mdir).mkdir(parents=True, exist_ok=True)
+    (mdir / "log.txt").write_text(f"$ {' '.join(map(str, cmd))}\n--- stdout\n{r['stdout']}\n--- stderr\n{r['stderr']}\n")
+    row = {"method": spec, "wall_s": r["wall_s"], "peak_rss_mb": r["peak_rss_mb"], "rc": r["rc"]}
+    info = _last_json(r["stdout"]) if tool == "ort" else {}
+    notes = []
+    if tool == "ort" and method == "Entropy" and args.ort_entropy_bins:
+        notes.append(f"{args.ort_entropy_bins} bins")
+    if info.get("padded"):
+        notes.append("padded to one shape")
+    if tool == "ort" and args.ort_n_calib and args.ort_n_calib != n:
+        notes.append(f"{info.get('samples', args.ort_n_calib)} samples")
+    if r["rc"] != 0 or not qmodel.exists():
+        row["status"] = "failed: " + _reason(r)
+    else:
+        try:
+            row["metrics"] = task.evaluate(qmodel)
+            row["status"] = "ok"
+        except Exception as e:
+            row["status"] = f"evaluation failed: {type(e).__name__}: {str(e)[:120]}"
+    if notes:
+        row["note"] = ", ".join(notes)
     return row
 
 
-def calibration_seconds(out: Path) -> float | None:
-    log = out / "dipoorlet.log"
-    if not log.exists():
-        return None
-    for line in reversed(log.read_text().splitlines()):
-        if "calibration " in line and " s," in line:
-            return float(line.split("calibration ")[1].split(" s")[0])
-    return None
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "—"
+        return f"{v:.4f}" if abs(v) < 10 else f"{v:.1f}"
+    return str(v)
 
 
-def markdown(rows, keys) -> str:
-    head = "| " + " | ".join(keys) + " |\n|" + "|".join("---" for _ in keys) + "|\n"
-    return head + "\n".join("| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows) + "\n"
+def table(rows: list[dict], headline: str, float_s: float | None) -> str:
+    keys = [headline]
+    for r in rows:
+        for k, v in (r.get("metrics") or {}).items():
+            if k not in keys and isinstance(v, (int, float)) and not isinstance(v, bool) and not k.startswith("n_"):
+                keys.append(k)
+    head = ["method", "wall s", "× float pass", "peak RSS MB"] + keys + ["status"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        m = r.get("metrics") or {}
+        ratio = r["wall_s"] / float_s if float_s and r["method"] != "float" else float("nan")
+        status = r.get("status", "")
+        if r.get("note"):
+            status += f" ({r['note']})"
+        cells = [r["method"], _fmt(r["wall_s"]), _fmt(ratio), f"{r['peak_rss_mb']:.0f}" if not math.isnan(r["peak_rss_mb"]) else "—"]
+        cells += [_fmt(m.get(k, float("nan"))) for k in keys] + [status]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--task", default="ocr_cls")
-    ap.add_argument("--n-calib", default="64", help="samples; a comma list compares memory across N")
-    ap.add_argument("--methods", default=DEFAULT_METHODS)
-    ap.add_argument("--platform", default="trt")
-    ap.add_argument("--out", default=str(ROOT / "scripts" / ".cache" / "bench"))
-    ap.add_argument("--no-shared", action="store_true", help="ignore ../shared/data (fresh-machine data)")
-    a = ap.parse_args(argv)
-    shared = None if a.no_shared or not SHARED.is_dir() else SHARED
-    rows = []
-    for n in [int(x) for x in a.n_calib.split(",")]:
-        work = Path(a.out) / f"{a.task}-work-{n}"
-        t = time.perf_counter()
-        task = load_task(a.task)(work, n, shared)
-        print(f"[{a.task}] prepared {n} calibration samples in {time.perf_counter() - t:.1f} s", file=sys.stderr)
-        fp = float_pass_seconds(task.model, task.calib_dir, n)
-        base = {"method": "float", "n": n, "float_pass_s": round(fp, 3)}
-        base.update({k: (round(v, 4) if isinstance(v, float) else v) for k, v in task.evaluate(task.model).items()})
-        rows.append(base)
-        for spec in a.methods.split(","):
-            out = Path(a.out) / f"{a.task}-{a.platform}-{spec.replace(':', '-')}-{n}"
-            row = run_method(spec, task, n, out, a.platform)
-            row["n"] = n
-            calib_s = calibration_seconds(out) if spec.startswith("dipoorlet") else None
-            if calib_s is not None:
-                row["calib_s"] = calib_s
-                row["calib_vs_float_pass"] = round(calib_s / fp, 2)
-            rows.append(row)
-            print(json.dumps(row), file=sys.stderr)
-    keys = ["method", "n", "wall_s", "calib_s", "calib_vs_float_pass", "peak_rss_mb", task.headline]
-    keys += sorted({k for r in rows for k in r} - set(keys) - {"rc", "eval_s", "data", "float_pass_s", "error"})
-    keys += ["error"]
-    table = markdown(rows, keys)
-    print(f"\n{a.task} on {a.platform}; float pass over the calibration samples: "
-          f"{', '.join(str(r['float_pass_s']) + ' s (N=' + str(r['n']) + ')' for r in rows if r['method'] == 'float')}\n")
-    print(table)
-    Path(a.out).mkdir(parents=True, exist_ok=True)
-    (Path(a.out) / f"{a.task}-{a.platform}.md").write_text(table)
-    (Path(a.out) / f"{a.task}-{a.platform}.json").write_text(json.dumps(rows, indent=2))
+    ap.add_argument("--n-calib", type=int, default=64)
+    ap.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated tool:method list")
+    ap.add_argument("--out", default=str(SCRIPTS / ".cache" / "bench"))
+    ap.add_argument("--shared", default=None, help="real data folder (default: ../shared/data if present)")
+    ap.add_argument("--no-shared", action="store_true", help="make the inputs here, as on a fresh machine")
+    ap.add_argument("--ort-n-calib", type=int, default=None,
+                    help="calibration samples for onnxruntime's quantizer (default: --n-calib)")
+    ap.add_argument("--ort-entropy-bins", type=int, default=2048,
+                    help="histogram bins for ort:Entropy (0: onnxruntime's default 128, which equals MinMax)")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per quantizer run")
+    ap.add_argument("--mem-limit-gb", type=float, default=16,
+                    help="address-space cap per quantizer run (0: none)")
+    ap.add_argument("--_child", nargs="+", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args._child:
+        kind, *rest = args._child
+        if kind == "float":
+            child_float(rest[0], rest[1], int(rest[2]))
+        elif kind == "ort":
+            child_ort(rest[0], rest[1], int(rest[2]), rest[3], rest[4], int(rest[5]) if len(rest) > 5 else 2048)
+        return 0
+
+    from fetch import run_measured
+
+    shared = None if args.no_shared else (Path(args.shared) if args.shared else default_shared())
+    prepare = resolve_task(args.task)
+    out = Path(args.out) / args.task
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    task = prepare(out / "work", args.n_calib, shared)
+    print(f"task {task.name}: model {task.model}, {task.n_calib} calibration samples in {task.calib_dir} "
+          f"(prepared in {time.perf_counter() - t0:.1f} s)", flush=True)
+
+    # the float yardstick: one pass over the calibration samples in a fresh process
+    r = run_measured([sys.executable, str(Path(__file__).resolve()), "--_child", "float", str(task.model),
+                      str(task.calib_dir), str(task.n_calib)], cwd=ROOT, timeout=args.timeout)
+    fp = _last_json(r["stdout"])
+    float_row = {"method": "float", "wall_s": r["wall_s"], "peak_rss_mb": r["peak_rss_mb"],
+                 "metrics": task.evaluate(task.model), "status": "float model, one onnxruntime pass in a fresh process"}
+    float_s = r["wall_s"] if r["rc"] == 0 else None
+    print(f"float pass over {fp.get('samples', '?')} calibration samples: {fp.get('float_run_s', float('nan')):.2f} s "
+          f"of inference, {r['wall_s']:.2f} s for the whole fresh process (import, session, data), "
+          f"peak RSS {r['peak_rss_mb']:.0f} MB", flush=True)
+
+    rows = [float_row]
+    for spec in [m.strip() for m in args.methods.split(",") if m.strip()]:
+        print(f"running {spec} ...", flush=True)
+        row = run_method(spec, task, args.n_calib, out, args)
+        rows.append(row)
+        m = row.get("metrics") or {}
+        print(f"  {spec}: {row['status']}, {row['wall_s']:.1f} s, {row['peak_rss_mb']:.0f} MB, "
+              f"{task.headline} {_fmt(m.get(task.headline, float('nan')))}", flush=True)
+
+    md = table(rows, task.headline, float_s)
+    header = (f"## {task.name}: {task.n_calib} calibration samples\n\n"
+              f"Float pass over the calibration samples: {fp.get('float_run_s', float('nan')):.2f} s inference, "
+              f"{r['wall_s']:.2f} s in a fresh process (the `× float pass` column divides by this).\n"
+              f"Metrics: simulated (onnxruntime with graph optimizations off), versus the float model "
+              f"and, where there are labels, versus them.\n\n")
+    print()
+    print(header + md)
+    (out / "results.md").write_text(header + md + "\n")
+    (out / "results.json").write_text(json.dumps(
+        {"task": task.name, "n_calib": task.n_calib, "model": str(task.model), "float_pass": fp,
+         "float_pass_process_s": r["wall_s"], "rows": rows}, indent=2, default=str))
     return 0
 
 

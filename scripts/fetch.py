@@ -74,9 +74,11 @@ def peak_rss_mb(children: bool = False) -> float:
 
 
 def run_measured(cmd: list[str], cwd: Path | str | None = None, env: dict | None = None,
-                 timeout: float | None = None) -> dict:
+                 timeout: float | None = None, mem_limit_mb: float | None = None) -> dict:
     """Run ``cmd`` in a fresh child through a tiny wrapper process so that the peak RSS reported is
     this one run's alone (RUSAGE_CHILDREN of the wrapper covers only its single child).
+    ``mem_limit_mb`` caps the child's address space (RLIMIT_AS), so that a run that would take
+    the machine's memory fails with MemoryError instead.
 
     Returns {"rc", "wall_s", "peak_rss_mb", "stdout", "stderr"}."""
     import json
@@ -84,22 +86,28 @@ def run_measured(cmd: list[str], cwd: Path | str | None = None, env: dict | None
 
     wrapper = (
         "import json, resource, subprocess, sys, time\n"
-        "cmd = json.loads(sys.argv[1])\n"
+        "cfg = json.loads(sys.argv[1])\n"
+        "lim = int(cfg['mem_mb'] * 2**20) if cfg['mem_mb'] else None\n"
+        "def cap():\n"
+        "    resource.setrlimit(resource.RLIMIT_AS, (lim, lim))\n"
         "t = time.perf_counter()\n"
-        "p = subprocess.run(cmd)\n"
+        "try:\n"
+        "    rc = subprocess.run(cfg['cmd'], preexec_fn=cap if lim else None, timeout=cfg['timeout']).returncode\n"
+        "except subprocess.TimeoutExpired:\n"
+        "    rc = 124\n"
         "w = time.perf_counter() - t\n"
         "kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss\n"
-        "sys.stderr.write('\\n@@MEASURED ' + json.dumps({'rc': p.returncode, 'wall_s': w, 'kb': kb}) + '\\n')\n"
-        "sys.exit(0)\n"
+        "sys.stderr.write('\\n@@MEASURED ' + json.dumps({'rc': rc, 'wall_s': w, 'kb': kb}) + '\\n')\n"
     )
+    cfg = {"cmd": [str(c) for c in cmd], "mem_mb": mem_limit_mb, "timeout": timeout}
     t0 = time.perf_counter()
     try:
-        r = subprocess.run([sys.executable, "-c", wrapper, json.dumps([str(c) for c in cmd])],
-                           cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
+        r = subprocess.run([sys.executable, "-c", wrapper, json.dumps(cfg)], cwd=cwd, env=env,
+                           capture_output=True, text=True,
+                           timeout=None if timeout is None else timeout + 120)
+    except subprocess.TimeoutExpired:
         return {"rc": 124, "wall_s": time.perf_counter() - t0, "peak_rss_mb": float("nan"),
-                "stdout": (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or ""),
-                "stderr": "timeout"}
+                "stdout": "", "stderr": "timeout"}
     stderr, info = r.stderr, None
     marker = "\n@@MEASURED "
     i = stderr.rfind(marker)

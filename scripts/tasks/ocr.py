@@ -2,7 +2,8 @@
 
 * ``ocr_cls``: text-direction classifier (MobileNetV3-small). Input ``x`` [N,3,48,192]. Labels: an
   upright text-line crop is class 0, the same crop turned 180 degrees is class 1. Metrics: accuracy
-  against those labels and top-1 agreement with the float model.
+  against those labels, top-1 agreement with the float model, and agreement of RapidOCR's decision
+  to turn a line (class 180 with score > 0.9).
 * ``ocr_det``: PP-OCRv4 text detector (DBNet). Input ``x`` [1,3,H,W], H and W multiples of 32,
   images of different sizes. Metrics against the float model: IoU of the probability map
   thresholded at 0.3, cosine of the map, and F1 of text boxes (DB's own box filter, IoU >= 0.5).
@@ -152,7 +153,7 @@ def db_components(prob: np.ndarray, thresh: float = DB_THRESH, box_thresh: float
     return lab, out
 
 
-def _oriented_box(lab: np.ndarray, k: int, sl) -> np.ndarray | None:
+def _oriented_box(lab: np.ndarray, k: int, sl, unclip: float = DB_UNCLIP) -> np.ndarray | None:
     """Corners (tl, tr, br, bl) of an approximately minimal rotated rectangle around component k,
     grown by DB's unclip distance. Coordinates are (x, y) in the map's pixels."""
     ys, xs = np.nonzero(lab[sl] == k)
@@ -180,7 +181,7 @@ def _oriented_box(lab: np.ndarray, k: int, sl) -> np.ndarray | None:
     w, h = s1 - s0, t1 - t0
     if min(w, h) < 3:
         return None
-    d = w * h * DB_UNCLIP / (2 * (w + h))
+    d = w * h * unclip / (2 * (w + h))
     s0, s1, t0, t1 = s0 - d, s1 + d, t0 - d, t1 + d
     return np.array([c + s0 * fx + t0 * fy, c + s1 * fx + t0 * fy,
                      c + s1 * fx + t1 * fy, c + s0 * fx + t1 * fy])
@@ -205,21 +206,23 @@ def crop_quad(img: np.ndarray, quad: np.ndarray) -> np.ndarray | None:
     return out
 
 
-def detect_lines(sess, img: np.ndarray, limit: int = 960, upscale: bool = True) -> list[np.ndarray]:
-    """Text-line crops of ``img`` found by the float detector (DB post-process, dilated mask)."""
+def detect_lines(sess, img: np.ndarray, limit: int = 960, upscale: bool = True,
+                 unclips: tuple = (DB_UNCLIP,)) -> list[np.ndarray]:
+    """Text-line crops of ``img`` found by the float detector (DB post-process, dilated mask),
+    one per text box and unclip ratio (the margin around the text)."""
     x = det_input(img, limit, upscale)
     prob = sess.run(None, {"x": x})[0][0, 0]
     lab, comps = db_components(prob, dilate=True)
     sy, sx = img.shape[0] / prob.shape[0], img.shape[1] / prob.shape[1]
     crops = []
     for k, sl, _ in comps:
-        q = _oriented_box(lab, k, sl)
-        if q is None:
-            continue
-        q = q * np.array([sx, sy])
-        c = crop_quad(img, q)
-        if c is not None and c.shape[0] >= 6:
-            crops.append(c)
+        for u in unclips:
+            q = _oriented_box(lab, k, sl, u)
+            if q is None:
+                continue
+            c = crop_quad(img, q * np.array([sx, sy]))
+            if c is not None and c.shape[0] >= 6:
+                crops.append(c)
     return crops
 
 
@@ -263,7 +266,7 @@ def _fonts() -> list:
         for d in ("/usr/share/fonts", "/usr/local/share/fonts", "/Library/Fonts", "C:/Windows/Fonts"):
             paths += sorted(Path(d).rglob("*.ttf")) if Path(d).exists() else []
         paths = [p for p in paths if "dejavu" in p.name.lower() or "liberation" in p.name.lower()] or paths[:20]
-    paths = [p for p in paths if "display" not in p.name.lower()]
+    paths = [p for p in paths if "display" not in p.name.lower() and "math" not in p.name.lower()]
     return paths or [None]   # None: Pillow's built-in font
 
 
@@ -350,28 +353,43 @@ def _image_paths(shared: Path | None) -> list[Path]:
     return sorted(p for p in d.iterdir() if p.suffix.lower() in (".jpg", ".jpeg", ".png", ".bmp"))
 
 
+def load_images(shared: Path | None, min_side: int = 8) -> list[tuple[str, np.ndarray]]:
+    """(name, RGB image) for the images in ``shared/ocr-images``; exact duplicates dropped."""
+    out, seen = [], set()
+    for p in _image_paths(shared):
+        img = load_rgb(p)
+        if img is None or min(img.shape[:2]) < min_side:
+            continue
+        h = hashlib.md5(img.tobytes()).hexdigest()
+        if h not in seen:
+            seen.add(h)
+            out.append((p.name, img))
+    return out
+
+
 def real_crops(work: Path, shared: Path | None) -> list[tuple[str, np.ndarray]]:
     """(image name, crop) for every text line the float detector finds in ``shared/ocr-images``,
-    at two detector scales (the crops differ in framing and resolution). Cached under ``work``."""
+    at three detector scales and two margins each (the crops differ in framing and resolution).
+    Cached in the cache folder (scripts/.cache), shared by the tasks."""
     paths = _image_paths(shared)
     if not paths:
         return []
-    key = hashlib.sha1(json.dumps([p.name for p in paths] + ["v3"]).encode()).hexdigest()[:10]
-    cache = Path(work) / f"ocr_crops_{key}.npz"
+    key = hashlib.sha1(json.dumps([p.name for p in paths] + ["v5"]).encode()).hexdigest()[:10]
+    cache = cache_dir() / f"ocr_crops_{key}.npz"
     if cache.exists():
         z = np.load(cache, allow_pickle=False)
         names = json.loads(str(z["names"]))
         return [(names[i], z[f"c{i}"]) for i in range(len(names))]
     sess = session(model_path("det"), simulated=False)
     out = []
-    for p in paths:
-        img = load_rgb(p)
-        if img is None or min(img.shape[:2]) < 8:
-            continue
-        for limit in (960, 640):
-            out += [(p.name, c) for c in detect_lines(sess, img, limit=limit, upscale=True)]
-    Path(work).mkdir(parents=True, exist_ok=True)
-    np.savez(cache, names=json.dumps([n for n, _ in out]), **{f"c{i}": c for i, (_, c) in enumerate(out)})
+    for name, img in load_images(shared):
+        for limit, unclips in ((1280, (1.6, 1.2)), (960, (1.6, 2.0)), (640, (1.6, 1.3))):
+            out += [(name, c) for c in detect_lines(sess, img, limit, True, unclips)]
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+    with open(tmp, "wb") as fh:
+        np.savez(fh, names=json.dumps([n for n, _ in out]), **{f"c{i}": c for i, (_, c) in enumerate(out)})
+    os.replace(tmp, cache)
     return out
 
 
@@ -383,13 +401,21 @@ def _split(items: list, n_calib: int, rng: np.random.Generator, group=None):
         return [items[i] for i in idx[:n_calib]], [items[i] for i in idx[n_calib:]]
     keys = sorted({group(it) for it in items})
     keys = [keys[i] for i in rng.permutation(len(keys))]
-    calib, ev, taken = [], [], set()
-    for k in keys:
+    size = {k: sum(group(it) == k for it in items) for k in keys}
+    calib, taken = [], set()
+    for k in keys:   # random images, skipping those that would overshoot n_calib by much
+        if len(calib) < n_calib and len(calib) + size[k] <= max(1.5 * n_calib, n_calib + 12):
+            taken.add(k)
+            calib += [it for it in items if group(it) == k]
+    for k in sorted(keys, key=size.get):   # still short: the smallest remaining images
         if len(calib) >= n_calib:
             break
-        taken.add(k)
-        calib += [it for it in items if group(it) == k]
+        if k not in taken:
+            taken.add(k)
+            calib += [it for it in items if group(it) == k]
+    calib = [calib[i] for i in rng.permutation(len(calib))]
     ev = [it for it in items if group(it) not in taken]
+    ev = [ev[i] for i in rng.permutation(len(ev))]
     return calib, ev
 
 
@@ -445,10 +471,13 @@ def prepare_cls(work: Path, n_calib: int, shared: Path | None) -> Task:
 
     def evaluate(path: Path) -> dict:
         if "float" not in ref:
-            ref["float"] = _run_batched(session(model), xs).argmax(1)
-        pred = _run_batched(session(path), xs).argmax(1)
-        return {"agreement": float((pred == ref["float"]).mean()),
-                "accuracy": float((pred == labels).mean()),
+            ref["float"] = _run_batched(session(model), xs)
+        f, q = ref["float"], _run_batched(session(path), xs)
+        # RapidOCR turns a line only when class "180" wins with a score above cls_thresh 0.9
+        turn_f, turn_q = (f.argmax(1) == 1) & (f[:, 1] > 0.9), (q.argmax(1) == 1) & (q[:, 1] > 0.9)
+        return {"agreement": float((q.argmax(1) == f.argmax(1)).mean()),
+                "accuracy": float((q.argmax(1) == labels).mean()),
+                "turn_agreement": float((turn_f == turn_q).mean()),
                 "n_eval": int(len(xs)), "data": source}
 
     return Task("ocr_cls", model, calib_dir, n_calib, evaluate, "agreement")
@@ -487,13 +516,14 @@ def det_metrics(ref_probs: list[np.ndarray], probs: list[np.ndarray]) -> dict:
         inter += int((mr & mp).sum())
         union += int((mr | mp).sum())
         a, b = r.ravel().astype(np.float64), p.ravel().astype(np.float64)
-        cos.append(float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-12)))
+        na, nb = np.linalg.norm(a), np.linalg.norm(b)
+        cos.append(float(a @ b / (na * nb)) if na > 0 and nb > 0 else float(na == nb))
         rb = [sl for _, sl, _ in db_components(r)[1]]
         pb = [sl for _, sl, _ in db_components(p)[1]]
         n_ref, n_out, n_match = n_ref + len(rb), n_out + len(pb), n_match + box_matches(rb, pb)
     return {"mask_iou": inter / union if union else 1.0,
             "box_f1": 2 * n_match / (n_ref + n_out) if n_ref + n_out else 1.0,
-            "cosine": float(np.mean(cos)), "boxes_float": n_ref}
+            "cosine": float(np.mean(cos)), "n_boxes_float": n_ref}
 
 
 def _det_augment(img: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -510,11 +540,7 @@ def prepare_det(work: Path, n_calib: int, shared: Path | None) -> Task:
     work.mkdir(parents=True, exist_ok=True)
     model = model_path("det")
     rng = np.random.default_rng(SEED + 1)
-    imgs = []
-    for p in _image_paths(shared):
-        img = load_rgb(p)
-        if img is not None and min(img.shape[:2]) >= 16:
-            imgs.append(img)
+    imgs = [img for _, img in load_images(shared, min_side=16)]
     source = "real"
     if len(imgs) >= 8:
         # the 29 images are too few to split: evaluation uses every image at its deployment size
