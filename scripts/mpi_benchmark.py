@@ -32,6 +32,8 @@ def main(argv=None) -> int:
     ap.add_argument("-A", default="hist")
     ap.add_argument("-D", default="trt")
     ap.add_argument("--out", default=str(ROOT / "scripts" / ".cache" / "mpi"))
+    ap.add_argument("--profile", action="store_true",
+                    help="include the per-layer profile and sensitivity passes (default: outputs only)")
     a = ap.parse_args(argv)
     mpirun = shutil.which("mpirun", path=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"])
     if mpirun is None:
@@ -43,6 +45,8 @@ def main(argv=None) -> int:
         shutil.rmtree(out, ignore_errors=True)
         cmd = [mpirun, "-n", str(ranks), sys.executable, "-m", "dipoorlet", "-M", str(task.model),
                "-I", str(task.calib_dir), "-N", str(a.n_calib), "-D", a.D, "-A", a.A, "-O", str(out), "--mpirun"]
+        if not a.profile:
+            cmd.append("--skip_prof_layer")
         t = time.perf_counter()
         subprocess.run(cmd, check=True, capture_output=True)
         wall = time.perf_counter() - t
