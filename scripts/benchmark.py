@@ -119,8 +119,10 @@ def pad_to_common(feeds: list[dict]) -> tuple[list[dict], bool]:
 # ----------------------------------------------------------------------------------- child processes
 def child_float(model: str, calib: str, n: int) -> None:
     """One plain float pass (onnxruntime, default optimizations) over the calibration samples."""
-    t0 = time.perf_counter()
+    import onnxruntime  # noqa: F401  (imports are not part of the float pass, as in dipoorlet's timing)
     from tasks import session
+
+    t0 = time.perf_counter()
 
     feeds = calib_inputs(Path(calib), n)
     s = session(model, simulated=False)
@@ -231,7 +233,7 @@ def run_method(spec: str, task, n: int, out: Path, args) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     if tool == "dipoorlet":
         cmd = [sys.executable, "-m", "dipoorlet", "-M", task.model, "-I", task.calib_dir, "-N", n,
-               "-D", "trt", "-O", mdir, "-A", method]
+               "-D", "trt", "-O", mdir, "-A", method, "--skip_prof_layer"]
     elif tool == "ort":
         cmd = [sys.executable, str(Path(__file__).resolve()), "--_child", "ort", str(task.model),
                str(task.calib_dir), str(args.ort_n_calib or n), method, str(mdir), str(args.ort_entropy_bins)]
@@ -245,6 +247,8 @@ def run_method(spec: str, task, n: int, out: Path, args) -> dict:
     (mdir).mkdir(parents=True, exist_ok=True)
     (mdir / "log.txt").write_text(f"$ {' '.join(map(str, cmd))}\n--- stdout\n{r['stdout']}\n--- stderr\n{r['stderr']}\n")
     row = {"method": spec, "wall_s": r["wall_s"], "peak_rss_mb": r["peak_rss_mb"], "rc": r["rc"]}
+    if tool == "dipoorlet":
+        row["calib_s"] = calibration_seconds(mdir / "dipoorlet.log")
     info = _last_json(r["stdout"]) if tool == "ort" else {}
     notes = []
     if tool == "ort" and method == "Entropy" and args.ort_entropy_bins:
@@ -266,6 +270,15 @@ def run_method(spec: str, task, n: int, out: Path, args) -> dict:
     return row
 
 
+def calibration_seconds(log: Path) -> float:
+    """dipoorlet's own calibration time (range + histogram passes, session included) from its log."""
+    if log.exists():
+        for line in reversed(log.read_text().splitlines()):
+            if "; calibration " in line:
+                return float(line.split("; calibration ")[1].split(" s")[0])
+    return float("nan")
+
+
 def _fmt(v) -> str:
     if isinstance(v, float):
         if math.isnan(v):
@@ -274,13 +287,16 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def table(rows: list[dict], headline: str, float_s: float | None) -> str:
+def table(rows: list[dict], headline: str, float_s: float | None, float_total: float | None = None) -> str:
+    """``× float pass``: whole run vs. the whole fresh float process. ``calibration × float pass``:
+    dipoorlet's calibration (its session, reads and passes) vs. the float pass's session, reads and
+    runs (``float_total_s``, imports excluded on both sides)."""
     keys = [headline]
     for r in rows:
         for k, v in (r.get("metrics") or {}).items():
             if k not in keys and isinstance(v, (int, float)) and not isinstance(v, bool) and not k.startswith("n_"):
                 keys.append(k)
-    head = ["method", "wall s", "× float pass", "peak RSS MB"] + keys + ["status"]
+    head = ["method", "wall s", "× float pass", "calibration s", "calibration × float pass", "peak RSS MB"] + keys + ["status"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         m = r.get("metrics") or {}
@@ -288,7 +304,10 @@ def table(rows: list[dict], headline: str, float_s: float | None) -> str:
         status = r.get("status", "")
         if r.get("note"):
             status += f" ({r['note']})"
-        cells = [r["method"], _fmt(r["wall_s"]), _fmt(ratio), f"{r['peak_rss_mb']:.0f}" if not math.isnan(r["peak_rss_mb"]) else "—"]
+        calib = r.get("calib_s", float("nan"))
+        cells = [r["method"], _fmt(r["wall_s"]), _fmt(ratio), _fmt(calib),
+                 _fmt(calib / float_total if float_total else float("nan")),
+                 f"{r['peak_rss_mb']:.0f}" if not math.isnan(r["peak_rss_mb"]) else "—"]
         cells += [_fmt(m.get(k, float("nan"))) for k in keys] + [status]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -351,7 +370,7 @@ def main(argv=None) -> int:
         print(f"  {spec}: {row['status']}, {row['wall_s']:.1f} s, {row['peak_rss_mb']:.0f} MB, "
               f"{task.headline} {_fmt(m.get(task.headline, float('nan')))}", flush=True)
 
-    md = table(rows, task.headline, float_s)
+    md = table(rows, task.headline, float_s, fp.get("float_total_s"))
     header = (f"## {task.name}: {task.n_calib} calibration samples\n\n"
               f"Float pass over the calibration samples: {fp.get('float_run_s', float('nan')):.2f} s inference, "
               f"{r['wall_s']:.2f} s in a fresh process (the `× float pass` column divides by this).\n"
