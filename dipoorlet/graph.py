@@ -235,13 +235,10 @@ def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
             save_external(model, src)
             shape_inference.infer_shapes_path(src, dst, data_prop=True)
             inferred = onnx.load(dst, load_external_data=False)
-            # keep our tensors (already in memory), take the inferred value_info
-            del inferred.graph.initializer[:]
-            inferred.graph.initializer.extend(model.graph.initializer)
-            return _with_value_info(model, inferred)
+            return _with_value_info(model, inferred)  # our tensors stay; take the value_info
     except Exception as exc:  # inference is an aid, never a reason to stop
-        log.warning("shape inference failed (%s); continuing with the types onnxruntime reports",
-                    _first_line(exc))
+        log.warning("shape inference failed (%s); tensors without a known float type will not be "
+                    "quantized (see the report's decisions)", _first_line(exc))
         return model
 
 

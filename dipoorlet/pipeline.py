@@ -116,6 +116,9 @@ def plan_biases(g: Graph, places, plan: QuantPlan) -> None:
         s_w = plan.weights[wp.tensor]
         if node.op_type == "ConvTranspose" and s_w.axis is not None:
             continue  # axis-1 weight scales do not line up with the bias channels when grouped
+        shape = g.weight(bias).shape
+        if len(shape) != 1 or (s_w.scale.size > 1 and shape[0] != s_w.scale.size):
+            continue  # e.g. a Gemm bias of shape (1, N) broadcast by the op: left float
         plan.weights[bias] = bias_qparams(plan.activations[src], s_w)
         places.weights[(node_name, 2)] = placement_mod.WeightPoint(bias, node_name, 2, plan.weights[bias].axis)
 
@@ -215,7 +218,9 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm) -> dict:
     if cfg.skip_prof_layer and not cfg.auto_skip:
         return out
     n = min(cfg.sens_samples, cfg.data_num)
-    scorer = sensitivity.Scorer(g, data, shard(n, comm.rank, comm.world), comm, cfg.device)
+    crit = sensitivity.parse_target(cfg.auto_skip)[0] if cfg.auto_skip else (
+        "cosine" if cfg.criterion == "maxabs" else cfg.criterion)
+    scorer = sensitivity.Scorer(g, data, shard(n, comm.rank, comm.world), comm, cfg.device, crit)
     out["sens_samples"] = n
     out["isolated"] = sensitivity.isolated(g, places, plan, scorer, cfg.criterion)
     if cfg.auto_skip:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 
 import onnx
+
+import onnx
 from onnx import helper, numpy_helper, version_converter
 
 from dipoorlet.errors import ModelError
@@ -99,20 +101,27 @@ def fold_constants(g: Graph) -> int:
 
 
 def remove_identities(g: Graph) -> int:
-    removed = 0
-    for node in list(g.graph.node):
-        if node.op_type != "Identity" or node.output[0] in g.output_names:
-            continue
-        src, dst = node.input[0], node.output[0]
-        for other in g.graph.node:
-            for i, name in enumerate(other.input):
-                if name == dst:
-                    other.input[i] = src
-        g.graph.node.remove(node)
-        removed += 1
-    if removed:
-        g.refresh()
-    return removed
+    """Bypass Identity nodes (one pass). An Identity whose output a subgraph reads is kept."""
+    sub_refs = {r for n in g.graph.node for r in _subgraph_outer_refs(n)}
+    alias = {n.output[0]: n.input[0] for n in g.graph.node
+             if n.op_type == "Identity" and n.output[0] not in g.output_names and n.output[0] not in sub_refs}
+    if not alias:
+        return 0
+
+    def root(name):
+        while name in alias:
+            name = alias[name]
+        return name
+
+    keep = [n for n in g.graph.node if not (n.op_type == "Identity" and n.output[0] in alias)]
+    for n in keep:
+        for i, name in enumerate(n.input):
+            if name in alias:
+                n.input[i] = root(name)
+    del g.graph.node[:]
+    g.graph.node.extend(keep)
+    g.refresh()
+    return len(alias)
 
 
 def ensure_opset(g: Graph, target: int = QDQ_OPSET) -> int:
@@ -154,12 +163,13 @@ def lower_ir_version(g: Graph) -> int:
 
 def name_nodes(g: Graph) -> int:
     """Give every node a unique name (the report and --skip_layers refer to nodes by name)."""
+    taken = {n.name for n in g.graph.node if n.name}
     seen, renamed = set(), 0
     for i, node in enumerate(g.graph.node):
         if not node.name or node.name in seen:
             base = node.name or f"{node.op_type}_{i}"
             name, k = base, 1
-            while name in seen:
+            while name in seen or (name in taken and name != node.name):
                 name, k = f"{base}_{k}", k + 1
             node.name = name
             renamed += 1
@@ -171,9 +181,18 @@ def name_nodes(g: Graph) -> int:
 
 def prepare(g: Graph) -> dict:
     """Run every preparation pass; returns what each changed."""
-    done = {"ir_version_from": lower_ir_version(g), "nodes_named": name_nodes(g)}
+    order = g.topological_nodes()  # some exporters list nodes out of order; ONNX wants them sorted
+    if [id(n) for n in order] != [id(n) for n in g.graph.node]:
+        sorted_nodes = [onnx.NodeProto() for _ in order]
+        for dst, src in zip(sorted_nodes, order):
+            dst.CopyFrom(src)
+        del g.graph.node[:]
+        g.graph.node.extend(sorted_nodes)
+        g.refresh()
+    done = {"ir_version_from": lower_ir_version(g), "opset_from": ensure_opset(g)}
+    # after the version converter, which adds nodes of its own (unnamed Constants for axes)
+    done["nodes_named"] = name_nodes(g)
     done["constants_to_initializers"] = constants_to_initializers(g)
-    done["opset_from"] = ensure_opset(g)
     done["constants_folded"] = fold_constants(g)
     done["identities_removed"] = remove_identities(g)
     g.model = infer_shapes(g.model)

@@ -114,32 +114,43 @@ def bias_qparams(s_in: QParams, s_w: QParams) -> QParams:
 
 
 def share_scales(graph, plan: QuantPlan, ops) -> int:
-    """Give ops that only move values (MaxPool, Reshape, Concat…) the grid of their input.
+    """Give ops that only move values (MaxPool, Reshape, Concat…) one grid for input and output.
 
-    Backends that run these ops in integers need input and output on one grid. A Concat's inputs
-    and output all take one grid covering the union of their ranges. Returns how many grids changed.
+    Backends that run these ops in integers need that. Tensors tied together (a pass-through op's
+    data input and output; a Concat's inputs and output) form groups (union-find, so chains and a
+    tensor feeding two Concats end up in one group, whatever the node order); each group gets one
+    grid covering the union of its members' ranges. Returns the number of groups formed.
     """
-    changed = 0
-    for node in graph.topological_nodes():
-        if node.op_type not in ops:
+    parent: dict[str, str] = {}
+
+    def find(t):
+        while parent.get(t, t) != t:
+            parent[t] = parent.get(parent[t], parent[t])
+            t = parent[t]
+        return t
+
+    def union(a, b):
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[ra] = rb
+
+    for node in graph.graph.node:
+        if node.op_type not in ops or not node.output or node.output[0] not in plan.activations:
             continue
-        out = node.output[0] if node.output else None
-        ins = [t for t in node.input if t in plan.activations]
-        if out not in plan.activations or not ins:
+        ins = node.input if node.op_type == "Concat" else node.input[:1]
+        for t in ins:
+            if t in plan.activations:
+                union(t, node.output[0])
+    groups: dict[str, list[str]] = {}
+    for t in parent:
+        groups.setdefault(find(t), []).append(t)
+    for members in groups.values():
+        rules = [plan.rules[t] for t in members if t in plan.rules]
+        if len(members) < 2 or not rules:
             continue
-        if node.op_type == "Concat":
-            group = ins + [out]
-            lo = min(float(plan.activations[t].lo) for t in group)
-            hi = max(float(plan.activations[t].hi) for t in group)
-            rule = plan.rules.get(out)
-            if rule is None:
-                continue
-            shared = make_qparams(lo, hi, rule)
-            for t in group:
-                plan.activations[t] = shared
-        else:
-            if node.input[0] not in plan.activations:
-                continue
-            plan.activations[out] = plan.activations[node.input[0]]
-        changed += 1
-    return changed
+        lo = min(float(np.min(plan.activations[t].lo)) for t in members)
+        hi = max(float(np.max(plan.activations[t].hi)) for t in members)
+        shared = make_qparams(lo, hi, min(rules, key=lambda r: r.bits))
+        for t in members:
+            plan.activations[t] = shared
+    return sum(1 for m in groups.values() if len(m) > 1)

@@ -50,6 +50,7 @@ def _output_distribution(samples: dict, outputs: list[str], bins: int = 20) -> d
     dist = {}
     for t in outputs:
         cos = np.array([s[1] for s in samples.get(t, [])], dtype=np.float64)
+        cos = cos[np.isfinite(cos)]  # a model whose own output is NaN for a sample
         if cos.size == 0:
             continue
         lo = float(min(cos.min(), 0.99))

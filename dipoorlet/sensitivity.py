@@ -7,7 +7,7 @@ does quantizing this layer cost by itself", which the cumulative profile cannot 
 layer inherits the error of all layers before it).
 
 Cost: one pass of the full model per quantized node over the sensitivity samples (``--sens_samples``,
-default 16; sharded across MPI ranks), plus one float pass per sample for the reference outputs.
+default 8; sharded across MPI ranks), plus one float pass per sample for the reference outputs.
 We chose whole-model passes over extracting each node's downstream subgraph: the downstream part
 is on average half the model, but extracting it needs the float values of every tensor crossing
 the cut for every sample, which would either be stored (memory growing with N) or recomputed.
@@ -64,7 +64,8 @@ def scored_tensor(graph, output: str) -> str:
 class Scorer:
     """Scores quantized variants of one model against float outputs computed once per sample."""
 
-    def __init__(self, graph, data, indices, comm, device="cpu"):
+    def __init__(self, graph, data, indices, comm, device="cpu", criterion="cosine"):
+        self.criterion = criterion
         self.graph, self.data, self.indices, self.comm, self.device = graph, data, list(indices), comm, device
         self.outputs = [scored_tensor(graph, o) for o in graph.output_names]
         fp = Runner(graph.model, self.outputs, types=graph.types, device=device)
@@ -87,7 +88,7 @@ class Scorer:
             sqnr = math.inf if err == 0 else (10 * math.log10(sig / err) if sig > 0 else -math.inf)
             mx = max((r[1][k][3] for r in rows), default=0.0)
             s = OutputScore(cos, sqnr, mx)
-            if worst is None or s.cosine < worst.cosine:
+            if worst is None or s.value(self.criterion) < worst.value(self.criterion):
                 worst = s
         return self.comm.bcast(worst)
 

@@ -25,6 +25,8 @@ class MinMax:
         self.lo, self.hi, self.count = float(lo), float(hi), int(count)
 
     def update(self, lo: float, hi: float, count: int = 1) -> None:
+        if lo != lo or hi != hi:  # NaN inside the model (sqrt of a negative…): never quantizable
+            lo, hi = -math.inf, math.inf
         self.lo = min(self.lo, lo)
         self.hi = max(self.hi, hi)
         self.count += count
