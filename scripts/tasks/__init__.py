@@ -42,3 +42,19 @@ def session(model_path, simulated: bool = True):
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 3
     return ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
+
+
+def write_calib(work, samples, name: str = "x") -> Path:
+    """Calibration samples in dipoorlet's layout, ``work/calib/<name>/<i>.npy`` (float32); returns
+    ``work/calib``. Stale samples from an earlier, larger run are removed first."""
+    import numpy as np
+
+    calib = Path(work) / "calib"
+    d = calib / name
+    if d.exists():
+        for f in d.glob("*.npy"):
+            f.unlink()
+    d.mkdir(parents=True, exist_ok=True)
+    for i, s in enumerate(samples):
+        np.save(d / f"{i}.npy", np.ascontiguousarray(s, dtype=np.float32))
+    return calib

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import Task, session
+from . import Task, session, write_calib
 
 SEED = 0
 _SCRIPTS = Path(__file__).resolve().parent.parent
@@ -99,18 +99,6 @@ def _ocr():
     from . import ocr   # load_rgb, fonts, page rendering
 
     return ocr
-
-
-def _write_calib(work: Path, name: str, samples: list[np.ndarray]) -> Path:
-    calib = Path(work) / "calib"
-    d = calib / name
-    if d.exists():
-        for f in d.glob("*.npy"):
-            f.unlink()
-    d.mkdir(parents=True, exist_ok=True)
-    for i, s in enumerate(samples):
-        np.save(d / f"{i}.npy", np.ascontiguousarray(s, dtype=np.float32))
-    return calib
 
 
 def _cos(a: np.ndarray, b: np.ndarray) -> float:
@@ -232,7 +220,7 @@ def prepare_nudenet(work: Path, n_calib: int, shared: Path | None) -> Task:
     for i in range(n_calib - n_people):
         p = cal_photos[i % len(cal_photos)]
         cal.append(p if i < len(cal_photos) else _crop_flip(p, rng, 0.6))
-    calib_dir = _write_calib(work, "images", [nude_input(c) for c in cal])
+    calib_dir = write_calib(work, [nude_input(c) for c in cal], "images")
 
     ev = list(people["eval"])
     while len(ev) < NUDE_EVAL_PEOPLE:
@@ -309,7 +297,7 @@ def prepare_orientation(work: Path, n_calib: int, shared: Path | None) -> Task:
         k = i % 4
         p = np.ascontiguousarray(np.rot90(cal_p[(i // 4) % len(cal_p)], k))
         cal.append(ori_input(p, None if i < 4 * len(cal_p) else rng)[None])
-    calib_dir = _write_calib(work, "x", cal)
+    calib_dir = write_calib(work, cal, "x")
 
     xs, labels = [], []
     for p in ev_p:
@@ -405,7 +393,7 @@ def prepare_captcha(work: Path, n_calib: int, shared: Path | None) -> Task:
     charset = captcha_charset()
     fonts = [p for p in _ocr()._fonts() if p is None or "math" not in str(p).lower()] or [None]
     rng = np.random.default_rng(SEED + 2)
-    calib_dir = _write_calib(work, "input1", [captcha_input(render_captcha(rng, fonts)[0]) for _ in range(n_calib)])
+    calib_dir = write_calib(work, [captcha_input(render_captcha(rng, fonts)[0]) for _ in range(n_calib)], "input1")
     ev = [render_captcha(rng, fonts) for _ in range(CAP_EVAL)]
     xs = [captcha_input(im) for im, _ in ev]
     truth = [t.lower() for _, t in ev]

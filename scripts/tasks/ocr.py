@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import Task, session
+from . import Task, session, write_calib
 
 WHEEL = ("rapidocr-onnxruntime", "1.4.4")
 MODEL_FILES = {
@@ -419,18 +419,6 @@ def _split(items: list, n_calib: int, rng: np.random.Generator, group=None):
     return calib, ev
 
 
-def _write_calib(work: Path, samples: list[np.ndarray], name: str = "x") -> Path:
-    calib = Path(work) / "calib"
-    d = calib / name
-    if d.exists():
-        for f in d.glob("*.npy"):
-            f.unlink()
-    d.mkdir(parents=True, exist_ok=True)
-    for i, s in enumerate(samples):
-        np.save(d / f"{i}.npy", np.ascontiguousarray(s, dtype=np.float32))
-    return calib
-
-
 def _run_batched(sess, xs: np.ndarray, bs: int = 64) -> np.ndarray:
     name = sess.get_inputs()[0].name
     return np.concatenate([sess.run(None, {name: xs[i:i + bs]})[0] for i in range(0, len(xs), bs)])
@@ -464,7 +452,7 @@ def prepare_cls(work: Path, n_calib: int, shared: Path | None) -> Task:
         if i >= len(calib_c):   # reuse with a different orientation / framing
             c = c[:, int(rng.integers(0, max(1, c.shape[1] // 8))):]
         cal.append(line_input(rot180(c) if rng.random() < 0.5 else c, CLS_W)[None])
-    calib_dir = _write_calib(work, cal)
+    calib_dir = write_calib(work, cal)
     xs = np.stack([line_input(c, CLS_W) for c in eval_c] + [line_input(rot180(c), CLS_W) for c in eval_c])
     labels = np.array([0] * len(eval_c) + [1] * len(eval_c))
     ref = {}
@@ -553,7 +541,7 @@ def prepare_det(work: Path, n_calib: int, shared: Path | None) -> Task:
         calib_imgs = [render_page(rng, fonts) for _ in range(max(8, min(n_calib, 32)))]
         eval_x = [det_input(render_page(rng, fonts)) for _ in range(EVAL_MAX["det"])]
     cal = [_det_augment(calib_imgs[int(rng.integers(0, len(calib_imgs)))], rng) for _ in range(n_calib)]
-    calib_dir = _write_calib(work, cal)
+    calib_dir = write_calib(work, cal)
     ref = {}
 
     def run(path):
@@ -631,7 +619,7 @@ def prepare_rec(work: Path, n_calib: int, shared: Path | None) -> Task:
         idx = {ch: i for i, ch in enumerate(rec_charset(model))}
         truth = [tuple(idx[ch] for ch in t if ch in idx) for t in texts]
     cal = [line_input(calib_c[i % len(calib_c)], REC_W)[None] for i in range(n_calib)]
-    calib_dir = _write_calib(work, cal)
+    calib_dir = write_calib(work, cal)
     xs = np.stack([line_input(c, REC_W) for c in eval_c])
     ref = {}
 
