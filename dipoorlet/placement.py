@@ -108,6 +108,18 @@ def _fusable_producer(g: Graph, tensor: str, platform: Platform, depth: int = 0)
     return False
 
 
+def _feeds_layernorm(g: Graph, node, platform: Platform) -> bool:
+    """Whether an Add's output goes into an op of ``residual_add_float_before`` (LayerNorm),
+    counting a LayerNorm the exporter decomposed: ReduceMean and Sub both reading the Add."""
+    before = platform.residual_add_float_before
+    if not before:
+        return False
+    ops = {c.op_type for c in g.consumers.get(node.output[0], [])}
+    if ops & before:
+        return True
+    return "LayerNormalization" in before and {"ReduceMean", "Sub"} <= ops
+
+
 def _fused_input(g: Graph, node, act_inputs: list[int], platform: Platform) -> int | None:
     """Index of an Add input that TensorRT-like backends fuse into its producer, if any."""
     if node.op_type != "Add" or len(act_inputs) < 2 or not platform.residual_add_producers:
@@ -166,6 +178,10 @@ def place(g: Graph, platform: Platform, skip_layers=(), weight_only=()) -> Place
             continue
         if op == "Add" and len(act_inputs) < 2 and platform.residual_add_producers:
             plan.decisions.append(Decision(node.name, op, False, "Add with a constant is fused, not quantized"))
+            continue
+        if op == "Add" and _feeds_layernorm(g, node, platform):
+            plan.decisions.append(Decision(node.name, op, False, "residual Add fused with the LayerNorm it "
+                                           "feeds: runs in float"))
             continue
         fused = _fused_input(g, node, act_inputs, platform)
         if op == "Add" and platform.residual_add_producers and fused is None:

@@ -39,6 +39,7 @@ class Platform:
     quantize_ops: frozenset[str]
     weight_inputs: dict[str, int] = field(default_factory=dict)
     residual_add_producers: frozenset[str] = frozenset()
+    residual_add_float_before: frozenset[str] = frozenset()
     pad_into: frozenset[str] = frozenset()
     activation_producers: frozenset[str] = frozenset()
     fused_activations: frozenset[str] = frozenset()
@@ -54,7 +55,7 @@ _RULE_KEYS = {"bits": int, "symmetric": bool, "unsigned": bool, "per_channel": b
               "narrow_range": bool, "power_of_two": bool, "unsigned_nonnegative": bool,
               "quantize_network_output": bool}
 _OPS_KEYS = {"quantize": list, "weights": dict, "share_scale": list}
-_FUSION_KEYS = {"residual_add_producers": list, "pad_into": list, "activation_producers": list,
+_FUSION_KEYS = {"residual_add_producers": list, "residual_add_float_before": list, "pad_into": list, "activation_producers": list,
                 "activations": list}
 
 
@@ -149,6 +150,7 @@ def parse(data: dict, source: str) -> Platform:
         quantize_bias=bool(_need(data["bias"], "quantize", bool, source + " [bias]")),
         quantize_ops=frozenset(quantize), weight_inputs=dict(weights),
         residual_add_producers=frozenset(fusion.get("residual_add_producers", [])),
+        residual_add_float_before=frozenset(fusion.get("residual_add_float_before", [])),
         pad_into=frozenset(fusion.get("pad_into", [])),
         activation_producers=frozenset(fusion.get("activation_producers", [])),
         fused_activations=frozenset(fusion.get("activations", [])),

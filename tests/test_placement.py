@@ -13,7 +13,7 @@ from conftest import (attr, consumers, initializer, input_feeds, is_dequantized,
                       producer, quantize_model, quantized_tensors, rand, tiny_cnn, vi)
 from dipoorlet.graph import Graph
 from dipoorlet.placement import place
-from dipoorlet import platform as platform_mod
+from dipoorlet import platform as platform_mod, prepare
 
 
 # ---- tiny graphs ------------------------------------------------------------------------------
@@ -219,6 +219,35 @@ def test_matmul_bias_add_residual_add_is_seen_through(tmp_path):
     assert list(node(qm, "residual_add").input) == ["mb", "x_dq"]
     assert node(qm, "matmul").input[0] == "x_dq"
     assert not {"m", "mb"} & quantized_tensors(qm)
+
+
+@pytest.mark.parametrize("decomposed", [False, True])
+def test_residual_add_into_layernorm_stays_float(tmp_path, decomposed):
+    """MatMul -> Add(bias) -> Add(residual) -> LayerNorm: TensorRT fuses the residual Add with the
+    LayerNorm in float, so the residual stream gets no Q/DQ; the MatMul's input still does. The
+    same holds when the exporter decomposed LayerNorm (ReduceMean and Sub read the Add)."""
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["m"], name="matmul"),
+        helper.make_node("Add", ["m", "bias"], ["mb"], name="bias_add"),
+        helper.make_node("Add", ["mb", "x"], ["r"], name="residual_add"),
+    ]
+    if decomposed:
+        nodes += [helper.make_node("ReduceMean", ["r"], ["mu"], axes=[-1], name="mean"),
+                  helper.make_node("Sub", ["r", "mu"], ["y"], name="sub")]
+        opset = 13
+    else:
+        nodes += [helper.make_node("LayerNormalization", ["r", "gamma", "beta"], ["y"], axis=-1, name="ln")]
+        opset = 17
+    model = make_model(nodes, [vi("x", [2, 8])], [vi("y", [2, 8])],
+                       {"w": rand((8, 8), 1, 0.3), "bias": rand((8,), 2, 0.1),
+                        "gamma": np.ones(8, np.float32), "beta": np.zeros(8, np.float32)}, opset=opset)
+    _, qm = quantize_model(tmp_path, model, n=2)
+    assert list(node(qm, "residual_add").input) == ["mb", "x"]
+    assert node(qm, "matmul").input[0] == "x_dq"
+    g = Graph(model)
+    prepare.prepare(g)
+    decision = {d.node: d for d in place(g, platform_mod.load("trt")).decisions}["residual_add"]
+    assert not decision.quantized and "LayerNorm" in decision.reason
 
 
 def test_add_with_a_constant_gets_no_qdq(quantized):
