@@ -142,7 +142,7 @@ def share_scales(graph, plan: QuantPlan, ops) -> int:
             if t in plan.activations:
                 union(t, node.output[0])
     groups: dict[str, list[str]] = {}
-    for t in parent:
+    for t in sorted(set(parent) | set(parent.values())):  # a group's root is only a value
         groups.setdefault(find(t), []).append(t)
     for members in groups.values():
         rules = [plan.rules[t] for t in members if t in plan.rules]
