@@ -91,6 +91,88 @@ class Histogram:
         return self.left + self.width * np.arange(self.counts.size + 1, dtype=np.float64)
 
 
+class LogHistogram:
+    """Histogram of one tensor on fixed, data-independent edges: the float32 bit pattern.
+
+    A value's bin is its sign, its exponent and the top ``MANTISSA_BITS`` bits of its mantissa,
+    so every power-of-two octave is split into 128 bins of equal width (0.8% relative). The
+    edges do not depend on the data, so one pass over the samples can fill the histogram while
+    the range is still unknown (the range comes from the same pass), and histograms from any
+    batch order or any number of processes add up to the same integer counts.
+
+    Octaves from 2^-48 to 2^48 are kept; smaller magnitudes (exact zeros included) are counted
+    as zero, larger ones at the top. Layout of ``counts``: negative values by magnitude
+    (``span`` bins), positive values (``span`` bins), then the zero count and the overflow count.
+    :meth:`to_linear` turns it into the fixed-width :class:`Histogram` over the tensor's final
+    range that the range methods read.
+    """
+
+    MANTISSA_BITS = 7
+    MIN_EXP, MAX_EXP = -48, 48
+    __slots__ = ("counts",)
+
+    _shift = 23 - MANTISSA_BITS
+    _lo_key = (127 + MIN_EXP) << MANTISSA_BITS      # key of 2^MIN_EXP
+    _hi_key = (127 + MAX_EXP) << MANTISSA_BITS      # key of 2^MAX_EXP
+    span = _hi_key - _lo_key
+    _half = 1 << (8 + MANTISSA_BITS)                # keys of |x| lie in [0, _half)
+
+    def __init__(self):
+        self.counts = np.zeros(2 * self.span + 2, dtype=np.int64)
+
+    def update(self, x: np.ndarray) -> None:
+        bits = np.ascontiguousarray(x, dtype=np.float32).reshape(-1).view(np.int32)
+        # Arithmetic shift: a positive value's key is its |x| key in [0, half); a negative one's
+        # is its |x| key minus half. Adding half puts negatives in [0, half), positives above.
+        key = np.right_shift(bits, self._shift)
+        key += self._half
+        c = np.bincount(key, minlength=2 * self._half)
+        neg, pos = c[:self._half], c[self._half:]
+        lo, hi, n = self._lo_key, self._hi_key, self.span
+        self.counts[:n] += neg[lo:hi]
+        self.counts[n:2 * n] += pos[lo:hi]
+        self.counts[-2] += neg[:lo].sum() + pos[:lo].sum()
+        self.counts[-1] += neg[hi:].sum() + pos[hi:].sum()
+
+    def merge(self, other: "LogHistogram") -> "LogHistogram":
+        out = LogHistogram.__new__(LogHistogram)
+        out.counts = self.counts + other.counts
+        return out
+
+    @classmethod
+    def bin_edges(cls) -> np.ndarray:
+        """Magnitude edges of the ``span`` bins of one sign (span + 1 values)."""
+        keys = np.arange(cls._lo_key, cls._hi_key + 1, dtype=np.int64)
+        return np.left_shift(keys, cls._shift).astype(np.int32).view(np.float32).astype(np.float64)
+
+    def to_linear(self, lo: float, hi: float, bins: int = 2048) -> Histogram:
+        """The fixed-width histogram over [lo, hi] (as :class:`Histogram` lays it out), with each
+        bin's count spread evenly over its value interval. Below amax/16 the float bins are
+        finer than the linear ones and nothing is lost; above, a count moves by at most 0.8% of
+        its value."""
+        out = Histogram(lo, hi, bins)
+        n = self.span
+        mag_edges = self.bin_edges()
+        lin = np.arange(bins + 1, dtype=np.float64) * (out.amax / bins)
+
+        def spread(c: np.ndarray, zero: float, over: float) -> np.ndarray:
+            # cumulative count at each linear edge, interpolated inside the float bins
+            cum = np.concatenate([[0.0], np.cumsum(c, dtype=np.float64)])
+            at = np.interp(lin, mag_edges, cum) + zero
+            at[0] = 0.0                             # zeros land in the first bin, as x=0 does
+            at[-1] = cum[-1] + zero + over          # everything up to amax (and clamped beyond)
+            return np.diff(at)
+
+        zero, over = float(self.counts[-2]), float(self.counts[-1])
+        pos = spread(self.counts[n:2 * n], zero, over if hi >= -lo else 0.0)
+        if not out.signed:
+            out.counts = pos
+            return out
+        neg = spread(self.counts[:n], 0.0, over if hi < -lo else 0.0)
+        out.counts = np.concatenate([neg[::-1], pos])
+        return out
+
+
 class TensorStats:
     """What calibration knows about one tensor: its range and, if a method asks, a histogram."""
 
@@ -98,7 +180,7 @@ class TensorStats:
 
     def __init__(self):
         self.minmax = MinMax()
-        self.hist: Histogram | None = None
+        self.hist: Histogram | LogHistogram | None = None
 
     def merge(self, other: "TensorStats") -> "TensorStats":
         out = TensorStats()
