@@ -124,7 +124,8 @@ class LogHistogram:
         bits = np.ascontiguousarray(x, dtype=np.float32).reshape(-1).view(np.int32)
         # Arithmetic shift: a positive value's key is its |x| key in [0, half); a negative one's
         # is its |x| key minus half. Adding half puts negatives in [0, half), positives above.
-        key = np.right_shift(bits, self._shift)
+        # intp keys: np.bincount casts anything else element by element, three times slower
+        key = np.right_shift(bits, self._shift, dtype=np.intp)
         key += self._half
         c = np.bincount(key, minlength=2 * self._half)
         neg, pos = c[:self._half], c[self._half:]
