@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip_prof_layer", action="store_true", help="profile network outputs only")
     p.add_argument("--quant_format", default="QDQ", choices=["QDQ", "QOP"],
                    help="QDQ (Quantize/DequantizeLinear pairs) or QOP (QLinearConv, QGemm… where possible)")
+    p.add_argument("--bc", action="store_true",
+                   help="bias correction: after calibration, remove the mean shift each quantized "
+                        "Conv/Gemm/MatMul adds to its output (one extra pass of the quantized model)")
     p.add_argument("--stpu_wg", action="store_true", help="stpu: Winograd F(2,3) for 3x3 stride-1 convolutions")
     p.add_argument("--sens_samples", type=int, default=8,
                    help="samples for isolated layer sensitivity and --auto_skip (default 8)")
@@ -167,7 +170,7 @@ def main(argv=None) -> int:
                           skip_layers=tuple(args.skip_layers),
                           input_shapes=parse_input_shapes(args.input_shape), savefp=args.savefp,
                           skip_prof_layer=args.skip_prof_layer, trt_version=args.trt_version,
-                          quant_format=args.quant_format, stpu_wg=args.stpu_wg,
+                          quant_format=args.quant_format, stpu_wg=args.stpu_wg, bias_correction=args.bc,
                           sens_samples=args.sens_samples, criterion=args.criterion, auto_skip=args.auto_skip,
                           max_float_layers=args.max_float_layers, fail_below=args.fail_below,
                           w_bits=args.w_bits, a_bits=args.a_bits, layer_bits=parse_layer_bits(args.layer_bits),

@@ -34,6 +34,7 @@ class QuantConfig:
     a_bits: int | None = None          # override the platform's activation bits
     layer_bits: dict = field(default_factory=dict)  # node -> (weight bits | None, act bits | None)
     stpu_wg: bool = False
+    bias_correction: bool = False      # --bc
     device: str = "cpu"
     debug: bool = False
 

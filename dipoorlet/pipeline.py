@@ -59,8 +59,9 @@ def load_graph(cfg: QuantConfig) -> Graph:
     g = Graph.load(cfg.model)
     done = prepare.prepare(g)
     log.info("model %s: opset %d (was %d), %d nodes, %d Constant weights moved to initializers, "
-             "%d constant subexpressions folded", cfg.model, g.opset, done["opset_from"], len(g.graph.node),
-             done["constants_to_initializers"], done["constants_folded"])
+             "%d constant subexpressions folded, %d BatchNormalization folded into Conv", cfg.model, g.opset,
+             done["opset_from"], len(g.graph.node), done["constants_to_initializers"], done["constants_folded"],
+             done["batchnorms_folded"])
     missing = (set(cfg.skip_layers) | set(cfg.layer_bits)) - set(g.node_by_name)
     if missing:
         sample = ", ".join(sorted(g.node_by_name)[:5])
@@ -165,11 +166,20 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
     if plat.share_scale:
         share_scales(g, plan, plat.share_scale)
     plan_weights(g, places, plan, plat, cfg)
+    corrections = None
+    if cfg.bias_correction:
+        from dipoorlet import bias_correction
+
+        t = time.perf_counter()
+        corrections = bias_correction.correct(g, places, plan, data, indices, comm, cfg.device)
+        timings["bias_correction_s"] = time.perf_counter() - t
     if plat.quantize_bias:
         plan_biases(g, places, plan)
 
     t = time.perf_counter()
     analysis = analyse(cfg, g, places, plan, data, comm)
+    if corrections is not None:
+        analysis["bias_correction"] = corrections
     if analysis.get("auto_skip") is not None:
         places = places.restrict([n for n in places.quantized_nodes
                                   if n not in analysis["auto_skip"].float_layers])

@@ -6,6 +6,10 @@
   converted with onnx's version converter.
 - ``remove_identities``: Identity nodes between tensors are bypassed so that a Q/DQ pair is not
   split from the op it belongs to.
+- ``fold_batchnorm``: an inference BatchNormalization right after a Conv is folded into the Conv's
+  weight and bias, as TensorRT and every other backend do before running int8. The weights are
+  then quantized as the backend will hold them, and the Conv output the quantizer sees is the one
+  the chip computes.
 
 Each pass returns the number of things it changed, for the log.
 """
@@ -124,6 +128,69 @@ def remove_identities(g: Graph) -> int:
     return len(alias)
 
 
+def fold_batchnorm(g: Graph) -> int:
+    """Fold ``Conv -> BatchNormalization`` into the Conv (W' = W k, b' = (b - mean) k + beta with
+    k = gamma / sqrt(var + eps)). Only when the Conv output feeds nothing else, every BN parameter
+    and the Conv weight/bias are float32 constants, and the BN is in inference mode."""
+    folded = 0
+    outputs = set(g.output_names)
+    for bn in list(g.graph.node):
+        if bn.op_type != "BatchNormalization" or any(o for o in bn.output[1:]):
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in bn.attribute}
+        if attrs.get("training_mode", 0):
+            continue
+        conv = g.producer.get(bn.input[0])
+        if conv is None or conv.op_type != "Conv" or len(g.consumers.get(bn.input[0], [])) != 1 \
+                or bn.input[0] in outputs:
+            continue
+        params = list(bn.input[1:5]) + [conv.input[1]] + ([conv.input[2]] if len(conv.input) > 2 and conv.input[2] else [])
+        if not all(g.is_constant(t) and g.elem_type(t) in (None, onnx.TensorProto.FLOAT) for t in params):
+            continue
+        gamma, beta, mean, var = (g.weight(t).astype(np.float64) for t in bn.input[1:5])
+        w = g.weight(conv.input[1]).astype(np.float64)
+        if gamma.ndim != 1 or gamma.shape[0] != w.shape[0]:
+            continue
+        b = g.weight(conv.input[2]).astype(np.float64) if len(conv.input) > 2 and conv.input[2] else 0.0
+        k = gamma / np.sqrt(var + float(attrs.get("epsilon", 1e-5)))
+        w_new = (w * k.reshape((-1,) + (1,) * (w.ndim - 1))).astype(np.float32)
+        b_new = ((b - mean) * k + beta).astype(np.float32)
+        base = conv.name or conv.output[0]
+        w_name, b_name = _fresh(g, f"{base}.weight_bnfold"), _fresh(g, f"{base}.bias_bnfold")
+        g.graph.initializer.extend([numpy_helper.from_array(w_new, w_name), numpy_helper.from_array(b_new, b_name)])
+        g.initializers[w_name] = g.graph.initializer[-2]
+        g.initializers[b_name] = g.graph.initializer[-1]
+        conv.input[1] = w_name
+        if len(conv.input) > 2:
+            conv.input[2] = b_name
+        else:
+            conv.input.append(b_name)
+        conv.output[0] = bn.output[0]
+        g.graph.node.remove(bn)
+        folded += 1
+    if folded:
+        used = {i for n in g.graph.node for i in n.input} | {r for n in g.graph.node for r in _subgraph_outer_refs(n)}
+        used |= set(g.output_names)
+        keep = [t for t in g.graph.initializer if t.name in used]
+        if len(keep) != len(g.graph.initializer):
+            gone = {t.name for t in g.graph.initializer} - {t.name for t in keep}
+            del g.graph.initializer[:]
+            g.graph.initializer.extend(keep)
+            inputs = [i for i in g.graph.input if i.name not in gone]  # old IR lists weights as inputs
+            del g.graph.input[:]
+            g.graph.input.extend(inputs)
+        g.refresh()
+    return folded
+
+
+def _fresh(g: Graph, name: str) -> str:
+    taken = set(g.initializers) | set(g.producer)
+    out, k = name, 1
+    while out in taken:
+        out, k = f"{name}_{k}", k + 1
+    return out
+
+
 def ensure_opset(g: Graph, target: int = QDQ_OPSET) -> int:
     """Raise the default-domain opset to ``target``; returns the opset the model had."""
     version = g.opset
@@ -195,6 +262,7 @@ def prepare(g: Graph) -> dict:
     done["constants_to_initializers"] = constants_to_initializers(g)
     done["constants_folded"] = fold_constants(g)
     done["identities_removed"] = remove_identities(g)
+    done["batchnorms_folded"] = fold_batchnorm(g)
     g.model = infer_shapes(g.model)
     g.refresh()
     return done

@@ -72,7 +72,7 @@ def insert_qdq(g: Graph, placement: Placement, plan: QuantPlan) -> onnx.ModelPro
         node = nodes[node_name]
         key = wp.tensor
         if key not in weight_names_used:
-            value = g.weight(wp.tensor)
+            value = plan.values[wp.tensor] if wp.tensor in plan.values else g.weight(wp.tensor)
             qname = wp.tensor + "_quantized"
             _const(graph, qname, quantize_array(value, qp))
             s = _const(graph, wp.tensor + "_scale", qp.scale)
@@ -84,9 +84,26 @@ def insert_qdq(g: Graph, placement: Placement, plan: QuantPlan) -> onnx.ModelPro
             weight_names_used[key] = wp.tensor + "_dq"
         node.input[index] = weight_names_used[key]
 
+    _replace_values(graph, plan.values, set(weight_names_used))
     _rebuild(graph, new_nodes)
     _drop_unused_initializers(graph)
     return model
+
+
+def _replace_values(graph: onnx.GraphProto, values: dict, quantized: set) -> None:
+    """Float constants changed by a weight transform (plan.values) replace the model's own."""
+    todo = {k: v for k, v in values.items() if k not in quantized}
+    if not todo:
+        return
+    for t in graph.initializer:
+        if t.name in todo:
+            t.CopyFrom(numpy_helper.from_array(np.asarray(todo.pop(t.name), dtype=np.float32), t.name))
+    for n in graph.node:
+        if n.op_type == "Constant" and n.output[0] in todo:
+            name = n.output[0]
+            del n.attribute[:]
+            n.attribute.append(helper.make_attribute("value", numpy_helper.from_array(
+                np.asarray(todo.pop(name), dtype=np.float32), name)))
 
 
 def _quantize_output(graph, tensor: str, q, dq, nodes: dict, new_nodes: dict) -> None:

@@ -101,6 +101,9 @@ class QuantPlan:
     activations: dict[str, QParams] = field(default_factory=dict)
     weights: dict[str, QParams] = field(default_factory=dict)
     rules: dict = field(default_factory=dict)  # tensor -> the TensorRule its grid came from
+    # Float constants the quantized model holds instead of the float model's (weight transforms
+    # such as bias correction); the float model itself is never edited.
+    values: dict = field(default_factory=dict)
 
 
 def bias_qparams(s_in: QParams, s_w: QParams) -> QParams:

@@ -95,6 +95,8 @@ def build(rows, places, meta: dict, analysis: dict | None = None, stats=None, pl
     }
     if "sens_samples" in analysis:
         rep["sensitivity_samples"] = analysis["sens_samples"]
+    if "bias_correction" in analysis:
+        rep["bias_correction"] = analysis["bias_correction"]
     a = analysis.get("auto_skip")
     if a is not None:
         rep["auto_skip"] = {"criterion": a.criterion, "target": a.target, "met": a.met,

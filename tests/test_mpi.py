@@ -51,13 +51,13 @@ def case(tmp_path_factory):
 
 def _run(root: Path, out: Path, method: str, ranks: int, calib="calib"):
     cmd = [sys.executable, "-m", "dipoorlet", "-M", str(root / "m.onnx"), "-I", str(root / calib),
-           "-N", "11", "-D", "trt", "-A", method, "-O", str(out)]
+           "-N", "11", "-D", "trt", "-A", *method.split(), "-O", str(out)]
     if ranks > 1:
         cmd = [MPIRUN, "-n", str(ranks)] + cmd + ["--mpirun"]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("method", ["minmax", "hist", "mse", "entropy", "percentile"])
+@pytest.mark.parametrize("method", ["minmax", "hist", "mse", "entropy", "percentile", "mse --bc"])
 def test_outputs_identical_for_any_process_count(case, method):
     single = _run(case, case / f"one-{method}", method, 1)
     assert single.returncode == 0, single.stderr

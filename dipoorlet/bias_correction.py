@@ -1,0 +1,194 @@
+"""Empirical bias correction: undo the mean shift each quantized layer adds to its own output.
+
+Quantizing a layer's weights and its input moves the mean of its output: rounding a depthwise
+kernel of nine weights rarely sums to zero, clipping an input's tail lowers its mean, and a
+per-tensor grid can round a narrow channel's values to one side. The next layers see that shift
+as a wrong bias, and it adds up through the network (Nagel et al., "Data-Free Quantization
+Through Weight Equalization and Bias Correction", ICCV 2019; AIMET's empirical variant).
+
+For every Conv, Gemm, and MatMul followed by a bias Add whose weight is quantized, one pass of
+the quantized model over the calibration samples measures the per-channel mean of the layer's
+input before its Q/DQ (``x``) and after (``x̂``). The layer's own shift is then
+
+    delta[o] = sum_c  Wq_sum[o, c] * mean(x̂_c)  -  W_sum[o, c] * mean(x_c)
+
+where ``W_sum`` sums the kernel over its spatial taps (Conv) and ``Wq`` is the dequantized
+weight; the bias becomes ``b - delta``. The shift is measured on each layer's real quantized
+input, so correcting all layers at once does not double count an upstream shift. Spatial means
+ignore the zero padding at the borders, which both terms share.
+
+The means are averaged per sample and summed as fixed-point integers, so the result is the same
+for any number of MPI processes and any sample order; memory holds one sample's inputs of the
+corrected layers and one float per channel.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from dipoorlet.progress import progress
+from dipoorlet.qdq import insert_qdq
+from dipoorlet.qparams import quantize_array
+from dipoorlet.runtime import Runner
+
+log = logging.getLogger(__name__)
+
+FIXED = float(2**24)   # fixed-point scale of the per-sample means (exact, order-free sums)
+LIMIT = float(2**62) / 2**24
+
+
+@dataclass
+class Site:
+    node: str
+    op_type: str
+    weight: str          # weight tensor name
+    bias: str            # bias tensor name (a Conv/Gemm input, or the constant of a MatMul's bias Add)
+    x: str               # layer input before Q/DQ in the quantized model
+    xq: str              # layer input as the layer reads it (the DQ output, or x itself)
+    channel_axis: int    # axis of input channels in x
+
+
+def _dq_source(model_nodes: dict, tensor: str) -> str | None:
+    """The float tensor a DequantizeLinear output came from (through its Q and integer Clip)."""
+    node = model_nodes.get(tensor)
+    if node is None or node.op_type != "DequantizeLinear":
+        return None
+    src = node.input[0]
+    while src in model_nodes and model_nodes[src].op_type != "QuantizeLinear":
+        prev = model_nodes[src]
+        if prev.op_type != "Clip":
+            return None
+        src = prev.input[0]
+    q = model_nodes.get(src)
+    return q.input[0] if q is not None and q.op_type == "QuantizeLinear" else None
+
+
+def find_sites(g, places, plan, qmodel) -> list[Site]:
+    producers = {o: n for n in qmodel.graph.node for o in n.output}
+    qnodes = {n.name: n for n in qmodel.graph.node}
+    sites = []
+    for (name, index), wp in places.weights.items():
+        if index != 1 or wp.tensor not in plan.weights:
+            continue
+        node = g.node_by_name[name]
+        op = node.op_type
+        bias = None
+        if op in ("Conv", "Gemm") and len(node.input) > 2 and node.input[2] and g.is_constant(node.input[2]):
+            if op == "Gemm":
+                attrs = {a.name: a.i for a in node.attribute if a.name in ("transA",)}
+                if attrs.get("transA", 0):
+                    continue
+            bias = node.input[2]
+        elif op == "MatMul":
+            users = g.consumers.get(node.output[0], [])
+            if len(users) == 1 and users[0].op_type == "Add":
+                other = [t for t in users[0].input if t != node.output[0]]
+                if len(other) == 1 and g.is_constant(other[0]):
+                    bias = other[0]
+        if bias is None or bias in plan.weights or g.weight(bias).ndim != 1:
+            continue
+        if len(g.consumers.get(bias, [])) != 1:
+            continue  # a bias shared by two layers cannot take two corrections
+        qnode = qnodes.get(name)
+        if qnode is None:
+            continue
+        xq = qnode.input[0]
+        x = _dq_source(producers, xq)
+        if x is None:
+            if xq != node.input[0]:
+                continue  # e.g. a Pad between the Q/DQ and the Conv: the input mean is not comparable
+            x = xq
+        axis = 1 if op == "Conv" else -1
+        sites.append(Site(name, op, wp.tensor, bias, x, xq, axis))
+    return sites
+
+
+def _weight_sums(w: np.ndarray, op: str, node) -> np.ndarray:
+    """W_sum[o, c_local] in the layer's output x input-channel layout."""
+    if op == "Conv":
+        return w.reshape(w.shape[0], w.shape[1], -1).sum(axis=2)
+    if op == "Gemm":
+        trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
+        return w if trans_b else w.T
+    return w.T  # MatMul: x[..., K] @ W[K, N]
+
+
+def _shift(sums_q: np.ndarray, sums: np.ndarray, mq: np.ndarray, m: np.ndarray, group: int) -> np.ndarray:
+    out_ch, cin_g = sums.shape
+    if group == 1:
+        return sums_q @ mq - sums @ m
+    per_group = out_ch // group
+    delta = np.empty(out_ch)
+    for gi in range(group):
+        o = slice(gi * per_group, (gi + 1) * per_group)
+        c = slice(gi * cin_g, (gi + 1) * cin_g)
+        delta[o] = sums_q[o] @ mq[c] - sums[o] @ m[c]
+    return delta
+
+
+def correct(g, places, plan, data, indices, comm, device="cpu") -> dict:
+    """Store corrected biases in ``plan.values``; returns a summary for the log and report."""
+    qmodel = insert_qdq(g, places, plan)
+    sites = find_sites(g, places, plan, qmodel)
+    if not sites:
+        return {"layers": 0}
+    tensors = sorted({s.x for s in sites} | {s.xq for s in sites})
+    runner = Runner(qmodel, tensors, types=g.types, optimize=False, device=device)
+    acc: dict[str, np.ndarray] = {}
+    count = 0
+    for i in progress(indices, "bias correction", comm):
+        got, _ = runner.run(data.sample(i), ranges=False)
+        for t in tensors:
+            sites_axis = next(s.channel_axis for s in sites if t in (s.x, s.xq))
+            v = np.asarray(got[t], dtype=np.float64)
+            axis = sites_axis % v.ndim
+            mean = v.mean(axis=tuple(a for a in range(v.ndim) if a != axis))
+            fixed = np.rint(np.clip(mean, -LIMIT, LIMIT) * FIXED).astype(np.int64)
+            acc[t] = acc[t] + fixed if t in acc else fixed
+        count += 1
+    names = sorted(acc)
+    if names:
+        flat = comm.allreduce_sum(np.concatenate([acc[t] for t in names]))
+        offset = 0
+        for t in names:
+            acc[t] = flat[offset:offset + acc[t].size]
+            offset += acc[t].size
+    total = int(comm.allreduce_sum(np.array([count], dtype=np.int64))[0])
+    if total == 0:
+        return {"layers": 0}
+    means = {t: acc[t].astype(np.float64) / (FIXED * total) for t in names}
+    shifts = []
+    for s in sites:
+        node = g.node_by_name[s.node]
+        w = g.weight(s.weight).astype(np.float64)
+        qp = plan.weights[s.weight]
+        wq = (quantize_array(w, qp).astype(np.float64) - _bcast(qp.zero_point, qp.axis, w.ndim)) \
+            * _bcast(qp.scale, qp.axis, w.ndim)
+        group = next((a.i for a in node.attribute if a.name == "group"), 1) if s.op_type == "Conv" else 1
+        sums, sums_q = _weight_sums(w, s.op_type, node), _weight_sums(wq, s.op_type, node)
+        m, mq = means[s.x], means[s.xq]
+        if sums.shape[1] * group != m.size:
+            continue
+        delta = _shift(sums_q, sums, mq, m, group)
+        bias = plan.values.get(s.bias, g.weight(s.bias)).astype(np.float64)
+        if bias.shape != delta.shape:
+            continue
+        plan.values[s.bias] = (bias - delta).astype(np.float32)
+        scale = float(np.sqrt(np.mean(bias ** 2)) + 1e-12)
+        shifts.append((s.node, float(np.abs(delta).max()), float(np.abs(delta).max()) / scale))
+    shifts.sort(key=lambda r: -r[2])
+    log.info("bias correction: %d layers corrected over %d samples; largest shifts: %s", len(shifts), total,
+             ", ".join(f"{n} {d:.3g}" for n, d, _ in shifts[:5]))
+    return {"layers": len(shifts), "samples": total,
+            "largest": [{"node": n, "max_abs_shift": d, "relative_to_bias_rms": r} for n, d, r in shifts[:10]]}
+
+
+def _bcast(v: np.ndarray, axis: int | None, ndim: int) -> np.ndarray:
+    v = np.asarray(v, dtype=np.float64)
+    if axis is None or v.ndim == 0:
+        return v
+    shape = [1] * ndim
+    shape[axis] = -1
+    return v.reshape(shape)

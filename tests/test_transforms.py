@@ -1,0 +1,152 @@
+"""Graph transforms before calibration: BatchNormalization folded into the Conv before it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from conftest import make_model, ort_run, rand, vi
+from dipoorlet import prepare
+from dipoorlet.graph import Graph
+
+
+def conv_bn(group=1, bias=True, second_consumer=False, training=False, weights_as_inputs=False):
+    cin, cout = (4, 4) if group > 1 else (3, 6)
+    inits = {"w": rand((cout, cin // group, 3, 3), 0, 0.4),
+             "gamma": rand((cout,), 1, 0.5) + 1.0, "beta": rand((cout,), 2, 0.3),
+             "mean": rand((cout,), 3, 0.2), "var": np.abs(rand((cout,), 4)) + 0.05}
+    conv_in = ["x", "w"]
+    if bias:
+        inits["b"] = rand((cout,), 5, 0.1)
+        conv_in.append("b")
+    attrs = {"training_mode": 1} if training else {}
+    nodes = [helper.make_node("Conv", conv_in, ["c"], name="conv", pads=[1] * 4, group=group),
+             helper.make_node("BatchNormalization", ["c", "gamma", "beta", "mean", "var"], ["n"], name="bn",
+                              epsilon=1e-3, **attrs),
+             helper.make_node("Relu", ["n"], ["y"], name="relu")]
+    outputs = [vi("y", [1, cout, 6, 6])]
+    if second_consumer:
+        nodes.append(helper.make_node("Sigmoid", ["c"], ["s"], name="sig"))
+        outputs.append(vi("s", [1, cout, 6, 6]))
+    inputs = [vi("x", [1, cin, 6, 6])]
+    model = make_model(nodes, inputs, outputs, inits, opset=15, check=not weights_as_inputs)
+    if weights_as_inputs:  # old exporters list initializers among the graph inputs
+        model.ir_version = 3
+        model.graph.input.extend(vi(k, list(v.shape)) for k, v in inits.items())
+    return model
+
+
+@pytest.mark.parametrize("group,bias", [(1, True), (1, False), (4, True)])
+def test_batchnorm_folds_into_conv_and_outputs_match_onnxruntime(group, bias):
+    model = conv_bn(group=group, bias=bias)
+    feed = {"x": rand((1, 4 if group > 1 else 3, 6, 6), 9)}
+    want = ort_run(model, feed)[0]
+    g = Graph(model)
+    assert prepare.fold_batchnorm(g) == 1
+    ops = [n.op_type for n in g.graph.node]
+    assert ops == ["Conv", "Relu"]
+    conv = g.graph.node[0]
+    assert conv.name == "conv" and len(conv.input) == 3 and conv.output[0] == "n"
+    # the old weight, bias and BN parameters are gone; the model holds only what it reads
+    assert {t.name for t in g.graph.initializer} == {conv.input[1], conv.input[2]}
+    got = ort_run(g.model, feed)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_batchnorm_not_folded_when_conv_output_has_another_reader_or_training_mode():
+    for model in (conv_bn(second_consumer=True), conv_bn(training=True)):
+        g = Graph(model)
+        assert prepare.fold_batchnorm(g) == 0
+        assert "BatchNormalization" in [n.op_type for n in g.graph.node]
+
+
+def test_fold_drops_weights_listed_as_graph_inputs():
+    model = conv_bn(weights_as_inputs=True)
+    feed = {"x": rand((1, 3, 6, 6), 9)}
+    want = ort_run(model, feed)[0]
+    g = Graph(model)
+    assert prepare.fold_batchnorm(g) == 1
+    assert [i.name for i in g.graph.input] == ["x"]
+    np.testing.assert_allclose(ort_run(g.model, feed)[0], want, rtol=1e-5, atol=1e-5)
+
+
+def test_prepare_reports_folded_batchnorms():
+    g = Graph(conv_bn())
+    assert prepare.prepare(g)["batchnorms_folded"] == 1
+
+
+# ----------------------------------------------------------------------------------- bias correction
+def _quantize(tmp_path, model, feeds, bc, deploy="trt", tag=""):
+    import onnx
+    import dipoorlet
+    from conftest import write_samples
+
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    data = write_samples(tmp_path / "d", feeds)
+    out = tmp_path / f"o-{bc}-{deploy}{tag}"
+    res = dipoorlet.quantize(model=path, input_dir=data, data_num=len(feeds), deploy=deploy, output_dir=out,
+                             skip_prof_layer=True, act_quant="mse", bias_correction=bc)
+    return onnx.load(str(out / "quant_model.onnx")), res
+
+
+def _skewed_feeds(shape, n=6, seed=0):
+    rng = np.random.default_rng(seed)
+    scale = np.ones(shape[1], np.float32)
+    scale[-1] = 50.0   # one wide channel: the per-tensor grid rounds the narrow ones coarsely
+    scale = scale.reshape((1, -1) + (1,) * (len(shape) - 2))
+    return [{"x": (rng.standard_exponential(shape) * scale).astype(np.float32)} for _ in range(n)]
+
+
+def _channel_means(model, feeds, axis):
+    outs = [ort_run(model, f)[0] for f in feeds]
+    return np.mean([o.mean(axis=tuple(a for a in range(o.ndim) if a != axis % o.ndim)) for o in outs], axis=0)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_bias_correction_makes_quantized_conv_output_means_match_float(tmp_path, group):
+    """1x1 Conv (no padding, so channel means are exact): after --bc the quantized model's
+    per-channel output means on the calibration data equal the float model's (oracle:
+    onnxruntime on the float model); without it they are off."""
+    cin = 8
+    model = make_model([helper.make_node("Relu", ["x"], ["r"], name="relu"),
+                        helper.make_node("Conv", ["r", "w", "b"], ["y"], name="conv", group=group)],
+                       [vi("x", [1, cin, 6, 6])], [vi("y", [1, 8, 6, 6])],
+                       {"w": rand((8, cin // group, 1, 1), 0, 0.5), "b": rand((8,), 1, 0.1)})
+    feeds = _skewed_feeds((1, cin, 6, 6))
+    want = _channel_means(model, feeds, 1)
+    plain, _ = _quantize(tmp_path, model, feeds, False)
+    corrected, res = _quantize(tmp_path, model, feeds, True)
+    assert np.abs(_channel_means(plain, feeds, 1) - want).max() > 1e-2
+    np.testing.assert_allclose(_channel_means(corrected, feeds, 1), want, atol=1e-4)
+    assert res.report["bias_correction"]["layers"] == 1
+
+
+def test_bias_correction_adjusts_the_bias_add_after_a_matmul(tmp_path):
+    model = make_model([helper.make_node("Relu", ["x"], ["r"], name="relu"),
+                        helper.make_node("MatMul", ["r", "w"], ["m"], name="mm"),
+                        helper.make_node("Add", ["m", "b"], ["y"], name="bias")],
+                       [vi("x", [1, 5, 8])], [vi("y", [1, 5, 4])],
+                       {"w": rand((8, 4), 0, 0.5), "b": rand((4,), 1, 0.1)})
+    feeds = []
+    rng = np.random.default_rng(3)
+    for _ in range(6):
+        x = rng.standard_exponential((1, 5, 8)).astype(np.float32)
+        x[..., -1] *= 50.0
+        feeds.append({"x": x})
+    want = _channel_means(model, feeds, -1)
+    corrected, _ = _quantize(tmp_path, model, feeds, True)
+    np.testing.assert_allclose(_channel_means(corrected, feeds, -1), want, atol=1e-4)
+
+
+def test_bias_correction_leaves_the_float_model_and_the_report_reference_alone(tmp_path):
+    model = make_model([helper.make_node("Relu", ["x"], ["r"], name="relu"),
+                        helper.make_node("Conv", ["r", "w", "b"], ["y"], name="conv")],
+                       [vi("x", [1, 8, 6, 6])], [vi("y", [1, 4, 6, 6])],
+                       {"w": rand((4, 8, 1, 1), 0, 0.5), "b": rand((4,), 1, 0.1)})
+    feeds = _skewed_feeds((1, 8, 6, 6))
+    before = model.SerializeToString()
+    qm, res = _quantize(tmp_path, model, feeds, True)
+    assert model.SerializeToString() == before
+    # the profile compares against the float model: its output cosine is below 1
+    assert res.report["outputs"][0]["cosine"] < 1.0
