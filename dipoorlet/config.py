@@ -35,6 +35,7 @@ class QuantConfig:
     layer_bits: dict = field(default_factory=dict)  # node -> (weight bits | None, act bits | None)
     stpu_wg: bool = False
     bias_correction: bool = False      # --bc
+    equalize: bool = True              # --no_equalize turns activation equalization off
     device: str = "cpu"
     debug: bool = False
 

@@ -35,6 +35,9 @@ class SingleProcess:
     def allreduce_sum(self, array: np.ndarray) -> np.ndarray:
         return array
 
+    def allreduce_max(self, array: np.ndarray) -> np.ndarray:
+        return array
+
     def bcast(self, obj):
         return obj
 
@@ -84,6 +87,9 @@ class MPIComm(SingleProcess):
 
     def allreduce_sum(self, array):
         return self._allreduce(np.asarray(array), self.MPI.SUM)
+
+    def allreduce_max(self, array):
+        return self._allreduce(np.asarray(array, dtype=np.float64), self.MPI.MAX)
 
     def gather_samples(self, per_sample: dict) -> dict:
         parts = self.comm.gather(per_sample, root=0)

@@ -149,6 +149,13 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
     data = DataSource(cfg.input_dir, input_specs(g), cfg.data_num, cfg.input_shapes)
     indices = shard(cfg.data_num, comm.rank, comm.world)
 
+    equalized = []
+    if cfg.equalize and plat.weight.per_channel and plat.activation.symmetric:
+        from dipoorlet import equalize
+
+        t = time.perf_counter()
+        equalized = equalize.equalize(g, data, indices, comm, cfg.device)
+        timings["equalize_s"] = time.perf_counter() - t
     places = placement_mod.place(g, plat, cfg.skip_layers)
     targets = list(places.activations)
     log.info("%d nodes quantized, %d activation tensors and %d weights get Q/DQ on %s",
@@ -180,6 +187,8 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
     analysis = analyse(cfg, g, places, plan, data, comm)
     if corrections is not None:
         analysis["bias_correction"] = corrections
+    if equalized:
+        analysis["equalization"] = equalized
     if analysis.get("auto_skip") is not None:
         places = places.restrict([n for n in places.quantized_nodes
                                   if n not in analysis["auto_skip"].float_layers])

@@ -97,6 +97,8 @@ def build(rows, places, meta: dict, analysis: dict | None = None, stats=None, pl
         rep["sensitivity_samples"] = analysis["sens_samples"]
     if "bias_correction" in analysis:
         rep["bias_correction"] = analysis["bias_correction"]
+    if "equalization" in analysis:
+        rep["equalization"] = analysis["equalization"]
     a = analysis.get("auto_skip")
     if a is not None:
         rep["auto_skip"] = {"criterion": a.criterion, "target": a.target, "met": a.met,

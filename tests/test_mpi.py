@@ -24,7 +24,10 @@ def _model(path: Path) -> None:
     rng = np.random.default_rng(1)
     w = lambda name, *shape: numpy_helper.from_array((rng.standard_normal(shape) * 0.3).astype(np.float32), name)
     nodes = [
-        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        # conv0 -> relu0 -> conv1 is an equalization pair: its channel ranges are merged with MAX
+        helper.make_node("Conv", ["x", "w0", "b0"], ["c0"], name="conv0"),
+        helper.make_node("Relu", ["c0"], ["r0"], name="relu0"),
+        helper.make_node("Conv", ["r0", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
         helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
         helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
         helper.make_node("Add", ["c2", "r1"], ["a1"], name="add1"),
@@ -34,7 +37,7 @@ def _model(path: Path) -> None:
     ]
     graph = helper.make_graph(nodes, "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 12, 12])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 5])],
-                              [w("w1", 6, 3, 3, 3), w("b1", 6), w("w2", 6, 6, 3, 3), w("b2", 6), w("w3", 5, 6), w("b3", 5)])
+                              [w("w0", 3, 3, 1, 1), w("b0", 3), w("w1", 6, 3, 3, 3), w("b1", 6), w("w2", 6, 6, 3, 3), w("b2", 6), w("w3", 5, 6), w("b3", 5)])
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), path)
 
 

@@ -150,3 +150,136 @@ def test_bias_correction_leaves_the_float_model_and_the_report_reference_alone(t
     assert model.SerializeToString() == before
     # the profile compares against the float model: its output cosine is below 1
     assert res.report["outputs"][0]["cosine"] < 1.0
+
+
+# ----------------------------------------------------------------------------------- equalization
+def _se_block(skew=True):
+    """Conv A -> Relu -> depthwise Conv -> Relu -> SE gate (GAP, Conv, Relu, Conv, HardSigmoid) ->
+    Mul -> MaxPool -> Conv B; A's output channels span very different ranges."""
+    c = 6
+    wa = rand((c, 3, 3, 3), 0, 0.4)
+    ba = rand((c,), 1, 0.1)
+    if skew:
+        wa *= np.array([1, 40, 1, 0.5, 8, 1], np.float32).reshape(c, 1, 1, 1)
+    inits = {"wa": wa, "ba": ba, "wd": rand((c, 1, 3, 3), 2, 0.4), "bd": rand((c,), 3, 0.1),
+             "w1": rand((2, c, 1, 1), 4, 0.4), "b1": rand((2,), 5, 0.1),
+             "w2": rand((c, 2, 1, 1), 6, 0.4), "b2": rand((c,), 7, 0.1),
+             "wb": rand((4, c, 1, 1), 8, 0.4), "bb": rand((4,), 9, 0.1)}
+    nodes = [helper.make_node("Conv", ["x", "wa", "ba"], ["a"], name="A", pads=[1] * 4),
+             helper.make_node("Relu", ["a"], ["ar"], name="relu_a"),
+             helper.make_node("Conv", ["ar", "wd", "bd"], ["d"], name="dw", pads=[1] * 4, group=c),
+             helper.make_node("Relu", ["d"], ["dr"], name="relu_d"),
+             helper.make_node("GlobalAveragePool", ["dr"], ["gp"], name="gap"),
+             helper.make_node("Conv", ["gp", "w1", "b1"], ["s1"], name="se1"),
+             helper.make_node("Relu", ["s1"], ["s1r"], name="se_relu"),
+             helper.make_node("Conv", ["s1r", "w2", "b2"], ["s2"], name="se2"),
+             helper.make_node("HardSigmoid", ["s2"], ["gate"], name="hsig"),
+             helper.make_node("Mul", ["dr", "gate"], ["m"], name="scale"),
+             helper.make_node("MaxPool", ["m"], ["p"], name="pool", kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("Conv", ["p", "wb", "bb"], ["y"], name="B")]
+    return make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("y", [1, 4, 4, 4])], inits)
+
+
+class _Data:
+    def __init__(self, feeds):
+        self.feeds = feeds
+
+    def sample(self, i):
+        return self.feeds[i]
+
+
+def _equalized(model, feeds):
+    from dipoorlet import equalize
+    from dipoorlet.dist import SingleProcess
+
+    g = Graph(model)
+    prepare.prepare(g)
+    rows = equalize.equalize(g, _Data(feeds), range(len(feeds)), SingleProcess())
+    return g, rows
+
+
+def _feeds(n=4, shape=(1, 3, 8, 8), seed=0):
+    rng = np.random.default_rng(seed)
+    return [{"x": rng.standard_normal(shape).astype(np.float32)} for _ in range(n)]
+
+
+def test_equalization_keeps_the_float_function_and_evens_out_channel_ranges():
+    model = _se_block()
+    feeds = _feeds()
+    g, rows = _equalized(model, feeds)
+    chains = {r["producer"]: set(r["absorbers"]) for r in rows}
+    # A -> Relu -> depthwise; dw -> Relu -> (SE squeeze, gate Mul, MaxPool) -> B, with the SE's
+    # first Conv absorbing the scale on the squeeze branch; se1 -> Relu -> se2 inside the SE
+    assert chains == {"A": {"dw"}, "dw": {"se1", "B"}, "se1": {"se2"}}
+    for f in feeds:
+        np.testing.assert_allclose(ort_run(g.model, f)[0], ort_run(model, f)[0], rtol=1e-4, atol=1e-5)
+    # the activation A feeds into the depthwise conv now spans one range in every channel
+    import onnx
+    m2 = onnx.ModelProto()
+    m2.CopyFrom(g.model)
+    m2.graph.output.append(helper.make_tensor_value_info("ar", onnx.TensorProto.FLOAT, None))
+    r = np.max([np.abs(ort_run(m2, f)[1]).max(axis=(0, 2, 3)) for f in feeds], axis=0)
+    np.testing.assert_allclose(r, r.max(), rtol=1e-4)
+
+
+@pytest.mark.parametrize("breaker", ["add", "hardswish", "output", "shared_weight"])
+def test_equalization_leaves_a_pair_alone_when_a_path_does_not_commute_with_the_scale(breaker):
+    inits = {"wa": rand((4, 3, 1, 1), 0), "ba": rand((4,), 1), "wb": rand((4, 4, 1, 1), 2), "bb": rand((4,), 3)}
+    nodes = [helper.make_node("Conv", ["x", "wa", "ba"], ["a"], name="A")]
+    outputs = [vi("y", [1, 4, 8, 8])]
+    if breaker == "add":
+        nodes += [helper.make_node("Relu", ["a"], ["r"], name="relu"),
+                  helper.make_node("Conv", ["r", "wb", "bb"], ["b"], name="B"),
+                  helper.make_node("Add", ["b", "r"], ["y"], name="res")]
+    elif breaker == "hardswish":
+        nodes += [helper.make_node("HardSwish", ["a"], ["r"], name="hs"),
+                  helper.make_node("Conv", ["r", "wb", "bb"], ["y"], name="B")]
+    elif breaker == "output":
+        nodes += [helper.make_node("Relu", ["a"], ["r"], name="relu"),
+                  helper.make_node("Conv", ["r", "wb", "bb"], ["y"], name="B")]
+        outputs.append(vi("r", [1, 4, 8, 8]))
+    else:
+        inits["wb"] = rand((4, 4, 1, 1), 2)
+        nodes += [helper.make_node("Relu", ["a"], ["r"], name="relu"),
+                  helper.make_node("Conv", ["r", "wb", "bb"], ["b"], name="B"),
+                  helper.make_node("Conv", ["b", "wb", "bb"], ["y"], name="B2")]
+    model = make_model(nodes, [vi("x", [1, 3, 8, 8])], outputs, inits, opset=14)
+    g, rows = _equalized(model, _feeds())
+    assert all(r["producer"] != "A" for r in rows)
+
+
+def test_equalization_lowers_the_quantization_error_of_a_skewed_network(tmp_path):
+    import onnx
+    import dipoorlet
+    from conftest import write_samples
+
+    model = _se_block()
+    feeds = _feeds(8)
+    onnx.save(model, tmp_path / "m.onnx")
+    data = write_samples(tmp_path / "d", feeds)
+    sq = {}
+    for eq in (False, True):
+        out = tmp_path / f"o{eq}"
+        dipoorlet.quantize(model=tmp_path / "m.onnx", input_dir=data, data_num=8, deploy="trt", output_dir=out,
+                           skip_prof_layer=True, equalize=eq)
+        qm = onnx.load(str(out / "quant_model.onnx"))
+        err = sig = 0.0
+        for f in feeds:  # oracle: the float model in onnxruntime
+            want, got = ort_run(model, f)[0], ort_run(qm, f)[0]
+            err += float(((want - got) ** 2).sum())
+            sig += float((want ** 2).sum())
+        sq[eq] = 10 * np.log10(sig / err)
+    assert sq[True] > sq[False] + 3.0, sq
+
+
+def test_equalization_is_off_for_per_tensor_weight_platforms(tmp_path):
+    import onnx
+    import dipoorlet
+    from conftest import write_samples
+
+    model = _se_block()
+    onnx.save(model, tmp_path / "m.onnx")
+    data = write_samples(tmp_path / "d", _feeds(2))
+    res = dipoorlet.quantize(model=tmp_path / "m.onnx", input_dir=data, data_num=2, deploy="snpe",
+                             output_dir=tmp_path / "o", skip_prof_layer=True)
+    assert "equalization" not in res.report
