@@ -41,6 +41,7 @@ from dipoorlet.runtime import Runner
 log = logging.getLogger(__name__)
 
 MAX_GAIN = 100.0
+MIN_GAIN = 10 ** 0.3   # 3 dB
 PASS_THROUGH = {"Relu", "LeakyRelu", "PRelu", "MaxPool", "AveragePool", "GlobalAveragePool", "Identity"}
 SUFFIX = "__dpl_chmax"
 
@@ -148,10 +149,10 @@ def _gate_ok(g, tensor: str, channels: int) -> bool:
     return shape[1] in (channels, 1) and all(d == 1 for d in shape[2:])
 
 
-def channel_ranges(g, chains: list[Chain], data, indices, comm, device="cpu") -> dict[str, np.ndarray]:
-    """Per-channel max |x| of every chain's measured tensor over the calibration samples."""
+def channel_ranges(g, chains: list[Chain], data, indices, comm, device="cpu") -> dict[str, tuple]:
+    """Per-channel statistics of every chain's measured tensor over the calibration samples:
+    ``(max |x|, peak per-sample mean of x^2)``. Both merge across processes with an exact MAX."""
     model = g.model
-    added = []
     outputs = []
     n_nodes = len(model.graph.node)
     n_inits = len(model.graph.initializer)
@@ -160,103 +161,140 @@ def channel_ranges(g, chains: list[Chain], data, indices, comm, device="cpu") ->
             t = ch.measure
             rank = len(g.weight(g.node_by_name[ch.producer].input[1]).shape)
             axes = [0] + list(range(2, rank))
-            abs_out, out = t + SUFFIX + "_abs", t + SUFFIX
-            model.graph.node.append(helper.make_node("Abs", [t], [abs_out], name=abs_out))
-            if g.opset >= 18:
-                ax = t + SUFFIX + "_axes"
-                model.graph.initializer.append(numpy_helper.from_array(np.array(axes, np.int64), ax))
-                model.graph.node.append(helper.make_node("ReduceMax", [abs_out, ax], [out], name=out, keepdims=0))
-            else:
-                model.graph.node.append(helper.make_node("ReduceMax", [abs_out], [out], name=out, axes=axes,
-                                                         keepdims=0))
-            outputs.append(out)
-            added.append(ch.measure)
+            for kind, pre, op in (("max", "Abs", "ReduceMax"), ("ms", "Mul", "ReduceMean")):
+                mid, out = f"{t}{SUFFIX}_{kind}_in", f"{t}{SUFFIX}_{kind}"
+                model.graph.node.append(helper.make_node(pre, [t] if pre == "Abs" else [t, t], [mid], name=mid))
+                if g.opset >= 18:
+                    ax = f"{t}{SUFFIX}_{kind}_axes"
+                    model.graph.initializer.append(numpy_helper.from_array(np.array(axes, np.int64), ax))
+                    model.graph.node.append(helper.make_node(op, [mid, ax], [out], name=out, keepdims=0))
+                else:
+                    model.graph.node.append(helper.make_node(op, [mid], [out], name=out, axes=axes, keepdims=0))
+                outputs.append(out)
         runner = Runner(model, outputs, types=g.types, device=device)
     finally:
         del model.graph.node[n_nodes:]
         del model.graph.initializer[n_inits:]
-    acc = {t: None for t in added}
+    sizes = [g.weight(g.node_by_name[ch.producer].input[1]).shape[0] for ch in chains]
+    acc = [np.zeros(n) for n in sizes for _ in range(2)]
     for i in progress(indices, "equalization: channel ranges", comm):
         got, _ = runner.run(data.sample(i), ranges=False)
-        for t, out in zip(added, outputs):
-            v = np.asarray(got[out], dtype=np.float64)
-            acc[t] = v if acc[t] is None else np.maximum(acc[t], v)
-    names = [t for t in added]
-    sizes = [len(g.weight(g.node_by_name[ch.producer].input[1])) for ch in chains]
-    flat = np.concatenate([acc[t] if acc[t] is not None else np.zeros(n) for t, n in zip(names, sizes)])
-    flat = comm.allreduce_max(flat)
-    out, offset = {}, 0
-    for t, n in zip(names, sizes):
-        out[t] = flat[offset:offset + n]
-        offset += n
-    return out
+        for k, out in enumerate(outputs):
+            acc[k] = np.maximum(acc[k], np.asarray(got[out], dtype=np.float64))
+    flat = comm.allreduce_max(np.concatenate(acc)) if acc else np.zeros(0)
+    result, offset = {}, 0
+    for ch, n in zip(chains, sizes):
+        result[ch.measure] = (flat[offset:offset + n], flat[offset + n:offset + 2 * n])
+        offset += 2 * n
+    return result
 
 
-def apply(g, chains: list[Chain], ranges: dict[str, np.ndarray]) -> list[dict]:
+def apply(g, chains: list[Chain], stats: dict[str, tuple]) -> list[dict]:
     """Rescale every chain in ``g`` (in place); returns one summary row per chain changed."""
     rows = []
     for ch in chains:
-        r = ranges.get(ch.measure)
-        if r is None or not np.all(np.isfinite(r)) or r.max() <= 0:
+        if ch.measure not in stats:
             continue
-        s = _scales(g, ch, r)
+        r, ms = stats[ch.measure]
+        if not (np.all(np.isfinite(r)) and np.all(np.isfinite(ms))) or r.max() <= 0:
+            continue
+        s, alpha, gain = choose_scales(g, ch, r, ms)
+        if s is None:
+            continue
         a = g.node_by_name[ch.producer]
         w, b = g.weight(a.input[1]).astype(np.float64), g.weight(a.input[2]).astype(np.float64)
         _set(g, a.input[1], w / s.reshape((-1,) + (1,) * (w.ndim - 1)))
         _set(g, a.input[2], b / s)
         for name in ch.absorbers:
             node = g.node_by_name[name]
-            wb = g.weight(node.input[1]).astype(np.float64)
-            group = int(_attr(node, "group", 1))
-            cin_g = wb.shape[1]
-            per_group = wb.shape[0] // group
-            scaled = wb.copy()
-            for gi in range(group):
-                o = slice(gi * per_group, (gi + 1) * per_group)
-                sg = s[gi * cin_g:(gi + 1) * cin_g]
-                scaled[o] = wb[o] * sg.reshape((1, -1) + (1,) * (wb.ndim - 2))
-            _set(g, node.input[1], scaled)
+            _set(g, node.input[1], _scale_inputs(g.weight(node.input[1]).astype(np.float64), node, s))
+        positive = r[r > 0]
         rows.append({"producer": ch.producer, "absorbers": list(ch.absorbers), "tensor": ch.measure,
-                     "range_spread_before": float(r.max() / max(float(np.min(r[r > 0])) if np.any(r > 0) else 1.0, 1e-30)),
-                     "max_gain": float(1.0 / s.min())})
+                     "range_spread_before": float(r.max() / positive.min()) if positive.size else 1.0,
+                     "alpha": alpha, "max_gain": float(1.0 / s.min()),
+                     "estimated_noise_reduction_db": gain})
     if rows:
         g.refresh()
     return rows
 
 
-ALPHA = 0.5
+def _scale_inputs(w: np.ndarray, node, s: np.ndarray) -> np.ndarray:
+    """A Conv weight [O, C/group, k...] with input channel c multiplied by s[c]."""
+    group = int(_attr(node, "group", 1))
+    cin_g, per_group = w.shape[1], w.shape[0] // group
+    out = w.copy()
+    for gi in range(group):
+        o = slice(gi * per_group, (gi + 1) * per_group)
+        out[o] = w[o] * s[gi * cin_g:(gi + 1) * cin_g].reshape((1, -1) + (1,) * (w.ndim - 2))
+    return out
 
 
-def _scales(g, ch: Chain, r: np.ndarray) -> np.ndarray:
-    """Per-channel divisor ``s`` (largest 1, smallest 1/MAX_GAIN).
+ALPHAS = (1.0, 0.75, 0.5, 0.25)
 
-    A depthwise consumer holds one weight grid per channel, so scaling its input channels costs
-    it nothing: ``s = r`` equalizes the activation fully. A dense consumer has one grid per
-    *output* channel shared by all input channels; shrinking channel c's weights by ``s_c``
-    moves the activation's range disparity into them. There ``s = r^a / w^(1-a)`` with ``w_c``
-    the consumers' largest |weight| on input channel c balances the two (a = 0.5 gives the
-    activation channel and its weight column the same relative range, as in SmoothQuant).
+
+def choose_scales(g, ch: Chain, r: np.ndarray, ms: np.ndarray):
+    """The per-channel divisor ``s`` (largest 1, none below 1/MAX_GAIN) that minimizes the
+    estimated quantization noise at the consumers' outputs, or None when no candidate beats
+    leaving the chain alone.
+
+    Candidates: ``s = r^a / w^(1-a)`` for a in ALPHAS (``r_c`` the channel's range, ``w_c`` the
+    consumers' largest |weight| on input channel c; a = 1 equalizes the activation fully, a =
+    0.5 balances activation and weight column as SmoothQuant does). Estimate, under the usual
+    uniform-noise model with the grid spanning the range: the activation's rounding noise
+    ``(max_c r_c/s_c / qmax)^2 / 12`` reaches each output through the scaled weights, so it costs
+    ``sum_c ||W[:, c]||^2 s_c^2`` times that; each output channel's weight grid is set by its
+    largest scaled weight and its noise meets the scaled input's power ``E[x_c^2] / s_c^2``. A
+    depthwise consumer's weight grid is per channel, so only the first term depends on s there.
     """
-    w = np.zeros_like(r)
-    dense = False
-    for name in ch.absorbers:
-        node = g.node_by_name[name]
-        wb = np.abs(g.weight(node.input[1]))
+    cons = [g.node_by_name[n] for n in ch.absorbers]
+    weights = [g.weight(n.input[1]).astype(np.float64) for n in cons]
+    w_in = np.zeros_like(r)   # largest |weight| on each input channel, over dense consumers
+    for node, w in zip(cons, weights):
         group = int(_attr(node, "group", 1))
-        if wb.shape[1] == 1 and group == r.size:
-            continue  # depthwise
-        dense = True
-        cin_g = wb.shape[1]
-        per_group = wb.shape[0] // group
+        cin_g, per_group = w.shape[1], w.shape[0] // group
+        if cin_g == 1 and group == r.size:
+            continue  # depthwise: a grid per channel, unaffected by s
         for gi in range(group):
-            cols = wb[gi * per_group:(gi + 1) * per_group].reshape(per_group, cin_g, -1).max(axis=(0, 2))
-            w[gi * cin_g:(gi + 1) * cin_g] = np.maximum(w[gi * cin_g:(gi + 1) * cin_g], cols)
+            cols = np.abs(w[gi * per_group:(gi + 1) * per_group]).reshape(per_group, cin_g, -1).max(axis=(0, 2))
+            sl = slice(gi * cin_g, (gi + 1) * cin_g)
+            w_in[sl] = np.maximum(w_in[sl], cols)
     r = np.maximum(r, r.max() * 1e-12)
-    if dense:
-        s = r ** ALPHA / np.maximum(w, w.max() * 1e-6 + 1e-30) ** (1 - ALPHA)
-    else:
-        s = r
-    return np.maximum(s / s.max(), 1.0 / MAX_GAIN)
+    ms = np.maximum(ms, 0.0)
+
+    def noise(s):
+        act_step = float(np.max(r / s)) / 127.0
+        total = 0.0
+        for node, w in zip(cons, weights):
+            ws = _scale_inputs(w, node, s)
+            group = int(_attr(node, "group", 1))
+            col = (ws ** 2).sum(axis=tuple(k for k in range(w.ndim) if k != 1))   # per input column
+            cin_g = w.shape[1]
+            total += act_step ** 2 / 12.0 * float(col.sum())
+            per_group = w.shape[0] // group
+            for gi in range(group):
+                rows = ws[gi * per_group:(gi + 1) * per_group].reshape(per_group, -1)
+                w_step = np.abs(rows).max(axis=1) / 127.0
+                power = ms[gi * cin_g:(gi + 1) * cin_g] / s[gi * cin_g:(gi + 1) * cin_g] ** 2
+                taps = rows.shape[1] // cin_g
+                total += float((w_step ** 2 / 12.0).sum() * power.sum() * taps)
+        return total
+
+    base = noise(np.ones_like(r))
+    best, best_alpha, best_noise = None, None, base
+    w_floor = np.maximum(w_in, w_in.max() * 1e-6 + 1e-30)
+    for alpha in ALPHAS:
+        s = r ** alpha / (w_floor ** (1 - alpha) if w_in.max() > 0 else 1.0)
+        s = np.maximum(s / s.max(), 1.0 / MAX_GAIN)
+        n = noise(s)
+        if n < best_noise:
+            best, best_alpha, best_noise = s, alpha, n
+    # The estimate ignores clipping and how layers interact; act only on a clear gain (the
+    # activation noise at least halved), not on a marginal one.
+    if best is not None and best_noise > base / MIN_GAIN:
+        best = None
+    if best is None:
+        return None, None, 0.0
+    return best, best_alpha, float(10 * np.log10(base / best_noise)) if best_noise > 0 else 0.0
 
 
 def _set(g, name: str, value: np.ndarray) -> None:
@@ -269,8 +307,8 @@ def equalize(g, data, indices, comm, device="cpu") -> list[dict]:
     chains = [c for c in find_chains(g) if all(n in g.initializers for n in _weights(g, c))]
     if not chains:
         return []
-    ranges = channel_ranges(g, chains, data, indices, comm, device)
-    rows = apply(g, chains, ranges)
+    stats = channel_ranges(g, chains, data, indices, comm, device)
+    rows = apply(g, chains, stats)
     log.info("equalization: %d Conv pairs rescaled (%s)", len(rows),
              ", ".join(f"{r['producer']} -> {'/'.join(r['absorbers'])} spread {r['range_spread_before']:.1f}x"
                        for r in rows[:5]) + (" ..." if len(rows) > 5 else ""))
