@@ -10,11 +10,15 @@ scale, the scale can be moved into the weights without changing what the network
     y = Conv_A'(x) -> ReLU -> ... -> Conv_B'    with A' = A / s (per output channel, bias too)
                                                 and  B' = B * s (per input channel)
 
-We choose ``s_c = r_c / max(r)`` from each channel's calibrated range ``r_c``, so every channel of
-the activation spans the full grid. The original DFQ balances *weight* ranges instead, for
-per-tensor weights; with per-channel weights (TensorRT, QNN) the producer's weights are
-unaffected by the scale, a depthwise consumer's too, so the activation is what to equalize. A
-channel is amplified at most ``MAX_GAIN`` times, so dead channels do not blow the weights up.
+How much to move is chosen per pair (:func:`choose_scales`): full equalization ``s = r`` (r the
+channel ranges) or a SmoothQuant-style balance ``s = r^a / w^(1-a)`` with the consumers' weights
+``w``, whichever minimizes the estimated rounding noise at the consumers' outputs. With
+per-channel weights (TensorRT, QNN) the producer's weights are unaffected by the scale and so is
+a depthwise consumer, so there the activation is equalized fully; a dense consumer's
+per-output-channel grid pays for shrinking some input channels, so there the balance wins. The
+original DFQ equalizes weight ranges only, which is what per-tensor weights need. A pair is
+changed only when the estimate at least halves the noise, and no channel is amplified more than
+``MAX_GAIN`` times, so dead channels do not blow the weights up.
 
 Between A and B the walk accepts ops that commute with a positive per-channel scale along axis 1:
 Relu, LeakyRelu, PRelu, MaxPool, AveragePool, GlobalAveragePool, zero Pad, Identity, and a Mul
@@ -149,18 +153,17 @@ def _gate_ok(g, tensor: str, channels: int) -> bool:
     return shape[1] in (channels, 1) and all(d == 1 for d in shape[2:])
 
 
-def channel_ranges(g, chains: list[Chain], data, indices, comm, device="cpu") -> dict[str, tuple]:
-    """Per-channel statistics of every chain's measured tensor over the calibration samples:
-    ``(max |x|, peak per-sample mean of x^2)``. Both merge across processes with an exact MAX."""
+def channel_stats(g, items: list[tuple[str, list[int], int]], data, indices, comm, device="cpu",
+                  label="equalization: channel ranges") -> dict[str, tuple]:
+    """Per-channel ``(max |x|, peak per-sample mean of x^2)`` of each ``(tensor, reduced axes,
+    channels)`` over the calibration samples, reduced inside the graph; both merge across
+    processes with an exact MAX."""
     model = g.model
     outputs = []
     n_nodes = len(model.graph.node)
     n_inits = len(model.graph.initializer)
     try:
-        for ch in chains:
-            t = ch.measure
-            rank = len(g.weight(g.node_by_name[ch.producer].input[1]).shape)
-            axes = [0] + list(range(2, rank))
+        for t, axes, _ in items:
             for kind, pre, op in (("max", "Abs", "ReduceMax"), ("ms", "Mul", "ReduceMean")):
                 mid, out = f"{t}{SUFFIX}_{kind}_in", f"{t}{SUFFIX}_{kind}"
                 model.graph.node.append(helper.make_node(pre, [t] if pre == "Abs" else [t, t], [mid], name=mid))
@@ -175,18 +178,25 @@ def channel_ranges(g, chains: list[Chain], data, indices, comm, device="cpu") ->
     finally:
         del model.graph.node[n_nodes:]
         del model.graph.initializer[n_inits:]
-    sizes = [g.weight(g.node_by_name[ch.producer].input[1]).shape[0] for ch in chains]
-    acc = [np.zeros(n) for n in sizes for _ in range(2)]
-    for i in progress(indices, "equalization: channel ranges", comm):
+    acc = [np.zeros(n) for _, _, n in items for _ in range(2)]
+    for i in progress(indices, label, comm):
         got, _ = runner.run(data.sample(i), ranges=False)
         for k, out in enumerate(outputs):
-            acc[k] = np.maximum(acc[k], np.asarray(got[out], dtype=np.float64))
+            acc[k] = np.maximum(acc[k], np.asarray(got[out], dtype=np.float64).reshape(-1))
     flat = comm.allreduce_max(np.concatenate(acc)) if acc else np.zeros(0)
     result, offset = {}, 0
-    for ch, n in zip(chains, sizes):
-        result[ch.measure] = (flat[offset:offset + n], flat[offset + n:offset + 2 * n])
+    for t, _, n in items:
+        result[t] = (flat[offset:offset + n], flat[offset + n:offset + 2 * n])
         offset += 2 * n
     return result
+
+
+def channel_ranges(g, chains: list[Chain], data, indices, comm, device="cpu") -> dict[str, tuple]:
+    items = []
+    for ch in chains:
+        w = g.weight(g.node_by_name[ch.producer].input[1])
+        items.append((ch.measure, [0] + list(range(2, w.ndim)), w.shape[0]))
+    return channel_stats(g, items, data, indices, comm, device)
 
 
 def apply(g, chains: list[Chain], stats: dict[str, tuple]) -> list[dict]:
@@ -220,7 +230,10 @@ def apply(g, chains: list[Chain], stats: dict[str, tuple]) -> list[dict]:
 
 def _scale_inputs(w: np.ndarray, node, s: np.ndarray) -> np.ndarray:
     """A Conv weight [O, C/group, k...] with input channel c multiplied by s[c]."""
-    group = int(_attr(node, "group", 1))
+    return _scale_weight(w, int(_attr(node, "group", 1)), s)
+
+
+def _scale_weight(w: np.ndarray, group: int, s: np.ndarray) -> np.ndarray:
     cin_g, per_group = w.shape[1], w.shape[0] // group
     out = w.copy()
     for gi in range(group):
@@ -246,11 +259,16 @@ def choose_scales(g, ch: Chain, r: np.ndarray, ms: np.ndarray):
     largest scaled weight and its noise meets the scaled input's power ``E[x_c^2] / s_c^2``. A
     depthwise consumer's weight grid is per channel, so only the first term depends on s there.
     """
-    cons = [g.node_by_name[n] for n in ch.absorbers]
-    weights = [g.weight(n.input[1]).astype(np.float64) for n in cons]
+    layers = [(g.weight(g.node_by_name[n].input[1]).astype(np.float64), int(_attr(g.node_by_name[n], "group", 1)))
+              for n in ch.absorbers]
+    return choose_layer_scales(layers, r, ms)
+
+
+def choose_layer_scales(layers: list[tuple[np.ndarray, int]], r: np.ndarray, ms: np.ndarray):
+    """:func:`choose_scales` for consumers given as (weight in Conv layout [O, C/group, taps...],
+    group)."""
     w_in = np.zeros_like(r)   # largest |weight| on each input channel, over dense consumers
-    for node, w in zip(cons, weights):
-        group = int(_attr(node, "group", 1))
+    for w, group in layers:
         cin_g, per_group = w.shape[1], w.shape[0] // group
         if cin_g == 1 and group == r.size:
             continue  # depthwise: a grid per channel, unaffected by s
@@ -264,9 +282,8 @@ def choose_scales(g, ch: Chain, r: np.ndarray, ms: np.ndarray):
     def noise(s):
         act_step = float(np.max(r / s)) / 127.0
         total = 0.0
-        for node, w in zip(cons, weights):
-            ws = _scale_inputs(w, node, s)
-            group = int(_attr(node, "group", 1))
+        for w, group in layers:
+            ws = _scale_weight(w, group, s)
             col = (ws ** 2).sum(axis=tuple(k for k in range(w.ndim) if k != 1))   # per input column
             cin_g = w.shape[1]
             total += act_step ** 2 / 12.0 * float(col.sum())
@@ -305,16 +322,95 @@ def _set(g, name: str, value: np.ndarray) -> None:
 def equalize(g, data, indices, comm, device="cpu") -> list[dict]:
     """Find, measure and apply; returns the summary rows (empty when nothing qualifies)."""
     chains = [c for c in find_chains(g) if all(n in g.initializers for n in _weights(g, c))]
-    if not chains:
-        return []
-    stats = channel_ranges(g, chains, data, indices, comm, device)
-    rows = apply(g, chains, stats)
-    log.info("equalization: %d Conv pairs rescaled (%s)", len(rows),
-             ", ".join(f"{r['producer']} -> {'/'.join(r['absorbers'])} spread {r['range_spread_before']:.1f}x"
-                       for r in rows[:5]) + (" ..." if len(rows) > 5 else ""))
-    return rows
+    rows = []
+    if chains:
+        stats = channel_ranges(g, chains, data, indices, comm, device)
+        rows = apply(g, chains, stats)
+        log.info("equalization: %d Conv pairs rescaled (%s)", len(rows),
+                 ", ".join(f"{r['producer']} -> {'/'.join(r['absorbers'])} spread {r['range_spread_before']:.1f}x"
+                           for r in rows[:5]) + (" ..." if len(rows) > 5 else ""))
+    return rows + smooth_matmuls(g, data, indices, comm, device)
 
 
 def _weights(g, chain: Chain) -> list[str]:
     a = g.node_by_name[chain.producer]
     return [a.input[1], a.input[2]] + [g.node_by_name[n].input[1] for n in chain.absorbers]
+
+
+# ----------------------------------------------------------------------------------- MatMul inputs
+def matmul_targets(g) -> dict[str, list[str]]:
+    """Activation tensor -> the MatMuls that read it as input 0 with a constant 2-D weight of
+    their own (transformer projections). The tensor needs a known rank whose last axis is the
+    weight's K."""
+    out: dict[str, list[str]] = {}
+    for node in g.topological_nodes():
+        if node.op_type != "MatMul" or len(node.input) != 2:
+            continue
+        x, w = node.input
+        if not g.is_constant(w) or g.is_constant(x) or not g.is_float(x) or w not in g.initializers:
+            continue
+        if len(g.consumers.get(w, [])) != 1 or w in g.output_names:
+            continue
+        shape = g.shape(x)
+        wshape = g.weight(w).shape
+        if shape is None or len(shape) < 2 or len(wshape) != 2 or shape[-1] != wshape[0]:
+            continue
+        out.setdefault(x, []).append(node.name)
+    return out
+
+
+def smooth_matmuls(g, data, indices, comm, device="cpu") -> list[dict]:
+    """SmoothQuant-style scaling of MatMul inputs (Xiao et al., ICML 2023), as TensorRT Model
+    Optimizer's ``pre_quant_scale``: ``X @ W == (X / s) @ (s W)``. The division is a Mul by a
+    constant vector inserted before the MatMuls (TensorRT fuses it with the quantize step); the
+    MatMuls' weights take ``s`` on their rows. Transformer activations carry a few outlier
+    channels (LayerNorm outputs, GELU outputs) that set a per-tensor grid far too coarse for the
+    rest; the weights, quantized per output column, absorb the scale at a smaller cost.
+    ``s`` is chosen as for Conv pairs (:func:`choose_layer_scales`), only where it at least halves
+    the estimated noise."""
+    targets = matmul_targets(g)
+    if not targets:
+        return []
+    items = [(x, list(range(len(g.shape(x)) - 1)), g.weight(g.node_by_name[m[0]].input[1]).shape[0])
+             for x, m in targets.items()]
+    stats = channel_stats(g, items, data, indices, comm, device, "smoothing: channel ranges")
+    rows = []
+    for x, names in targets.items():
+        r, ms = stats[x]
+        if not (np.all(np.isfinite(r)) and np.all(np.isfinite(ms))) or r.max() <= 0:
+            continue
+        weights = [g.weight(g.node_by_name[n].input[1]).astype(np.float64) for n in names]
+        layers = [(w.T[:, :, None], 1) for w in weights]     # [N, K, 1]: Conv layout
+        s, alpha, gain = choose_layer_scales(layers, r, ms)
+        if s is None:
+            continue
+        for n, w in zip(names, weights):
+            _set(g, g.node_by_name[n].input[1], w * s[:, None])
+        scale_name = _fresh(g, f"{x}_smooth_factor")
+        out_name = _fresh(g, f"{x}_smooth")
+        g.graph.initializer.append(numpy_helper.from_array((1.0 / s).astype(np.float32), scale_name))
+        g.initializers[scale_name] = g.graph.initializer[-1]
+        mul = helper.make_node("Mul", [x, scale_name], [out_name], name=_fresh(g, f"{x}_smooth_Mul"))
+        consumers = [g.node_by_name[n] for n in names]
+        first = min(list(g.graph.node).index(c) for c in consumers)
+        g.graph.node.insert(first, mul)
+        for c in consumers:
+            c.input[0] = out_name
+        g.refresh()
+        g.types[out_name] = g.types.get(x, (1, None))
+        positive = r[r > 0]
+        rows.append({"tensor": x, "matmuls": list(names), "alpha": alpha, "max_gain": float(1.0 / s.min()),
+                     "range_spread_before": float(r.max() / positive.min()) if positive.size else 1.0,
+                     "estimated_noise_reduction_db": gain})
+    if rows:
+        log.info("smoothing: %d MatMul inputs rescaled (%s)", len(rows),
+                 ", ".join(f"{r['tensor']} alpha {r['alpha']}" for r in rows[:4]) + (" ..." if len(rows) > 4 else ""))
+    return rows
+
+
+def _fresh(g, name: str) -> str:
+    taken = set(g.initializers) | set(g.producer) | set(g.node_by_name) | {i.name for i in g.graph.input}
+    out, k = name, 1
+    while out in taken:
+        out, k = f"{name}_{k}", k + 1
+    return out

@@ -1,7 +1,8 @@
 """``quantize()``: the one orchestrator. No algorithm code here, only the order of stages.
 
-load → prepare → place Q/DQ → range pass → (histogram pass) → ranges → plan → weights →
-QDQ model → deploy files → error profile → report. Every output is written into a staging
+load → prepare (incl. BN folding) → equalization → place Q/DQ → calibration (one pass: ranges
+and histograms) → ranges → plan → weights → (bias correction) → QDQ model → deploy files →
+error profile → report. Every output is written into a staging
 folder inside -O and moved into place only when the whole run has succeeded, so a failed run
 leaves no half-written file behind.
 """

@@ -52,8 +52,9 @@ def hist(st: TensorStats, p: RangeParams) -> tuple[float, float]:
     """Smallest |x| bin whose cumulative mass reaches ``threshold``; clip at its centre.
 
     Same as the reference tool (|x| histogram over [0, amax] of the pooled samples, clip value
-    ``(i + 0.5) * width``), but the histogram edges come from a global range pass, so the
-    result does not depend on how samples were split across processes.
+    ``(i + 0.5) * width``), but the histogram is built on data-independent edges and re-binned
+    over the global range, so the result does not depend on how samples were split across
+    processes.
     """
     counts = st.hist.abs_counts()
     total = counts.sum()

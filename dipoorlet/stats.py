@@ -1,12 +1,14 @@
 """Per-tensor statistics, updated batch by batch and merged exactly.
 
-Two passes, as PPQ does: the first finds each tensor's global min/max; the second bins values
-into a histogram whose edges are fixed by that range. Because the edges never move, histograms
-from different batches, orders or processes add up to exactly the same counts (integer sums), so
-a run over 1 or N processes gives identical results. Re-binning as data arrives (onnxruntime's
-approach) makes the answer depend on batch order.
+One pass: calibration fills a :class:`LogHistogram` whose edges are the float32 bit patterns
+(data-independent) while the range is being found, then turns it into the fixed-width
+:class:`Histogram` over the final range that the range methods read. Because the edges never
+move, histograms from different batches, orders or processes add up to exactly the same counts
+(integer sums), so a run over 1 or N processes gives identical results. Re-binning as data
+arrives (onnxruntime's approach) makes the answer depend on batch order; PPQ's two passes (range,
+then bins fixed by it) cost one more inference per sample.
 
-The histogram is signed. For a tensor that is never negative it covers [0, amax] in ``bins``
+The fixed-width histogram is signed. For a tensor that is never negative it covers [0, amax] in ``bins``
 bins; otherwise [-amax, amax] in ``2*bins`` bins. Folding the signed histogram about zero gives
 the |x| histogram of ``bins`` bins over [0, amax] exactly, which is what the symmetric range
 methods (hist, mse, entropy) consume; asymmetric ones read the signed histogram.

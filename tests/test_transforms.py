@@ -297,3 +297,79 @@ def test_equalization_is_off_for_per_tensor_weight_platforms(tmp_path):
     res = dipoorlet.quantize(model=tmp_path / "m.onnx", input_dir=data, data_num=2, deploy="snpe",
                              output_dir=tmp_path / "o", skip_prof_layer=True)
     assert "equalization" not in res.report
+
+
+# ----------------------------------------------------------------------------------- MatMul smoothing
+def _outlier_block(seed=0):
+    """LayerNorm -> two MatMul projections -> MatMul -> residual Add -> LayerNorm (a post-LN
+    transformer block); the first LayerNorm's gamma gives two channels 30x the range of the rest
+    (the outlier channels of transformer activations); the residual Add also reads its output, so
+    nothing can be folded into it."""
+    k, n = 16, 8
+    gamma = np.ones(k, np.float32)
+    gamma[[3, 11]] = 30.0
+    inits = {"gamma": gamma, "beta": rand((k,), seed, 0.1),
+             "wq": rand((k, n), seed + 1, 0.3), "wv": rand((k, n), seed + 2, 0.3), "wo": rand((n, k), seed + 3, 0.3)}
+    nodes = [helper.make_node("LayerNormalization", ["x", "gamma", "beta"], ["h"], axis=-1, name="ln"),
+             helper.make_node("MatMul", ["h", "wq"], ["q"], name="proj_q"),
+             helper.make_node("MatMul", ["h", "wv"], ["v"], name="proj_v"),
+             helper.make_node("Add", ["q", "v"], ["qv"], name="qv"),
+             helper.make_node("MatMul", ["qv", "wo"], ["o"], name="proj_o"),
+             helper.make_node("Add", ["o", "h"], ["r"], name="residual"),
+             helper.make_node("LayerNormalization", ["r", "gamma2", "beta2"], ["y"], axis=-1, name="ln2")]
+    inits.update(gamma2=np.ones(k, np.float32), beta2=np.zeros(k, np.float32))
+    return make_model(nodes, [vi("x", [1, 5, k])], [vi("y", [1, 5, k])], inits, opset=17)
+
+
+def test_matmul_smoothing_keeps_the_float_function_and_inserts_one_mul_per_input():
+    from dipoorlet import equalize
+    from dipoorlet.dist import SingleProcess
+
+    model = _outlier_block()
+    feeds = [{"x": rand((1, 5, 16), 10 + i)} for i in range(4)]
+    g = Graph(model)
+    prepare.prepare(g)
+    rows = equalize.smooth_matmuls(g, _Data(feeds), range(4), SingleProcess())
+    assert [r["tensor"] for r in rows][:1] == ["h"] and set(rows[0]["matmuls"]) == {"proj_q", "proj_v"}
+    muls = [n for n in g.graph.node if n.op_type == "Mul"]
+    assert len(muls) == len(rows)
+    q = next(n for n in g.graph.node if n.name == "proj_q")
+    assert q.input[0] == muls[0].output[0]
+    residual = next(n for n in g.graph.node if n.name == "residual")
+    assert "h" in residual.input          # the residual still reads the unscaled tensor
+    for f in feeds:
+        np.testing.assert_allclose(ort_run(g.model, f)[0], ort_run(model, f)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_matmul_smoothing_lowers_the_quantization_error(tmp_path):
+    import onnx
+    import dipoorlet
+    from conftest import write_samples
+
+    k = 16
+    gamma = np.ones(k, np.float32)
+    gamma[[3, 11]] = 30.0
+    model = make_model([helper.make_node("LayerNormalization", ["x", "gamma", "beta"], ["h"], axis=-1, name="ln"),
+                        helper.make_node("MatMul", ["h", "w"], ["q"], name="proj"),
+                        helper.make_node("Add", ["q", "h"], ["r"], name="residual"),
+                        helper.make_node("LayerNormalization", ["r", "one", "zero"], ["y"], axis=-1, name="ln2")],
+                       [vi("x", [1, 5, k])], [vi("y", [1, 5, k])],
+                       {"gamma": gamma, "beta": rand((k,), 0, 0.1), "w": rand((k, k), 1, 0.3),
+                        "one": np.ones(k, np.float32), "zero": np.zeros(k, np.float32)}, opset=17)
+    feeds = [{"x": rand((1, 5, 16), 20 + i)} for i in range(8)]
+    onnx.save(model, tmp_path / "m.onnx")
+    data = write_samples(tmp_path / "d", feeds)
+    sq = {}
+    for eq in (False, True):
+        out = tmp_path / f"o{eq}"
+        res = dipoorlet.quantize(model=tmp_path / "m.onnx", input_dir=data, data_num=8, deploy="trt", output_dir=out,
+                                 skip_prof_layer=True, equalize=eq)
+        qm = onnx.load(str(out / "quant_model.onnx"))
+        err = sig = 0.0
+        for f in feeds:  # oracle: the float model in onnxruntime
+            want, got = ort_run(model, f)[0], ort_run(qm, f)[0]
+            err += float(((want - got) ** 2).sum())
+            sig += float((want ** 2).sum())
+        sq[eq] = 10 * np.log10(sig / err)
+        assert ("equalization" in res.report) == eq
+    assert sq[True] > sq[False] + 3.0, sq
