@@ -319,8 +319,10 @@ def _set(g, name: str, value: np.ndarray) -> None:
     t.CopyFrom(numpy_helper.from_array(value.astype(np.float32), name))
 
 
-def equalize(g, data, indices, comm, device="cpu") -> list[dict]:
-    """Find, measure and apply; returns the summary rows (empty when nothing qualifies)."""
+def equalize(g, data, indices, comm, device="cpu", smooth: bool = True) -> list[dict]:
+    """Find, measure and apply; returns the summary rows (empty when nothing qualifies).
+    ``smooth``: also rescale MatMul inputs, which inserts a Mul (for backends that do not
+    quantize a Mul's own inputs, where it runs fused in float)."""
     chains = [c for c in find_chains(g) if all(n in g.initializers for n in _weights(g, c))]
     rows = []
     if chains:
@@ -329,7 +331,7 @@ def equalize(g, data, indices, comm, device="cpu") -> list[dict]:
         log.info("equalization: %d Conv pairs rescaled (%s)", len(rows),
                  ", ".join(f"{r['producer']} -> {'/'.join(r['absorbers'])} spread {r['range_spread_before']:.1f}x"
                            for r in rows[:5]) + (" ..." if len(rows) > 5 else ""))
-    return rows + smooth_matmuls(g, data, indices, comm, device)
+    return rows + (smooth_matmuls(g, data, indices, comm, device) if smooth else [])
 
 
 def _weights(g, chain: Chain) -> list[str]:

@@ -151,11 +151,14 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
     indices = shard(cfg.data_num, comm.rank, comm.world)
 
     equalized = []
-    if cfg.equalize and plat.weight.per_channel and plat.activation.symmetric:
+    if cfg.equalize and plat.weight.per_channel:
         from dipoorlet import equalize
 
+        # Weights per channel: rescaling channels costs the producer's weights nothing. The Mul
+        # that MatMul smoothing inserts must not be quantized itself, or the outliers it removes
+        # are quantized at its input.
         t = time.perf_counter()
-        equalized = equalize.equalize(g, data, indices, comm, cfg.device)
+        equalized = equalize.equalize(g, data, indices, comm, cfg.device, smooth="Mul" not in plat.quantize_ops)
         timings["equalize_s"] = time.perf_counter() - t
     places = placement_mod.place(g, plat, cfg.skip_layers)
     targets = list(places.activations)
