@@ -75,11 +75,11 @@ def find_sites(g, places, plan, qmodel) -> list[Site]:
         node = g.node_by_name[name]
         op = node.op_type
         bias = None
+        if op in ("Gemm", "MatMul") and g.weight(wp.tensor).ndim != 2:
+            continue
         if op in ("Conv", "Gemm") and len(node.input) > 2 and node.input[2] and g.is_constant(node.input[2]):
-            if op == "Gemm":
-                attrs = {a.name: a.i for a in node.attribute if a.name in ("transA",)}
-                if attrs.get("transA", 0):
-                    continue
+            if op == "Gemm" and (_attr(node, "transA", 0) or _attr(node, "beta", 1.0) == 0.0):
+                continue
             bias = node.input[2]
         elif op == "MatMul":
             users = g.consumers.get(node.output[0], [])
@@ -103,6 +103,23 @@ def find_sites(g, places, plan, qmodel) -> list[Site]:
         axis = 1 if op == "Conv" else -1
         sites.append(Site(name, op, wp.tensor, bias, x, xq, axis))
     return sites
+
+
+def _attr(node, name, default):
+    for a in node.attribute:
+        if a.name == name:
+            return a.f if a.type == a.FLOAT else a.i
+    return default
+
+
+def _in_channels(g, site: Site) -> int:
+    node = g.node_by_name[site.node]
+    w = g.weight(site.weight)
+    if site.op_type == "Conv":
+        return w.shape[1] * int(_attr(node, "group", 1))
+    if site.op_type == "Gemm":
+        return w.shape[1] if _attr(node, "transB", 0) else w.shape[0]
+    return w.shape[0]
 
 
 def _weight_sums(w: np.ndarray, op: str, node) -> np.ndarray:
@@ -135,18 +152,25 @@ def correct(g, places, plan, data, indices, comm, device="cpu") -> dict:
     if not sites:
         return {"layers": 0}
     tensors = sorted({s.x for s in sites} | {s.xq for s in sites})
-    runner = Runner(qmodel, tensors, types=g.types, optimize=False, device=device)
+    axis_of = {t: s.channel_axis for s in sites for t in (s.x, s.xq)}
+    # Every rank allocates every sum, so the collective below lines up even on a rank with no
+    # samples of its own.
     acc: dict[str, np.ndarray] = {}
+    for s in sites:
+        n = _in_channels(g, s)
+        for t in (s.x, s.xq):
+            acc[t] = np.zeros(n, dtype=np.int64)
+    runner = Runner(qmodel, tensors, types=g.types, optimize=False, device=device)
     count = 0
     for i in progress(indices, "bias correction", comm):
         got, _ = runner.run(data.sample(i), ranges=False)
         for t in tensors:
-            sites_axis = next(s.channel_axis for s in sites if t in (s.x, s.xq))
             v = np.asarray(got[t], dtype=np.float64)
-            axis = sites_axis % v.ndim
+            axis = axis_of[t] % v.ndim
             mean = v.mean(axis=tuple(a for a in range(v.ndim) if a != axis))
-            fixed = np.rint(np.clip(mean, -LIMIT, LIMIT) * FIXED).astype(np.int64)
-            acc[t] = acc[t] + fixed if t in acc else fixed
+            if mean.shape != acc[t].shape:
+                raise ValueError(f"bias correction: {t} has {mean.size} channels, expected {acc[t].size}")
+            acc[t] += np.rint(np.clip(mean, -LIMIT, LIMIT) * FIXED).astype(np.int64)
         count += 1
     names = sorted(acc)
     if names:
@@ -166,16 +190,19 @@ def correct(g, places, plan, data, indices, comm, device="cpu") -> dict:
         qp = plan.weights[s.weight]
         wq = (quantize_array(w, qp).astype(np.float64) - _bcast(qp.zero_point, qp.axis, w.ndim)) \
             * _bcast(qp.scale, qp.axis, w.ndim)
-        group = next((a.i for a in node.attribute if a.name == "group"), 1) if s.op_type == "Conv" else 1
+        group = int(_attr(node, "group", 1)) if s.op_type == "Conv" else 1
         sums, sums_q = _weight_sums(w, s.op_type, node), _weight_sums(wq, s.op_type, node)
         m, mq = means[s.x], means[s.xq]
         if sums.shape[1] * group != m.size:
             continue
         delta = _shift(sums_q, sums, mq, m, group)
+        if s.op_type == "Gemm":  # y = alpha A B + beta C: the shift is alpha delta, C moves y by beta
+            delta = delta * _attr(node, "alpha", 1.0) / _attr(node, "beta", 1.0)
         bias = plan.values.get(s.bias, g.weight(s.bias)).astype(np.float64)
         if bias.shape != delta.shape:
             continue
         plan.values[s.bias] = (bias - delta).astype(np.float32)
+        plan.value_owners[s.bias] = s.node
         scale = float(np.sqrt(np.mean(bias ** 2)) + 1e-12)
         shifts.append((s.node, float(np.abs(delta).max()), float(np.abs(delta).max()) / scale))
     shifts.sort(key=lambda r: -r[2])

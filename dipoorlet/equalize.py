@@ -37,7 +37,7 @@ import logging
 from dataclasses import dataclass, field
 
 import numpy as np
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from dipoorlet.progress import progress
 from dipoorlet.runtime import Runner
@@ -56,6 +56,10 @@ class Chain:
     measure: str                                    # tensor whose per-channel range sets s
     absorbers: list[str] = field(default_factory=list)   # Convs B
     scaled: list[str] = field(default_factory=list)      # tensors that carry x / s
+
+
+def _fp32(g, *names: str) -> bool:
+    return all(n in g.initializers and g.initializers[n].data_type == TensorProto.FLOAT for n in names)
 
 
 def _attr(node, name, default=None):
@@ -77,7 +81,7 @@ def _absorbs(g, node, tensor: str, channels: int) -> bool:
     """Conv reading ``tensor`` as its data input, with a weight no other node reads."""
     if node.op_type != "Conv" or node.input[0] != tensor or not g.is_constant(node.input[1]):
         return False
-    if len(g.consumers.get(node.input[1], [])) != 1 or node.input[1] in g.output_names:
+    if len(g.consumers.get(node.input[1], [])) != 1 or node.input[1] in g.output_names or not _fp32(g, node.input[1]):
         return False
     w_shape = g.weight(node.input[1]).shape
     return w_shape[1] * int(_attr(node, "group", 1)) == channels
@@ -89,8 +93,8 @@ def find_chains(g) -> list[Chain]:
     for a in g.topological_nodes():
         if a.op_type != "Conv" or len(a.input) < 3 or not a.input[2]:
             continue
-        if not (g.is_constant(a.input[1]) and g.is_constant(a.input[2])):
-            continue
+        if not (g.is_constant(a.input[1]) and g.is_constant(a.input[2])) or not _fp32(g, a.input[1], a.input[2]):
+            continue  # float32 only: a Conv's input has its weight's type
         if len(g.consumers.get(a.input[1], [])) != 1 or len(g.consumers.get(a.input[2], [])) != 1:
             continue
         channels = g.weight(a.input[1]).shape[0]
@@ -153,20 +157,26 @@ def _gate_ok(g, tensor: str, channels: int) -> bool:
     return shape[1] in (channels, 1) and all(d == 1 for d in shape[2:])
 
 
-def channel_stats(g, items: list[tuple[str, list[int], int]], data, indices, comm, device="cpu",
+def channel_stats(g, items: list[tuple[str, list[int] | None, int]], data, indices, comm, device="cpu",
                   label="equalization: channel ranges") -> dict[str, tuple]:
     """Per-channel ``(max |x|, peak per-sample mean of x^2)`` of each ``(tensor, reduced axes,
     channels)`` over the calibration samples, reduced inside the graph; both merge across
-    processes with an exact MAX."""
+    processes with an exact MAX. ``axes=None``: the channels are the last axis, whatever the rank."""
     model = g.model
     outputs = []
     n_nodes = len(model.graph.node)
     n_inits = len(model.graph.initializer)
     try:
-        for t, axes, _ in items:
+        for t, axes, n in items:
+            src = t
+            if axes is None:  # channels on the last axis, rank unknown: view as [-1, n]
+                shape, src = f"{t}{SUFFIX}_2d_shape", f"{t}{SUFFIX}_2d"
+                model.graph.initializer.append(numpy_helper.from_array(np.array([-1, n], np.int64), shape))
+                model.graph.node.append(helper.make_node("Reshape", [t, shape], [src], name=src))
+                axes = [0]
             for kind, pre, op in (("max", "Abs", "ReduceMax"), ("ms", "Mul", "ReduceMean")):
                 mid, out = f"{t}{SUFFIX}_{kind}_in", f"{t}{SUFFIX}_{kind}"
-                model.graph.node.append(helper.make_node(pre, [t] if pre == "Abs" else [t, t], [mid], name=mid))
+                model.graph.node.append(helper.make_node(pre, [src] if pre == "Abs" else [src, src], [mid], name=mid))
                 if g.opset >= 18:
                     ax = f"{t}{SUFFIX}_{kind}_axes"
                     model.graph.initializer.append(numpy_helper.from_array(np.array(axes, np.int64), ax))
@@ -342,8 +352,7 @@ def _weights(g, chain: Chain) -> list[str]:
 # ----------------------------------------------------------------------------------- MatMul inputs
 def matmul_targets(g) -> dict[str, list[str]]:
     """Activation tensor -> the MatMuls that read it as input 0 with a constant 2-D weight of
-    their own (transformer projections). The tensor needs a known rank whose last axis is the
-    weight's K."""
+    their own (transformer projections); MatMul puts the input's channels on its last axis."""
     out: dict[str, list[str]] = {}
     for node in g.topological_nodes():
         if node.op_type != "MatMul" or len(node.input) != 2:
@@ -351,11 +360,11 @@ def matmul_targets(g) -> dict[str, list[str]]:
         x, w = node.input
         if not g.is_constant(w) or g.is_constant(x) or not g.is_float(x) or w not in g.initializers:
             continue
-        if len(g.consumers.get(w, [])) != 1 or w in g.output_names:
+        if len(g.consumers.get(w, [])) != 1 or w in g.output_names or not _fp32(g, w):
             continue
         shape = g.shape(x)
         wshape = g.weight(w).shape
-        if shape is None or len(shape) < 2 or len(wshape) != 2 or shape[-1] != wshape[0]:
+        if len(wshape) != 2 or (shape is not None and (len(shape) < 2 or shape[-1] not in (None, wshape[0]))):
             continue
         out.setdefault(x, []).append(node.name)
     return out
@@ -373,8 +382,7 @@ def smooth_matmuls(g, data, indices, comm, device="cpu") -> list[dict]:
     targets = matmul_targets(g)
     if not targets:
         return []
-    items = [(x, list(range(len(g.shape(x)) - 1)), g.weight(g.node_by_name[m[0]].input[1]).shape[0])
-             for x, m in targets.items()]
+    items = [(x, None, g.weight(g.node_by_name[m[0]].input[1]).shape[0]) for x, m in targets.items()]
     stats = channel_stats(g, items, data, indices, comm, device, "smoothing: channel ranges")
     rows = []
     for x, names in targets.items():
@@ -398,8 +406,10 @@ def smooth_matmuls(g, data, indices, comm, device="cpu") -> list[dict]:
         g.graph.node.insert(first, mul)
         for c in consumers:
             c.input[0] = out_name
+        # declared, so shape inference, refresh() and placement all see a float tensor
+        elem, shape = g.types.get(x, (TensorProto.FLOAT, None))
+        g.graph.value_info.append(helper.make_tensor_value_info(out_name, elem, shape))
         g.refresh()
-        g.types[out_name] = g.types.get(x, (1, None))
         positive = r[r > 0]
         rows.append({"tensor": x, "matmuls": list(names), "alpha": alpha, "max_gain": float(1.0 / s.min()),
                      "range_spread_before": float(r.max() / positive.min()) if positive.size else 1.0,

@@ -64,6 +64,10 @@ def insert_qdq(g: Graph, placement: Placement, plan: QuantPlan) -> onnx.ModelPro
         if point.output:
             _quantize_output(graph, tensor, q, dq, nodes, new_nodes)
 
+    # transformed constants (plan.values), each only while the layer it belongs to is quantized
+    quantized_nodes = {wp.node for wp in placement.weights.values() if wp.tensor in plan.weights}
+    values = {k: v for k, v in plan.values.items()
+              if k not in plan.value_owners or plan.value_owners[k] in quantized_nodes}
     weight_names_used = {}
     for (node_name, index), wp in placement.weights.items():
         qp = plan.weights.get(wp.tensor)
@@ -72,7 +76,7 @@ def insert_qdq(g: Graph, placement: Placement, plan: QuantPlan) -> onnx.ModelPro
         node = nodes[node_name]
         key = wp.tensor
         if key not in weight_names_used:
-            value = plan.values[wp.tensor] if wp.tensor in plan.values else g.weight(wp.tensor)
+            value = values[wp.tensor] if wp.tensor in values else g.weight(wp.tensor)
             qname = wp.tensor + "_quantized"
             _const(graph, qname, quantize_array(value, qp))
             s = _const(graph, wp.tensor + "_scale", qp.scale)
@@ -84,7 +88,7 @@ def insert_qdq(g: Graph, placement: Placement, plan: QuantPlan) -> onnx.ModelPro
             weight_names_used[key] = wp.tensor + "_dq"
         node.input[index] = weight_names_used[key]
 
-    _replace_values(graph, plan.values, set(weight_names_used))
+    _replace_values(graph, values, set(weight_names_used))
     _rebuild(graph, new_nodes)
     _drop_unused_initializers(graph)
     return model

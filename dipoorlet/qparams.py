@@ -104,6 +104,9 @@ class QuantPlan:
     # Float constants the quantized model holds instead of the float model's (weight transforms
     # such as bias correction); the float model itself is never edited.
     values: dict = field(default_factory=dict)
+    # constant -> the node whose quantization it compensates; applied only while that node's
+    # weight is quantized (a layer kept float by --skip_layers/auto_skip keeps its own bias)
+    value_owners: dict = field(default_factory=dict)
 
 
 def bias_qparams(s_in: QParams, s_w: QParams) -> QParams:

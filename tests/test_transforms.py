@@ -373,3 +373,107 @@ def test_matmul_smoothing_lowers_the_quantization_error(tmp_path):
         sq[eq] = 10 * np.log10(sig / err)
         assert ("equalization" in res.report) == eq
     assert sq[True] > sq[False] + 3.0, sq
+
+
+# ----------------------------------------------------------------------------------- review cases
+def test_bias_correction_only_applies_to_layers_that_stay_quantized(tmp_path):
+    """A corrected bias belongs to its quantized layer: a placement that keeps the layer float
+    (--skip_layers, auto_skip, isolated sensitivity) keeps the float model's bias."""
+    from dipoorlet import bias_correction, platform as platform_mod
+    from dipoorlet.dist import SingleProcess
+    from dipoorlet.pipeline import plan_activations, plan_weights
+    from dipoorlet.placement import place
+    from dipoorlet import calibrate
+    from dipoorlet.config import QuantConfig
+
+    model = make_model([helper.make_node("Relu", ["x"], ["r"], name="relu"),
+                        helper.make_node("Conv", ["r", "w", "b"], ["y"], name="conv")],
+                       [vi("x", [1, 8, 6, 6])], [vi("y", [1, 4, 6, 6])],
+                       {"w": rand((4, 8, 1, 1), 0, 0.5), "b": rand((4,), 1, 0.1)})
+    feeds = _skewed_feeds((1, 8, 6, 6))
+    g = Graph(model)
+    prepare.prepare(g)
+    plat = platform_mod.load("trt")
+    places = place(g, plat)
+    data = _Data(feeds)
+    stats = calibrate.collect(g, data, range(6), list(places.activations), SingleProcess(), True)
+    cfg = QuantConfig(model=tmp_path / "m.onnx", input_dir=tmp_path, data_num=6)
+    plan = plan_activations(stats, cfg, plat, places)
+    plan_weights(g, places, plan, plat, cfg)
+    assert bias_correction.correct(g, places, plan, data, range(6), SingleProcess())["layers"] == 1
+    from dipoorlet.qdq import insert_qdq
+    floated = insert_qdq(g, places.restrict(set()), plan)
+    for f in feeds:
+        np.testing.assert_array_equal(ort_run(floated, f)[0], ort_run(g.model, f)[0])
+
+
+@pytest.mark.parametrize("alpha,beta", [(1.0, 1.0), (2.0, 1.0), (1.0, 0.25)])
+def test_bias_correction_accounts_for_gemm_alpha_and_beta(tmp_path, alpha, beta):
+    model = make_model([helper.make_node("Relu", ["x"], ["r"], name="relu"),
+                        helper.make_node("Gemm", ["r", "w", "b"], ["y"], name="fc", transB=1, alpha=alpha, beta=beta)],
+                       [vi("x", [6, 8])], [vi("y", [6, 4])],
+                       {"w": rand((4, 8), 0, 0.5), "b": rand((4,), 1, 0.1)})
+    rng = np.random.default_rng(5)
+    feeds = []
+    for _ in range(6):
+        x = rng.standard_exponential((6, 8)).astype(np.float32)
+        x[:, -1] *= 50.0
+        feeds.append({"x": x})
+    want = _channel_means(model, feeds, -1)
+    corrected, _ = _quantize(tmp_path, model, feeds, True)
+    np.testing.assert_allclose(_channel_means(corrected, feeds, -1), want, atol=1e-4)
+
+
+def test_two_smoothed_matmul_inputs_are_both_quantized():
+    import onnx
+    from dipoorlet import equalize, platform as platform_mod
+    from dipoorlet.dist import SingleProcess
+    from dipoorlet.placement import place
+
+    k = 16
+    gamma = np.ones(k, np.float32)
+    gamma[[2, 9]] = 40.0
+    nodes, inits = [], {}
+    src = "x"
+    for i in (1, 2):
+        nodes += [helper.make_node("LayerNormalization", [src, f"g{i}", f"b{i}"], [f"h{i}"], axis=-1, name=f"ln{i}"),
+                  helper.make_node("MatMul", [f"h{i}", f"w{i}"], [f"p{i}"], name=f"proj{i}"),
+                  helper.make_node("Add", [f"p{i}", f"h{i}"], [f"r{i}"], name=f"res{i}")]
+        inits.update({f"g{i}": gamma, f"b{i}": np.zeros(k, np.float32), f"w{i}": rand((k, k), i, 0.3)})
+        src = f"r{i}"
+    nodes.append(helper.make_node("LayerNormalization", [src, "g3", "b3"], ["y"], axis=-1, name="ln3"))
+    inits.update(g3=np.ones(k, np.float32), b3=np.zeros(k, np.float32))
+    model = make_model(nodes, [vi("x", [1, 5, k])], [vi("y", [1, 5, k])], inits, opset=17)
+    g = Graph(model)
+    prepare.prepare(g)
+    rows = equalize.smooth_matmuls(g, _Data([{"x": rand((1, 5, k), 30 + i)} for i in range(4)]), range(4),
+                                   SingleProcess())
+    assert {r["tensor"] for r in rows} == {"h1", "h2"}
+    acts = place(g, platform_mod.load("trt")).activations
+    for i in (1, 2):
+        reader = next(n for n in g.graph.node if n.name == f"proj{i}")
+        assert reader.input[0] in acts, f"proj{i} input is not quantized"
+        assert g.elem_type(reader.input[0]) == onnx.TensorProto.FLOAT
+
+
+def test_equalization_skips_float16_layers(tmp_path):
+    import onnx
+    import dipoorlet
+    from conftest import write_samples
+
+    TP = onnx.TensorProto
+    h = lambda a: np.asarray(a, np.float16)
+    nodes = [helper.make_node("Cast", ["x"], ["xh"], to=TP.FLOAT16, name="to16"),
+             helper.make_node("Conv", ["xh", "w1", "b1"], ["c1"], name="c1"),
+             helper.make_node("Relu", ["c1"], ["r1"], name="r1"),
+             helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], name="c2"),
+             helper.make_node("Cast", ["c2"], ["c2f"], to=TP.FLOAT, name="to32"),
+             helper.make_node("Conv", ["c2f", "w3"], ["y"], name="c3")]
+    model = make_model(nodes, [vi("x", [1, 3, 6, 6])], [vi("y", [1, 2, 6, 6])],
+                       {"w1": h(rand((4, 3, 1, 1), 0)), "b1": h(rand((4,), 1)), "w2": h(rand((4, 4, 1, 1), 2)),
+                        "b2": h(rand((4,), 3)), "w3": rand((2, 4, 1, 1), 4)})
+    onnx.save(model, tmp_path / "m.onnx")
+    data = write_samples(tmp_path / "d", _feeds(2, (1, 3, 6, 6)))
+    res = dipoorlet.quantize(model=tmp_path / "m.onnx", input_dir=data, data_num=2, deploy="trt",
+                             output_dir=tmp_path / "o", skip_prof_layer=True)
+    assert "equalization" not in res.report
