@@ -115,7 +115,10 @@ def summary(result, cfg) -> str:
     t = result.timings
     lines.append("")
     lines.append(f"{rep['quantized_nodes']} nodes quantized, {rep['qdq_tensors']} activations and "
-                 f"{rep['weights']} weights with Q/DQ; calibration {t.get('calibration_s', 0):.2f} s, "
+                 f"{rep['weights']} weights with Q/DQ; "
+                 + "".join(f"{label} {t[key]:.2f} s, " for key, label in
+                           (("equalize_s", "equalization"), ("bias_correction_s", "bias correction")) if key in t)
+                 + f"calibration {t.get('calibration_s', 0):.2f} s, "
                  f"profile {t.get('profile_s', 0):.2f} s, total {t.get('total_s', 0):.2f} s")
     lines.append("wrote: " + ", ".join(sorted(str(p.relative_to(result.output_dir)) for p in result.files
                                              if p.parent == result.output_dir)))

@@ -271,11 +271,16 @@ def run_method(spec: str, task, n: int, out: Path, args) -> dict:
 
 
 def calibration_seconds(log: Path) -> float:
-    """dipoorlet's own calibration time (range + histogram passes, session included) from its log."""
+    """dipoorlet's passes over the calibration data before it writes the model, from its log:
+    the calibration pass (ranges and histograms, session included) plus, when they ran, the
+    equalization statistics pass and the bias-correction pass."""
+    import re
+
     if log.exists():
         for line in reversed(log.read_text().splitlines()):
-            if "; calibration " in line:
-                return float(line.split("; calibration ")[1].split(" s")[0])
+            found = dict(re.findall(r"\b(equalization|bias correction|calibration) ([0-9.]+) s\b", line))
+            if "calibration" in found:
+                return sum(float(v) for v in found.values())
     return float("nan")
 
 
