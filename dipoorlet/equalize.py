@@ -27,8 +27,8 @@ block: ``x * HardSigmoid(Conv(GAP(x)))``). Every path from A must end in a Conv 
 the scale (its weight used by it alone); a path into anything else (an Add, a Concat, HardSwish,
 a network output) leaves the pair untouched.
 
-Used only where the platform quantizes weights per channel and activations per tensor; the
-ranges come from one extra pass over the calibration samples (per-channel max of |x|, reduced
+Used where the platform quantizes weights per channel; the ranges come from one extra pass over
+at most ``EQUALIZE_SAMPLES`` calibration samples (per-channel max of |x| and mean of x^2, reduced
 inside the graph, merged across MPI processes with an exact MAX).
 """
 from __future__ import annotations
@@ -45,6 +45,7 @@ from dipoorlet.runtime import Runner
 log = logging.getLogger(__name__)
 
 MAX_GAIN = 100.0
+EQUALIZE_SAMPLES = 64   # the statistics pass reads at most this many samples
 MIN_GAIN = 10 ** 0.3   # 3 dB
 PASS_THROUGH = {"Relu", "LeakyRelu", "PRelu", "MaxPool", "AveragePool", "GlobalAveragePool", "Identity"}
 SUFFIX = "__dpl_chmax"
@@ -289,21 +290,25 @@ def choose_layer_scales(layers: list[tuple[np.ndarray, int]], r: np.ndarray, ms:
     r = np.maximum(r, r.max() * 1e-12)
     ms = np.maximum(ms, 0.0)
 
+    # Per layer and group, precomputed once: M[o, c] = max over taps |w[o, c, :]| and the column
+    # energies sum over o and taps of w[o, c, :]^2; scaling input channel c by s_c scales both.
+    parts = []
+    col2 = np.zeros_like(r)
+    for w, group in layers:
+        cin_g, per_group = w.shape[1], w.shape[0] // group
+        w3 = w.reshape(w.shape[0], cin_g, -1)
+        for gi in range(group):
+            block = w3[gi * per_group:(gi + 1) * per_group]
+            sl = slice(gi * cin_g, (gi + 1) * cin_g)
+            col2[sl] += (block ** 2).sum(axis=(0, 2))
+            parts.append((np.abs(block).max(axis=2), sl, block.shape[2]))
+
     def noise(s):
         act_step = float(np.max(r / s)) / 127.0
-        total = 0.0
-        for w, group in layers:
-            ws = _scale_weight(w, group, s)
-            col = (ws ** 2).sum(axis=tuple(k for k in range(w.ndim) if k != 1))   # per input column
-            cin_g = w.shape[1]
-            total += act_step ** 2 / 12.0 * float(col.sum())
-            per_group = w.shape[0] // group
-            for gi in range(group):
-                rows = ws[gi * per_group:(gi + 1) * per_group].reshape(per_group, -1)
-                w_step = np.abs(rows).max(axis=1) / 127.0
-                power = ms[gi * cin_g:(gi + 1) * cin_g] / s[gi * cin_g:(gi + 1) * cin_g] ** 2
-                taps = rows.shape[1] // cin_g
-                total += float((w_step ** 2 / 12.0).sum() * power.sum() * taps)
+        total = act_step ** 2 / 12.0 * float((col2 * s ** 2).sum())
+        for m, sl, taps in parts:
+            w_step = (m * s[sl]).max(axis=1) / 127.0
+            total += float((w_step ** 2 / 12.0).sum() * (ms[sl] / s[sl] ** 2).sum() * taps)
         return total
 
     base = noise(np.ones_like(r))

@@ -225,10 +225,30 @@ def save_external(model: onnx.ModelProto, path: str) -> None:
     load_external_data_for_model(model, os.path.dirname(path))
 
 
+def _weight_bytes(model: onnx.ModelProto) -> int:
+    """Bytes the initializers and Constant nodes hold in memory, plus a generous allowance for the
+    graph: cheap, where ``ByteSize()`` costs as much as serializing."""
+    total = 0
+    tensors = list(model.graph.initializer) + [a.t for n in model.graph.node if n.op_type == "Constant"
+                                               for a in n.attribute if a.HasField("t")]
+    for t in tensors:
+        total += len(t.raw_data) + 4 * (len(t.float_data) + len(t.int32_data)) \
+            + 8 * (len(t.int64_data) + len(t.double_data)) + sum(len(x) for x in t.string_data)
+    return total + 1_000_000
+
+
+def over_threshold(model: onnx.ModelProto) -> bool:
+    """Whether the model is too big to serialize as one protobuf (EXTERNAL_THRESHOLD). Exact
+    ``ByteSize()`` only when the weights alone come within 10% of it."""
+    if _weight_bytes(model) < 0.9 * EXTERNAL_THRESHOLD:
+        return False
+    return model.ByteSize() >= EXTERNAL_THRESHOLD
+
+
 def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     """ONNX shape inference with data propagation; through a file for models over 2 GB."""
     try:
-        if model.ByteSize() < EXTERNAL_THRESHOLD:
+        if not over_threshold(model):
             return shape_inference.infer_shapes(model, data_prop=True)
         with tempfile.TemporaryDirectory() as tmp:
             src, dst = os.path.join(tmp, "in.onnx"), os.path.join(tmp, "out.onnx")
@@ -252,7 +272,7 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike, external: bool |
     """Save atomically; models over ~1.8 GB (or when asked) go out with external data."""
     path = Path(path)
     if external is None:
-        external = model.ByteSize() > EXTERNAL_THRESHOLD
+        external = over_threshold(model)
     if not external:
         with atomic_path(path) as tmp:
             with open(tmp, "wb") as f:

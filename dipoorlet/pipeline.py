@@ -158,7 +158,10 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         # that MatMul smoothing inserts must not be quantized itself, or the outliers it removes
         # are quantized at its input.
         t = time.perf_counter()
-        equalized = equalize.equalize(g, data, indices, comm, cfg.device, smooth="Mul" not in plat.quantize_ops)
+        # Channel statistics from at most EQUALIZE_SAMPLES samples: they choose scales, the
+        # calibration that follows still sees all N.
+        eq_indices = shard(min(cfg.data_num, equalize.EQUALIZE_SAMPLES), comm.rank, comm.world)
+        equalized = equalize.equalize(g, data, eq_indices, comm, cfg.device, smooth="Mul" not in plat.quantize_ops)
         timings["equalize_s"] = time.perf_counter() - t
     places = placement_mod.place(g, plat, cfg.skip_layers)
     targets = list(places.activations)

@@ -79,7 +79,9 @@ def _exposed_model_bytes_or_path(model: onnx.ModelProto, outputs: list[str],
                 out = name + suffix
                 g.node.append(helper.make_node(op, [name], [out], name=out, keepdims=0))
                 g.output.append(helper.make_tensor_value_info(out, onnx.TensorProto.FLOAT, []))
-        if model.ByteSize() < _graph.EXTERNAL_THRESHOLD:
+        # ByteSize() costs as much as serializing; the weights' own bytes decide all but the
+        # borderline cases
+        if not _graph.over_threshold(model):
             return model.SerializeToString()
         path = os.path.join(tmpdir, "model.onnx")
         save_external(model, path)
