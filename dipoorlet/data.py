@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import onnx
 from onnx import helper
 
 from dipoorlet.errors import DataError

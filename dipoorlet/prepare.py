@@ -18,13 +18,11 @@ from __future__ import annotations
 import logging
 
 import onnx
-
-import onnx
 from onnx import helper, numpy_helper, version_converter
 
-from dipoorlet.errors import ModelError
 import numpy as np
 
+from dipoorlet.errors import ModelError
 from dipoorlet.graph import (MAX_OPSET, MIN_OPSET, QDQ_OPSET, Graph, _subgraph_outer_refs, constant_value,
                              infer_shapes)
 

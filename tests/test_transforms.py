@@ -262,27 +262,32 @@ def test_equalization_chooses_nothing_when_channels_are_already_balanced():
     assert s is None and gain == 0.0
 
 
-def test_equalization_lowers_the_quantization_error_of_a_skewed_network(tmp_path):
+def _output_sqnr(tmp_path, model, feeds, equalize: bool):
+    """Quantize for trt with or without equalization; SQNR of its output against the float model
+    in onnxruntime (the oracle), and the report."""
     import onnx
     import dipoorlet
     from conftest import write_samples
 
-    model = _se_block()
-    feeds = _feeds(8)
     onnx.save(model, tmp_path / "m.onnx")
     data = write_samples(tmp_path / "d", feeds)
-    sq = {}
-    for eq in (False, True):
-        out = tmp_path / f"o{eq}"
-        dipoorlet.quantize(model=tmp_path / "m.onnx", input_dir=data, data_num=8, deploy="trt", output_dir=out,
-                           skip_prof_layer=True, equalize=eq)
-        qm = onnx.load(str(out / "quant_model.onnx"))
-        err = sig = 0.0
-        for f in feeds:  # oracle: the float model in onnxruntime
-            want, got = ort_run(model, f)[0], ort_run(qm, f)[0]
-            err += float(((want - got) ** 2).sum())
-            sig += float((want ** 2).sum())
-        sq[eq] = 10 * np.log10(sig / err)
+    out = tmp_path / f"o{equalize}"
+    res = dipoorlet.quantize(model=tmp_path / "m.onnx", input_dir=data, data_num=len(feeds), deploy="trt",
+                             output_dir=out, skip_prof_layer=True, equalize=equalize)
+    qm = onnx.load(str(out / "quant_model.onnx"))
+    err = sig = 0.0
+    for f in feeds:
+        want, got = ort_run(model, f)[0], ort_run(qm, f)[0]
+        err += float(((want - got) ** 2).sum())
+        sig += float((want ** 2).sum())
+    return 10 * np.log10(sig / err), res.report
+
+
+def test_equalization_lowers_the_quantization_error_of_a_skewed_network(tmp_path):
+
+    model = _se_block()
+    feeds = _feeds(8)
+    sq = {eq: _output_sqnr(tmp_path, model, feeds, eq)[0] for eq in (False, True)}
     assert sq[True] > sq[False] + 3.0, sq
 
 
@@ -342,9 +347,6 @@ def test_matmul_smoothing_keeps_the_float_function_and_inserts_one_mul_per_input
 
 
 def test_matmul_smoothing_lowers_the_quantization_error(tmp_path):
-    import onnx
-    import dipoorlet
-    from conftest import write_samples
 
     k = 16
     gamma = np.ones(k, np.float32)
@@ -357,21 +359,10 @@ def test_matmul_smoothing_lowers_the_quantization_error(tmp_path):
                        {"gamma": gamma, "beta": rand((k,), 0, 0.1), "w": rand((k, k), 1, 0.3),
                         "one": np.ones(k, np.float32), "zero": np.zeros(k, np.float32)}, opset=17)
     feeds = [{"x": rand((1, 5, 16), 20 + i)} for i in range(8)]
-    onnx.save(model, tmp_path / "m.onnx")
-    data = write_samples(tmp_path / "d", feeds)
     sq = {}
     for eq in (False, True):
-        out = tmp_path / f"o{eq}"
-        res = dipoorlet.quantize(model=tmp_path / "m.onnx", input_dir=data, data_num=8, deploy="trt", output_dir=out,
-                                 skip_prof_layer=True, equalize=eq)
-        qm = onnx.load(str(out / "quant_model.onnx"))
-        err = sig = 0.0
-        for f in feeds:  # oracle: the float model in onnxruntime
-            want, got = ort_run(model, f)[0], ort_run(qm, f)[0]
-            err += float(((want - got) ** 2).sum())
-            sig += float((want ** 2).sum())
-        sq[eq] = 10 * np.log10(sig / err)
-        assert ("equalization" in res.report) == eq
+        sq[eq], report = _output_sqnr(tmp_path, model, feeds, eq)
+        assert ("equalization" in report) == eq
     assert sq[True] > sq[False] + 3.0, sq
 
 
