@@ -202,12 +202,16 @@ def channel_stats(g, items: list[tuple[str, list[int] | None, int]], data, indic
     return result
 
 
-def channel_ranges(g, chains: list[Chain], data, indices, comm, device="cpu") -> dict[str, tuple]:
+def _chain_items(g, chains: list[Chain]) -> list[tuple[str, list[int], int]]:
     items = []
     for ch in chains:
         w = g.weight(g.node_by_name[ch.producer].input[1])
         items.append((ch.measure, [0] + list(range(2, w.ndim)), w.shape[0]))
-    return channel_stats(g, items, data, indices, comm, device)
+    return items
+
+
+def _matmul_items(g, targets: dict[str, list[str]]) -> list[tuple[str, None, int]]:
+    return [(x, None, g.weight(g.node_by_name[m[0]].input[1]).shape[0]) for x, m in targets.items()]
 
 
 def apply(g, chains: list[Chain], stats: dict[str, tuple]) -> list[dict]:
@@ -337,16 +341,27 @@ def _set(g, name: str, value: np.ndarray) -> None:
 def equalize(g, data, indices, comm, device="cpu", smooth: bool = True) -> list[dict]:
     """Find, measure and apply; returns the summary rows (empty when nothing qualifies).
     ``smooth``: also rescale MatMul inputs, which inserts a Mul (for backends that do not
-    quantize a Mul's own inputs, where it runs fused in float)."""
+    quantize a Mul's own inputs, where it runs fused in float).
+
+    One statistics pass serves both: a Conv pair's scaled tensors never reach a MatMul (the walk
+    refuses the pair), so rescaling the pairs leaves every MatMul input's statistics as measured."""
     chains = [c for c in find_chains(g) if all(n in g.initializers for n in _weights(g, c))]
-    rows = []
-    if chains:
-        stats = channel_ranges(g, chains, data, indices, comm, device)
-        rows = apply(g, chains, stats)
+    targets = matmul_targets(g) if smooth else {}
+    chain_items = _chain_items(g, chains)
+    measured = {t for t, _, _ in chain_items}
+    items = chain_items + [it for it in _matmul_items(g, targets) if it[0] not in measured]
+    if not items:
+        return []
+    stats = channel_stats(g, items, data, indices, comm, device)
+    rows = apply(g, chains, stats) if chains else []
+    if rows:
         log.info("equalization: %d Conv pairs rescaled (%s)", len(rows),
                  ", ".join(f"{r['producer']} -> {'/'.join(r['absorbers'])} spread {r['range_spread_before']:.1f}x"
                            for r in rows[:5]) + (" ..." if len(rows) > 5 else ""))
-    return rows + (smooth_matmuls(g, data, indices, comm, device) if smooth else [])
+    if targets:
+        rows += smooth_matmuls(g, data, indices, comm, device,
+                               targets={x: m for x, m in targets.items() if x not in measured}, stats=stats)
+    return rows
 
 
 def _weights(g, chain: Chain) -> list[str]:
@@ -375,7 +390,7 @@ def matmul_targets(g) -> dict[str, list[str]]:
     return out
 
 
-def smooth_matmuls(g, data, indices, comm, device="cpu") -> list[dict]:
+def smooth_matmuls(g, data, indices, comm, device="cpu", targets=None, stats=None) -> list[dict]:
     """SmoothQuant-style scaling of MatMul inputs (Xiao et al., ICML 2023), as TensorRT Model
     Optimizer's ``pre_quant_scale``: ``X @ W == (X / s) @ (s W)``. The division is a Mul by a
     constant vector inserted before the MatMuls (TensorRT fuses it with the quantize step); the
@@ -384,11 +399,11 @@ def smooth_matmuls(g, data, indices, comm, device="cpu") -> list[dict]:
     rest; the weights, quantized per output column, absorb the scale at a smaller cost.
     ``s`` is chosen as for Conv pairs (:func:`choose_layer_scales`), only where it at least halves
     the estimated noise."""
-    targets = matmul_targets(g)
+    targets = matmul_targets(g) if targets is None else targets
     if not targets:
         return []
-    items = [(x, None, g.weight(g.node_by_name[m[0]].input[1]).shape[0]) for x, m in targets.items()]
-    stats = channel_stats(g, items, data, indices, comm, device, "smoothing: channel ranges")
+    if stats is None:
+        stats = channel_stats(g, _matmul_items(g, targets), data, indices, comm, device)
     rows = []
     for x, names in targets.items():
         r, ms = stats[x]
