@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dipoorlet.graph import node_attr
 from dipoorlet.progress import progress
 from dipoorlet.qdq import insert_qdq
 from dipoorlet.qparams import quantize_array
@@ -78,7 +79,7 @@ def find_sites(g, places, plan, qmodel) -> list[Site]:
         if op in ("Gemm", "MatMul") and g.weight(wp.tensor).ndim != 2:
             continue
         if op in ("Conv", "Gemm") and len(node.input) > 2 and node.input[2] and g.is_constant(node.input[2]):
-            if op == "Gemm" and (_attr(node, "transA", 0) or _attr(node, "beta", 1.0) == 0.0):
+            if op == "Gemm" and (node_attr(node, "transA", 0) or node_attr(node, "beta", 1.0) == 0.0):
                 continue
             bias = node.input[2]
         elif op == "MatMul":
@@ -105,20 +106,13 @@ def find_sites(g, places, plan, qmodel) -> list[Site]:
     return sites
 
 
-def _attr(node, name, default):
-    for a in node.attribute:
-        if a.name == name:
-            return a.f if a.type == a.FLOAT else a.i
-    return default
-
-
 def _in_channels(g, site: Site) -> int:
     node = g.node_by_name[site.node]
     w = g.weight(site.weight)
     if site.op_type == "Conv":
-        return w.shape[1] * int(_attr(node, "group", 1))
+        return w.shape[1] * int(node_attr(node, "group", 1))
     if site.op_type == "Gemm":
-        return w.shape[1] if _attr(node, "transB", 0) else w.shape[0]
+        return w.shape[1] if node_attr(node, "transB", 0) else w.shape[0]
     return w.shape[0]
 
 
@@ -127,8 +121,7 @@ def _weight_sums(w: np.ndarray, op: str, node) -> np.ndarray:
     if op == "Conv":
         return w.reshape(w.shape[0], w.shape[1], -1).sum(axis=2)
     if op == "Gemm":
-        trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
-        return w if trans_b else w.T
+        return w if node_attr(node, "transB", 0) else w.T
     return w.T  # MatMul: x[..., K] @ W[K, N]
 
 
@@ -190,14 +183,14 @@ def correct(g, places, plan, data, indices, comm, device="cpu") -> dict:
         qp = plan.weights[s.weight]
         wq = (quantize_array(w, qp).astype(np.float64) - _bcast(qp.zero_point, qp.axis, w.ndim)) \
             * _bcast(qp.scale, qp.axis, w.ndim)
-        group = int(_attr(node, "group", 1)) if s.op_type == "Conv" else 1
+        group = int(node_attr(node, "group", 1)) if s.op_type == "Conv" else 1
         sums, sums_q = _weight_sums(w, s.op_type, node), _weight_sums(wq, s.op_type, node)
         m, mq = means[s.x], means[s.xq]
         if sums.shape[1] * group != m.size:
             continue
         delta = _shift(sums_q, sums, mq, m, group)
         if s.op_type == "Gemm":  # y = alpha A B + beta C: the shift is alpha delta, C moves y by beta
-            delta = delta * _attr(node, "alpha", 1.0) / _attr(node, "beta", 1.0)
+            delta = delta * node_attr(node, "alpha", 1.0) / node_attr(node, "beta", 1.0)
         bias = plan.values.get(s.bias, g.weight(s.bias)).astype(np.float64)
         if bias.shape != delta.shape:
             continue

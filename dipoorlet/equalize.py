@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
+from dipoorlet.graph import fresh_name, node_attr
 from dipoorlet.progress import progress
 from dipoorlet.runtime import Runner
 
@@ -56,26 +57,18 @@ class Chain:
     producer: str                                   # Conv A
     measure: str                                    # tensor whose per-channel range sets s
     absorbers: list[str] = field(default_factory=list)   # Convs B
-    scaled: list[str] = field(default_factory=list)      # tensors that carry x / s
 
 
 def _fp32(g, *names: str) -> bool:
     return all(n in g.initializers and g.initializers[n].data_type == TensorProto.FLOAT for n in names)
 
 
-def _attr(node, name, default=None):
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return default
-
-
 def _pad_is_zero(g, node) -> bool:
-    if (_attr(node, "mode", b"constant") or b"constant") not in (b"constant", "constant"):
+    if (node_attr(node, "mode", b"constant") or b"constant") not in (b"constant", "constant"):
         return False
     if len(node.input) > 2 and node.input[2]:
         return g.is_constant(node.input[2]) and float(np.asarray(g.weight(node.input[2])).ravel()[0]) == 0.0
-    return float(_attr(node, "value", 0.0) or 0.0) == 0.0
+    return float(node_attr(node, "value", 0.0) or 0.0) == 0.0
 
 
 def _absorbs(g, node, tensor: str, channels: int) -> bool:
@@ -85,7 +78,7 @@ def _absorbs(g, node, tensor: str, channels: int) -> bool:
     if len(g.consumers.get(node.input[1], [])) != 1 or node.input[1] in g.output_names or not _fp32(g, node.input[1]):
         return False
     w_shape = g.weight(node.input[1]).shape
-    return w_shape[1] * int(_attr(node, "group", 1)) == channels
+    return w_shape[1] * int(node_attr(node, "group", 1)) == channels
 
 
 def find_chains(g) -> list[Chain]:
@@ -146,7 +139,6 @@ def _walk(g, a, channels: int) -> Chain | None:
                     chain.measure, measured = out, True
     if not chain.absorbers:
         return None
-    chain.scaled = sorted(scaled)
     return chain
 
 
@@ -245,7 +237,7 @@ def apply(g, chains: list[Chain], stats: dict[str, tuple]) -> list[dict]:
 
 def _scale_inputs(w: np.ndarray, node, s: np.ndarray) -> np.ndarray:
     """A Conv weight [O, C/group, k...] with input channel c multiplied by s[c]."""
-    return _scale_weight(w, int(_attr(node, "group", 1)), s)
+    return _scale_weight(w, int(node_attr(node, "group", 1)), s)
 
 
 def _scale_weight(w: np.ndarray, group: int, s: np.ndarray) -> np.ndarray:
@@ -274,7 +266,7 @@ def choose_scales(g, ch: Chain, r: np.ndarray, ms: np.ndarray):
     largest scaled weight and its noise meets the scaled input's power ``E[x_c^2] / s_c^2``. A
     depthwise consumer's weight grid is per channel, so only the first term depends on s there.
     """
-    layers = [(g.weight(g.node_by_name[n].input[1]).astype(np.float64), int(_attr(g.node_by_name[n], "group", 1)))
+    layers = [(g.weight(g.node_by_name[n].input[1]).astype(np.float64), int(node_attr(g.node_by_name[n], "group", 1)))
               for n in ch.absorbers]
     return choose_layer_scales(layers, r, ms)
 
@@ -416,11 +408,11 @@ def smooth_matmuls(g, data, indices, comm, device="cpu", targets=None, stats=Non
             continue
         for n, w in zip(names, weights):
             _set(g, g.node_by_name[n].input[1], w * s[:, None])
-        scale_name = _fresh(g, f"{x}_smooth_factor")
-        out_name = _fresh(g, f"{x}_smooth")
+        scale_name = fresh_name(g, f"{x}_smooth_factor")
+        out_name = fresh_name(g, f"{x}_smooth")
         g.graph.initializer.append(numpy_helper.from_array((1.0 / s).astype(np.float32), scale_name))
         g.initializers[scale_name] = g.graph.initializer[-1]
-        mul = helper.make_node("Mul", [x, scale_name], [out_name], name=_fresh(g, f"{x}_smooth_Mul"))
+        mul = helper.make_node("Mul", [x, scale_name], [out_name], name=fresh_name(g, f"{x}_smooth_Mul"))
         consumers = [g.node_by_name[n] for n in names]
         first = min(list(g.graph.node).index(c) for c in consumers)
         g.graph.node.insert(first, mul)
@@ -438,11 +430,3 @@ def smooth_matmuls(g, data, indices, comm, device="cpu", targets=None, stats=Non
         log.info("smoothing: %d MatMul inputs rescaled (%s)", len(rows),
                  ", ".join(f"{r['tensor']} alpha {r['alpha']}" for r in rows[:4]) + (" ..." if len(rows) > 4 else ""))
     return rows
-
-
-def _fresh(g, name: str) -> str:
-    taken = set(g.initializers) | set(g.producer) | set(g.node_by_name) | {i.name for i in g.graph.input}
-    out, k = name, 1
-    while out in taken:
-        out, k = f"{name}_{k}", k + 1
-    return out

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import numpy_helper, shape_inference
+from onnx import helper, numpy_helper, shape_inference
 
 from dipoorlet.errors import ModelError
 from dipoorlet.util import atomic_path
@@ -193,6 +193,41 @@ def constant_value(node: onnx.NodeProto) -> np.ndarray:
             return np.array(list(attr.ints), dtype=np.int64)
     raise ModelError(f"Constant node {node.name!r} has no value this tool can read "
                      "(sparse or string constants); export the model with dense constants")
+
+
+def node_attr(node: onnx.NodeProto, name: str, default=None):
+    """An attribute's Python value (int, float, list, bytes…), or ``default`` when absent."""
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def fresh_name(g: "Graph", name: str) -> str:
+    """``name``, or ``name_1``, ``name_2``… if a tensor, node or graph input already has it."""
+    taken = set(g.initializers) | set(g.producer) | set(g.node_by_name) | {i.name for i in g.graph.input}
+    out, k = name, 1
+    while out in taken:
+        out, k = f"{name}_{k}", k + 1
+    return out
+
+
+def drop_unused_initializers(graph: onnx.GraphProto) -> int:
+    """Remove initializers no node, subgraph or graph output reads (and their graph-input entries,
+    which old IR versions list); returns how many went."""
+    used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+    for n in graph.node:
+        used.update(_subgraph_outer_refs(n))
+    dropped = {t.name for t in graph.initializer if t.name not in used}
+    if not dropped:
+        return 0
+    keep = [t for t in graph.initializer if t.name not in dropped]
+    del graph.initializer[:]
+    graph.initializer.extend(keep)
+    keep_inputs = [i for i in graph.input if i.name not in dropped]
+    del graph.input[:]
+    graph.input.extend(keep_inputs)
+    return len(dropped)
 
 
 def _subgraph_outer_refs(node: onnx.NodeProto) -> list[str]:

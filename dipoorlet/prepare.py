@@ -24,7 +24,7 @@ import numpy as np
 
 from dipoorlet.errors import ModelError
 from dipoorlet.graph import (MAX_OPSET, MIN_OPSET, QDQ_OPSET, Graph, _subgraph_outer_refs, constant_value,
-                             infer_shapes)
+                             drop_unused_initializers, fresh_name, infer_shapes, node_attr)
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +135,7 @@ def fold_batchnorm(g: Graph) -> int:
     for bn in list(g.graph.node):
         if bn.op_type != "BatchNormalization" or any(o for o in bn.output[1:]):
             continue
-        attrs = {a.name: helper.get_attribute_value(a) for a in bn.attribute}
-        if attrs.get("training_mode", 0):
+        if node_attr(bn, "training_mode", 0):
             continue
         conv = g.producer.get(bn.input[0])
         if conv is None or conv.op_type != "Conv" or len(g.consumers.get(bn.input[0], [])) != 1 \
@@ -150,11 +149,11 @@ def fold_batchnorm(g: Graph) -> int:
         if gamma.ndim != 1 or gamma.shape[0] != w.shape[0]:
             continue
         b = g.weight(conv.input[2]).astype(np.float64) if len(conv.input) > 2 and conv.input[2] else 0.0
-        k = gamma / np.sqrt(var + float(attrs.get("epsilon", 1e-5)))
+        k = gamma / np.sqrt(var + float(node_attr(bn, "epsilon", 1e-5)))
         w_new = (w * k.reshape((-1,) + (1,) * (w.ndim - 1))).astype(np.float32)
         b_new = ((b - mean) * k + beta).astype(np.float32)
         base = conv.name or conv.output[0]
-        w_name, b_name = _fresh(g, f"{base}.weight_bnfold"), _fresh(g, f"{base}.bias_bnfold")
+        w_name, b_name = fresh_name(g, f"{base}.weight_bnfold"), fresh_name(g, f"{base}.bias_bnfold")
         g.graph.initializer.extend([numpy_helper.from_array(w_new, w_name), numpy_helper.from_array(b_new, b_name)])
         g.initializers[w_name] = g.graph.initializer[-2]
         g.initializers[b_name] = g.graph.initializer[-1]
@@ -167,26 +166,9 @@ def fold_batchnorm(g: Graph) -> int:
         g.graph.node.remove(bn)
         folded += 1
     if folded:
-        used = {i for n in g.graph.node for i in n.input} | {r for n in g.graph.node for r in _subgraph_outer_refs(n)}
-        used |= set(g.output_names)
-        keep = [t for t in g.graph.initializer if t.name in used]
-        if len(keep) != len(g.graph.initializer):
-            gone = {t.name for t in g.graph.initializer} - {t.name for t in keep}
-            del g.graph.initializer[:]
-            g.graph.initializer.extend(keep)
-            inputs = [i for i in g.graph.input if i.name not in gone]  # old IR lists weights as inputs
-            del g.graph.input[:]
-            g.graph.input.extend(inputs)
+        drop_unused_initializers(g.graph)
         g.refresh()
     return folded
-
-
-def _fresh(g: Graph, name: str) -> str:
-    taken = set(g.initializers) | set(g.producer)
-    out, k = name, 1
-    while out in taken:
-        out, k = f"{name}_{k}", k + 1
-    return out
 
 
 def ensure_opset(g: Graph, target: int = QDQ_OPSET) -> int:

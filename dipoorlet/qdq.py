@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from dipoorlet.graph import Graph, _subgraph_outer_refs
+from dipoorlet.graph import Graph, drop_unused_initializers
 from dipoorlet.placement import Placement
 from dipoorlet.qparams import QParams, QuantPlan, quantize_array
 
@@ -90,7 +90,7 @@ def insert_qdq(g: Graph, placement: Placement, plan: QuantPlan) -> onnx.ModelPro
 
     _replace_values(graph, values, set(weight_names_used))
     _rebuild(graph, new_nodes)
-    _drop_unused_initializers(graph)
+    drop_unused_initializers(graph)
     return model
 
 
@@ -143,18 +143,3 @@ def _rebuild(graph: onnx.GraphProto, new_nodes: dict[str, list]) -> None:
             order.extend(new_nodes.pop(out, []))
     del graph.node[:]
     graph.node.extend(order)
-
-
-def _drop_unused_initializers(graph: onnx.GraphProto) -> None:
-    used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
-    for n in graph.node:
-        used.update(_subgraph_outer_refs(n))
-    dropped = {t.name for t in graph.initializer if t.name not in used}
-    if not dropped:
-        return
-    keep = [t for t in graph.initializer if t.name not in dropped]
-    del graph.initializer[:]
-    graph.initializer.extend(keep)
-    keep_inputs = [i for i in graph.input if i.name not in dropped]
-    del graph.input[:]
-    graph.input.extend(keep_inputs)

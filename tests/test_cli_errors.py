@@ -296,11 +296,16 @@ def test_failure_after_savefp_samples_leaves_no_partial_outputs(tmp_path, capsys
     assert not (case.out / "output").exists()
 
 
+def _run_cli(case, cwd):
+    """``python -m dipoorlet`` on the case's arguments in a fresh process."""
+    return subprocess.run([sys.executable, "-m", "dipoorlet", *case.argv()], capture_output=True, text=True,
+                          cwd=cwd, timeout=120)
+
+
 def test_subprocess_exit_code_and_one_line_stderr(tmp_path):
     case = Case(tmp_path)
     missing_model(case)
-    proc = subprocess.run([sys.executable, "-m", "dipoorlet", *case.argv()], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=120)
+    proc = _run_cli(case, tmp_path)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     lines = error_lines(proc.stderr)
@@ -312,7 +317,6 @@ def test_subprocess_exit_code_and_one_line_stderr(tmp_path):
 def test_subprocess_error_before_logging_is_exactly_one_line(tmp_path):
     case = Case(tmp_path)
     unknown_method(case)
-    proc = subprocess.run([sys.executable, "-m", "dipoorlet", *case.argv()], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=120)
+    proc = _run_cli(case, tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("dipoorlet: error:")

@@ -32,10 +32,10 @@ which need the ranges of layer outputs the placement may not quantize.
 from __future__ import annotations
 
 import numpy as np
-from onnx import helper
 
 from dipoorlet.deploy import register
 from dipoorlet.deploy.snpe import floats, relu_fill_ins, scalar_or_list, sym_amax, weighted_layers
+from dipoorlet.graph import node_attr
 from dipoorlet.util import write_json
 
 WINOGRAD_G = np.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]])
@@ -45,18 +45,13 @@ def _sym(a: float) -> dict:
     return {"min": -float(a), "max": float(a)}
 
 
-def _attr(node, name, default):
-    a = next((a for a in node.attribute if a.name == name), None)
-    return default if a is None else helper.get_attribute_value(a)
-
-
 def winograd_eligible(node, weight: np.ndarray) -> bool:
     if node.op_type != "Conv" or weight.ndim != 4:
         return False
-    kernel = list(_attr(node, "kernel_shape", weight.shape[2:]))
-    return (_attr(node, "group", 1) == 1 and kernel == [3, 3] and list(weight.shape[2:]) == [3, 3]
-            and all(s == 1 for s in _attr(node, "strides", [1, 1]))
-            and all(d == 1 for d in _attr(node, "dilations", [1, 1])))
+    kernel = list(node_attr(node, "kernel_shape", weight.shape[2:]))
+    return (node_attr(node, "group", 1) == 1 and kernel == [3, 3] and list(weight.shape[2:]) == [3, 3]
+            and all(s == 1 for s in node_attr(node, "strides", [1, 1]))
+            and all(d == 1 for d in node_attr(node, "dilations", [1, 1])))
 
 
 def winograd_amax(weight: np.ndarray) -> float:
