@@ -75,6 +75,10 @@ class QuantConfig:
         if (self.a_bits or 8) > 8 or any((p[1] or 8) > 8 for p in self.layer_bits.values()):
             raise ConfigError("activation bits above 8 need int16 Q/DQ (opset 21), not supported yet; "
                               "use --a_bits 2..8")
+        for name, value in (("bias_correction (--bc)", self.bias_correction),
+                            ("equalize (--no_equalize)", self.equalize)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{name} must be True or False, got {value!r}")
         if self.quant_format not in ("QDQ", "QOP"):
             raise ConfigError(f"--quant_format must be QDQ or QOP, got {self.quant_format!r}")
         if self.device not in ("cpu", "cuda"):

@@ -468,3 +468,12 @@ def test_equalization_skips_float16_layers(tmp_path):
     res = dipoorlet.quantize(model=tmp_path / "m.onnx", input_dir=data, data_num=2, deploy="trt",
                              output_dir=tmp_path / "o", skip_prof_layer=True)
     assert "equalization" not in res.report
+
+
+@pytest.mark.parametrize("field", ["equalize", "bias_correction"])
+def test_transform_switches_must_be_booleans(tmp_path, field):
+    from dipoorlet.config import QuantConfig
+    from dipoorlet.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=field):
+        QuantConfig(model=tmp_path / "m.onnx", input_dir=tmp_path, data_num=1, **{field: "no"})
