@@ -16,6 +16,7 @@ methods (hist, mse, entropy) consume; asymmetric ones read the signed histogram.
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 
@@ -118,19 +119,19 @@ class LogHistogram:
     _hi_key = (127 + MAX_EXP) << MANTISSA_BITS      # key of 2^MAX_EXP
     span = _hi_key - _lo_key
     _half = 1 << (8 + MANTISSA_BITS)                # keys of |x| lie in [0, _half)
+    # The top 16 bits of a float32 are its sign, exponent and 7 mantissa bits: the key itself,
+    # readable as a uint16 view without computing anything (which half depends on byte order).
+    _top = 1 if sys.byteorder == "little" else 0
 
     def __init__(self):
         self.counts = np.zeros(2 * self.span + 2, dtype=np.int64)
 
     def update(self, x: np.ndarray) -> None:
-        bits = np.ascontiguousarray(x, dtype=np.float32).reshape(-1).view(np.int32)
-        # Arithmetic shift: a positive value's key is its |x| key in [0, half); a negative one's
-        # is its |x| key minus half. Adding half puts negatives in [0, half), positives above.
-        # intp keys: np.bincount casts anything else element by element, three times slower
-        key = np.right_shift(bits, self._shift, dtype=np.intp)
-        key += self._half
-        c = np.bincount(key, minlength=2 * self._half)
-        neg, pos = c[:self._half], c[self._half:]
+        x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+        # bincount straight from the strided uint16 view: 3 ns per value, against 4.5 for
+        # shifting into a key array first (and no temporary of 8 bytes per value)
+        c = np.bincount(x.view(np.uint16)[self._top::2], minlength=2 * self._half)
+        pos, neg = c[:self._half], c[self._half:]       # sign bit set: the upper half
         lo, hi, n = self._lo_key, self._hi_key, self.span
         self.counts[:n] += neg[lo:hi]
         self.counts[n:2 * n] += pos[lo:hi]
