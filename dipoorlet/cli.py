@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no_equalize", action="store_true",
                    help="do not equalize per-channel activation ranges between Conv pairs (on by default "
                         "for platforms with per-channel weights)")
+    p.add_argument("--eq_samples", type=int, default=None, metavar="K",
+                   help="samples the equalization statistics pass reads (default: N/8, at least 16, "
+                        "at most N)")
     p.add_argument("--stpu_wg", action="store_true", help="stpu: Winograd F(2,3) for 3x3 stride-1 convolutions")
     p.add_argument("--sens_samples", type=int, default=8,
                    help="samples for isolated layer sensitivity and --auto_skip (default 8)")
@@ -177,7 +180,7 @@ def main(argv=None) -> int:
                           input_shapes=parse_input_shapes(args.input_shape), savefp=args.savefp,
                           skip_prof_layer=args.skip_prof_layer, trt_version=args.trt_version,
                           quant_format=args.quant_format, stpu_wg=args.stpu_wg, bias_correction=args.bc,
-                          equalize=not args.no_equalize,
+                          equalize=not args.no_equalize, equalize_samples=args.eq_samples,
                           sens_samples=args.sens_samples, criterion=args.criterion, auto_skip=args.auto_skip,
                           max_float_layers=args.max_float_layers, fail_below=args.fail_below,
                           w_bits=args.w_bits, a_bits=args.a_bits, layer_bits=parse_layer_bits(args.layer_bits),

@@ -36,6 +36,7 @@ class QuantConfig:
     stpu_wg: bool = False
     bias_correction: bool = False      # --bc
     equalize: bool = True              # --no_equalize turns activation equalization off
+    equalize_samples: int | None = None  # --eq_samples; None: equalize.default_samples(N)
     device: str = "cpu"
     debug: bool = False
 
@@ -59,6 +60,9 @@ class QuantConfig:
             raise ConfigError(f"--sens_samples must be a positive integer, got {self.sens_samples!r}")
         if self.criterion not in ("cosine", "sqnr", "maxabs"):
             raise ConfigError(f"--criterion must be cosine, sqnr or maxabs, got {self.criterion!r}")
+        if self.equalize_samples is not None and (isinstance(self.equalize_samples, bool) or not isinstance(
+                self.equalize_samples, int) or self.equalize_samples < 1):
+            raise ConfigError(f"--eq_samples must be a positive integer, got {self.equalize_samples!r}")
         if not isinstance(self.max_float_layers, int) or self.max_float_layers < 1:
             raise ConfigError(f"--max_float_layers must be a positive integer, got {self.max_float_layers!r}")
         if self.auto_skip is not None:

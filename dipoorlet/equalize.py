@@ -28,8 +28,8 @@ the scale (its weight used by it alone); a path into anything else (an Add, a Co
 a network output) leaves the pair untouched.
 
 Used where the platform quantizes weights per channel; the ranges come from one extra pass over
-at most ``EQUALIZE_SAMPLES`` calibration samples (per-channel max of |x| and mean of x^2, reduced
-inside the graph, merged across MPI processes with an exact MAX).
+the first :func:`default_samples` (or ``--eq_samples``) calibration samples (per-channel max of
+|x| and mean of x^2, reduced inside the graph, merged across MPI processes with an exact MAX).
 """
 from __future__ import annotations
 
@@ -46,7 +46,16 @@ from dipoorlet.runtime import Runner
 log = logging.getLogger(__name__)
 
 MAX_GAIN = 100.0
-EQUALIZE_SAMPLES = 64   # the statistics pass reads at most this many samples
+MIN_SAMPLES = 16         # the statistics pass reads at least this many samples (if there are)
+
+
+def default_samples(n: int) -> int:
+    """Samples the statistics pass reads by default: an eighth of the calibration set, at least
+    ``MIN_SAMPLES``. The scales need per-channel ranges, not a distribution: on the VAD, the
+    classifier and the detector 8 samples did as well as 32-64; MiniLM's embedding cosine was
+    0.9926 with 16 sentences and 0.9944 with 32. An eighth keeps the pass under 0.15 of a
+    calibration pass on large sets."""
+    return min(n, max(MIN_SAMPLES, -(-n // 8)))
 MIN_GAIN = 10 ** 0.3   # 3 dB
 PASS_THROUGH = {"Relu", "LeakyRelu", "PRelu", "MaxPool", "AveragePool", "GlobalAveragePool", "Identity"}
 SUFFIX = "__dpl_chmax"

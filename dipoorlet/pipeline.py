@@ -160,9 +160,10 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         # The Mul that MatMul smoothing inserts must not be quantized itself, or the outliers it
         # removes are quantized at its input.
         t = time.perf_counter()
-        # Channel statistics from at most EQUALIZE_SAMPLES samples: they choose scales, the
-        # calibration that follows still sees all N.
-        eq_indices = shard(min(cfg.data_num, equalize.EQUALIZE_SAMPLES), comm.rank, comm.world)
+        # Channel statistics from the first K samples: they choose scales, the calibration that
+        # follows still sees all N.
+        k = min(cfg.data_num, cfg.equalize_samples or equalize.default_samples(cfg.data_num))
+        eq_indices = shard(k, comm.rank, comm.world)
         equalized = equalize.equalize(g, data, eq_indices, comm, cfg.device, smooth="Mul" not in plat.quantize_ops)
         timings["equalize_s"] = time.perf_counter() - t
     places = placement_mod.place(g, plat, cfg.skip_layers)

@@ -477,3 +477,36 @@ def test_transform_switches_must_be_booleans(tmp_path, field):
 
     with pytest.raises(ConfigError, match=field):
         QuantConfig(model=tmp_path / "m.onnx", input_dir=tmp_path, data_num=1, **{field: "no"})
+
+
+def test_equalization_statistics_read_the_first_k_samples(tmp_path, monkeypatch):
+    import onnx
+    import dipoorlet
+    from dipoorlet import equalize
+    from conftest import write_samples
+
+    assert [equalize.default_samples(n) for n in (1, 8, 16, 32, 64, 200, 1000)] == [1, 8, 16, 16, 16, 25, 125]
+    seen = []
+    real = equalize.channel_stats
+
+    def spy(g, items, data, indices, *a, **k):
+        seen.append(list(indices))
+        return real(g, items, data, indices, *a, **k)
+
+    monkeypatch.setattr(equalize, "channel_stats", spy)
+    onnx.save(_se_block(), tmp_path / "m.onnx")
+    data = write_samples(tmp_path / "d", _feeds(8))
+    for k, want in ((3, [0, 1, 2]), (None, list(range(8))), (20, list(range(8)))):
+        seen.clear()
+        res = dipoorlet.quantize(model=tmp_path / "m.onnx", input_dir=data, data_num=8, deploy="trt",
+                                 output_dir=tmp_path / f"o{k}", skip_prof_layer=True, equalize_samples=k)
+        assert seen == [want] and res.report["equalization"]
+
+
+@pytest.mark.parametrize("bad", [0, -2, "4", True, 2.5])
+def test_eq_samples_must_be_a_positive_integer(tmp_path, bad):
+    from dipoorlet.config import QuantConfig
+    from dipoorlet.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--eq_samples"):
+        QuantConfig(model=tmp_path / "m.onnx", input_dir=tmp_path, data_num=1, equalize_samples=bad)
