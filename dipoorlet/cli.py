@@ -50,8 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not equalize per-channel activation ranges between Conv pairs (on by default "
                         "for platforms with per-channel weights)")
     p.add_argument("--eq_samples", type=int, default=None, metavar="K",
-                   help="samples the equalization statistics pass reads (default: N/8, at least 16, "
-                        "at most N)")
+                   help="samples the equalization statistics pass reads (default: all N up to 64)")
     p.add_argument("--stpu_wg", action="store_true", help="stpu: Winograd F(2,3) for 3x3 stride-1 convolutions")
     p.add_argument("--sens_samples", type=int, default=8,
                    help="samples for isolated layer sensitivity and --auto_skip (default 8)")
