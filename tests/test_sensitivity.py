@@ -139,3 +139,53 @@ def test_four_bit_weights_use_sixteen_levels(tmp_path):
     from onnx import numpy_helper
     w = numpy_helper.to_array(next(t for t in qm.graph.initializer if t.name == "w1_quantized"))
     assert w.min() >= -7 and w.max() <= 7 and len(np.unique(w)) > 8
+
+
+def test_the_gated_model_equals_every_restricted_model(tmp_path, monkeypatch):
+    """Sensitivity runs every variant in one gated session; each gate setting must compute what
+    the model restricted to those layers computes (checked in onnxruntime, Q/DQ as float). Exact
+    where both read dequantized weights; a float weight read through the gate is a tensor, not a
+    constant, to onnxruntime's Conv, which may sum in another order (last-bit differences)."""
+    import onnxruntime as ort
+    from dipoorlet import sensitivity
+    from dipoorlet.qdq import GATE_PREFIX, can_gate, insert_qdq
+
+    seen = {}
+    real = sensitivity.isolated
+
+    def spy(graph, places, plan, scorer, *a, **k):
+        seen.update(graph=graph, places=places, plan=plan)
+        return real(graph, places, plan, scorer, *a, **k)
+
+    monkeypatch.setattr(sensitivity, "isolated", spy)
+    model = tiny_cnn()
+    feeds = input_feeds(model, 3, seed=5)
+    quantize_model(tmp_path, model, feeds=feeds, sens_samples=3)
+    g, places, plan = seen["graph"], seen["places"], seen["plan"]
+    assert can_gate(places, plan)
+
+    def session(m):
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+    gated = session(insert_qdq(g, places, plan, gates=True))
+    gates = [i.name for i in gated.get_inputs() if i.name.startswith(GATE_PREFIX)]
+    nodes = places.quantized_nodes
+    assert {n[len(GATE_PREFIX) + 2:] for n in gates} == set(nodes)
+    variants = [(set(nodes), True, True), (set(), True, True), ({nodes[0]}, True, True),
+                ({nodes[1]}, False, True), ({nodes[1]}, True, False), (set(nodes[1:]), True, True)]
+    for keep, acts, weights in variants:
+        want_s = session(insert_qdq(g, places.restrict(keep, acts, weights), plan))
+        on = {"a": acts, "w": weights}
+        gate_feed = {n: np.array(on[n[len(GATE_PREFIX)]] and n[len(GATE_PREFIX) + 2:] in keep) for n in gates}
+        for f in feeds:
+            want = want_s.run(None, f)[0]
+            got = gated.run(None, {**f, **gate_feed})[0]
+            if keep == set(nodes) and acts and weights:
+                assert np.array_equal(want, got)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=str((keep, acts, weights)))
+    # the all-off setting is the float model
+    float_out = session(g.model).run(None, feeds[0])[0]
+    off = {n: np.array(False) for n in gates}
+    np.testing.assert_allclose(gated.run(None, {**feeds[0], **off})[0], float_out, rtol=1e-5, atol=1e-6)
