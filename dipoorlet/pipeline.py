@@ -249,7 +249,7 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm) -> dict:
     n = min(cfg.sens_samples, cfg.data_num)
     crit = sensitivity.parse_target(cfg.auto_skip)[0] if cfg.auto_skip else (
         "cosine" if cfg.criterion == "maxabs" else cfg.criterion)
-    scorer = sensitivity.Scorer(g, data, shard(n, comm.rank, comm.world), comm, cfg.device, crit, places, plan)
+    scorer = sensitivity.Scorer(g, data, shard(n, comm.rank, comm.world), comm, cfg.device, crit)
     out["sens_samples"] = n
     out["isolated"] = sensitivity.isolated(g, places, plan, scorer, cfg.criterion)
     if cfg.auto_skip:

@@ -37,53 +37,13 @@ def _int_clip(graph, src: str, qp: QParams, name: str) -> str:
     return out
 
 
-GATE_PREFIX = "__dpl_gate_"
-
-
-def gate_name(node: str, kind: str) -> str:
-    """The boolean input of a gated model that turns ``node``'s activation (``kind`` "a") or
-    weight ("w") quantization on."""
-    return f"{GATE_PREFIX}{kind}_{node}"
-
-
-def can_gate(placement: Placement, plan: QuantPlan) -> bool:
-    """Whether :func:`insert_qdq` can build a gated model for this plan: not with quantized network
-    outputs (renamed in place) or transformed constants (bias correction), which stay per variant."""
-    return not plan.values and not any(p.output for p in placement.activations.values())
-
-
-def insert_qdq(g: Graph, placement: Placement, plan: QuantPlan, gates: bool = False) -> onnx.ModelProto:
-    """A new model with Q/DQ inserted; ``g`` is not modified.
-
-    ``gates=True``: every quantized input is read through ``Where(gate, dequantized, float)``
-    with one scalar boolean graph input per node and kind (:func:`gate_name`), so one session
-    runs any subset of the layers quantized, as the model restricted to that subset would
-    (sensitivity analysis builds one session instead of one per layer). Up to the last bit: a
-    float weight read through a gate is no longer a constant to onnxruntime, whose Conv may then
-    sum in another order. Needs :func:`can_gate`.
-    """
+def insert_qdq(g: Graph, placement: Placement, plan: QuantPlan) -> onnx.ModelProto:
+    """A new model with Q/DQ inserted; ``g`` is not modified."""
     model = onnx.ModelProto()
     model.CopyFrom(g.model)
     graph = model.graph
     nodes = {n.name: n for n in graph.node}
     new_nodes: dict[str, list] = {}   # producer tensor -> nodes to insert after its producer
-    if gates and not can_gate(placement, plan):
-        raise ValueError("this placement and plan cannot be gated")
-    gate_inputs: set[str] = set()
-
-    def read(node_name: str, index: int, quantized: str, owner: str, kind: str, after: list) -> None:
-        """Point ``node_name``'s input ``index`` at ``quantized`` (through its gate if gated)."""
-        node = nodes[node_name]
-        if gates:
-            gate = gate_name(owner, kind)
-            if gate not in gate_inputs:
-                gate_inputs.add(gate)
-                graph.input.append(helper.make_tensor_value_info(gate, onnx.TensorProto.BOOL, []))
-            out = f"{quantized}__{node_name}_{index}_gated"
-            after.append(helper.make_node("Where", [gate, quantized, node.input[index]], [out],
-                                          name=out))
-            quantized = out
-        node.input[index] = quantized
 
     for tensor, point in placement.activations.items():
         qp = plan.activations.get(tensor)
@@ -99,8 +59,8 @@ def insert_qdq(g: Graph, placement: Placement, plan: QuantPlan, gates: bool = Fa
         dq = helper.make_node("DequantizeLinear", [q_src, s, z], [tensor + "_dq"],
                               name=tensor + "_DequantizeLinear")
         new_nodes[tensor] = [q, *extra, dq]
-        for (node_name, index), owner in zip(point.uses, point.owners):
-            read(node_name, index, tensor + "_dq", owner, "a", new_nodes[tensor])
+        for node_name, index in point.uses:
+            nodes[node_name].input[index] = tensor + "_dq"
         if point.output:
             _quantize_output(graph, tensor, q, dq, nodes, new_nodes)
 
@@ -113,6 +73,7 @@ def insert_qdq(g: Graph, placement: Placement, plan: QuantPlan, gates: bool = Fa
         qp = plan.weights.get(wp.tensor)
         if qp is None:
             continue
+        node = nodes[node_name]
         key = wp.tensor
         if key not in weight_names_used:
             value = values[wp.tensor] if wp.tensor in values else g.weight(wp.tensor)
@@ -125,7 +86,7 @@ def insert_qdq(g: Graph, placement: Placement, plan: QuantPlan, gates: bool = Fa
                                   name=wp.tensor + "_DequantizeLinear", **attrs)
             new_nodes.setdefault("", []).append(dq)
             weight_names_used[key] = wp.tensor + "_dq"
-        read(node_name, index, weight_names_used[key], wp.node, "w", new_nodes.setdefault("", []))
+        node.input[index] = weight_names_used[key]
 
     _replace_values(graph, values, set(weight_names_used))
     _rebuild(graph, new_nodes)

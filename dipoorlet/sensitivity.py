@@ -8,10 +8,6 @@ layer inherits the error of all layers before it).
 
 Cost: one pass of the full model per quantized node over the sensitivity samples (``--sens_samples``,
 default 8; sharded across MPI ranks), plus one float pass per sample for the reference outputs.
-All variants run in one session of a *gated* model (:func:`dipoorlet.qdq.insert_qdq` with
-``gates=True``: each quantized input is chosen by a boolean input between its dequantized and
-its float value), so the per-layer cost is inference only, not building and loading a model
-(MiniLM: 85 s before, one session per layer).
 We chose whole-model passes over extracting each node's downstream subgraph: the downstream part
 is on average half the model, but extracting it needs the float values of every tensor crossing
 the cut for every sample, which would either be stored (memory growing with N) or recomputed.
@@ -34,7 +30,7 @@ import numpy as np
 
 from dipoorlet.progress import progress
 from dipoorlet.profile import sample_metrics
-from dipoorlet.qdq import GATE_PREFIX, can_gate, insert_qdq
+from dipoorlet.qdq import insert_qdq
 from dipoorlet.runtime import Runner
 
 log = logging.getLogger(__name__)
@@ -68,42 +64,19 @@ def scored_tensor(graph, output: str) -> str:
 class Scorer:
     """Scores quantized variants of one model against float outputs computed once per sample."""
 
-    def __init__(self, graph, data, indices, comm, device="cpu", criterion="cosine", places=None, plan=None):
+    def __init__(self, graph, data, indices, comm, device="cpu", criterion="cosine"):
         self.criterion = criterion
         self.graph, self.data, self.indices, self.comm, self.device = graph, data, list(indices), comm, device
-        self.places, self.plan = places, plan
         self.outputs = [scored_tensor(graph, o) for o in graph.output_names]
         fp = Runner(graph.model, self.outputs, types=graph.types, device=device)
         # Float reference outputs of the (few) sensitivity samples: network outputs only.
         self.reference = {i: fp.run(data.sample(i))[0] for i in self.indices}
-        self._gated = None
 
     def score(self, qmodel) -> OutputScore:
         runner = Runner(qmodel, self.outputs, types=self.graph.types, optimize=False, device=self.device)
-        return self._score(runner, {})
-
-    def score_restricted(self, keep, acts: bool = True, weights: bool = True) -> OutputScore:
-        """The score of the placement restricted to the nodes in ``keep`` (``places.restrict``):
-        from the one gated session where the plan allows it, else from a model of its own."""
-        if not can_gate(self.places, self.plan):
-            return self.score(insert_qdq(self.graph, self.places.restrict(keep, acts, weights), self.plan))
-        if self._gated is None:
-            model = insert_qdq(self.graph, self.places, self.plan, gates=True)
-            runner = Runner(model, self.outputs, types=self.graph.types, optimize=False, device=self.device)
-            self._gated = (runner, [n for n in runner.input_names if n.startswith(GATE_PREFIX)])
-        runner, gates = self._gated
-        keep = set(keep)
-        on = {"a": acts, "w": weights}
-        feed = {}
-        for name in gates:
-            kind, node = name[len(GATE_PREFIX)], name[len(GATE_PREFIX) + 2:]
-            feed[name] = np.array(on[kind] and node in keep)
-        return self._score(runner, feed)
-
-    def _score(self, runner, extra: dict) -> OutputScore:
         rows = []
         for i in self.indices:
-            q, _ = runner.run({**self.data.sample(i), **extra})
+            q, _ = runner.run(self.data.sample(i))
             rows.append((i, [sample_metrics(self.reference[i][t], q[t]) for t in self.outputs]))
         rows = self.comm.gather_samples({"_": rows})["_"]
         rows.sort(key=lambda r: r[0])
@@ -133,10 +106,11 @@ def isolated(graph, places, plan, scorer: Scorer, criterion="cosine", split_wors
     ops = {d.node: d.op_type for d in places.decisions}
     rows = []
     for node in progress(places.quantized_nodes, "sensitivity: isolated layers", scorer.comm):
-        rows.append(LayerSensitivity(node, ops[node], scorer.score_restricted({node})))
+        q = insert_qdq(graph, places.restrict({node}), plan)
+        rows.append(LayerSensitivity(node, ops[node], scorer.score(q)))
     for row in sorted(rows, key=lambda r: r.isolated.value(criterion))[:split_worst]:
-        row.weight_only = scorer.score_restricted({row.node}, acts=False)
-        row.activation_only = scorer.score_restricted({row.node}, weights=False)
+        row.weight_only = scorer.score(insert_qdq(graph, places.restrict({row.node}, acts=False), plan))
+        row.activation_only = scorer.score(insert_qdq(graph, places.restrict({row.node}, weights=False), plan))
     return rows
 
 
@@ -173,7 +147,7 @@ def auto_skip(graph, places, plan, scorer: Scorer, sens: list[LayerSensitivity],
               target: float, max_layers: int) -> AutoSkipResult:
     """Keep the most sensitive layers float, one at a time, until the output meets ``target``."""
     quantized = list(places.quantized_nodes)
-    before = scorer.score_restricted(quantized)
+    before = scorer.score(insert_qdq(graph, places, plan))
     res = AutoSkipResult(target, criterion, before, before)
     order = [s.node for s in sorted(sens, key=lambda s: s.isolated.value(criterion))]
     current = before
@@ -181,7 +155,7 @@ def auto_skip(graph, places, plan, scorer: Scorer, sens: list[LayerSensitivity],
         if current.value(criterion) >= target or len(res.float_layers) >= max_layers:
             break
         keep = [n for n in quantized if n not in res.float_layers and n != node]
-        trial = scorer.score_restricted(keep)
+        trial = scorer.score(insert_qdq(graph, places.restrict(keep), plan))
         helped = trial.value(criterion) > current.value(criterion)
         res.steps.append({"float_layer": node, "cosine": trial.cosine, "sqnr_db": trial.sqnr_db,
                           "kept": helped})
