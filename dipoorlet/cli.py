@@ -114,6 +114,10 @@ def summary(result, cfg) -> str:
         lines.append(table(["worst layers (cumulative)", "op", "cos", "SQNR dB"],
                            [[n, layers[n]["op_type"], layers[n]["cosine"], layers[n]["sqnr_db"]]
                             for n in rep["worst_layers"]]))
+    if rep.get("diagnosis"):
+        lines.append("")
+        lines.append("what limits accuracy (isolated sensitivity; details in report.md):")
+        lines += [f"  {d['node']}: {d['advice']}" for d in rep["diagnosis"][:3]]
     t = result.timings
     lines.append("")
     lines.append(f"{rep['quantized_nodes']} nodes quantized, {rep['qdq_tensors']} activations and "

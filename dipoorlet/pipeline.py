@@ -154,7 +154,8 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
     # Per-channel weights: rescaling channels costs the producer's weights nothing. Not with
     # power-of-two scales: the noise estimate that picks the scales does not model that rounding
     # (on imx it cost the VAD 4 points).
-    if cfg.equalize and plat.weight.per_channel and not (plat.weight.power_of_two or plat.activation.power_of_two):
+    eq_on = cfg.equalize and plat.weight.per_channel and not (plat.weight.power_of_two or plat.activation.power_of_two)
+    if eq_on:
         from dipoorlet import equalize
 
         # The Mul that MatMul smoothing inserts must not be quantized itself, or the outliers it
@@ -199,6 +200,12 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         analysis["bias_correction"] = corrections
     if equalized:
         analysis["equalization"] = equalized
+    if analysis.get("isolated"):
+        from dipoorlet import diagnose
+
+        analysis["diagnosis"] = diagnose.diagnose(
+            g, places, plan, analysis["isolated"], data, shard(analysis["sens_samples"], comm.rank, comm.world),
+            comm, cfg.device, equalize_on=eq_on, equalized=equalized)
     if analysis.get("auto_skip") is not None:
         places = places.restrict([n for n in places.quantized_nodes
                                   if n not in analysis["auto_skip"].float_layers])

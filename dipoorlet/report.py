@@ -99,6 +99,8 @@ def build(rows, places, meta: dict, analysis: dict | None = None, stats=None, pl
         rep["bias_correction"] = analysis["bias_correction"]
     if "equalization" in analysis:
         rep["equalization"] = analysis["equalization"]
+    if analysis.get("diagnosis"):
+        rep["diagnosis"] = analysis["diagnosis"]
     a = analysis.get("auto_skip")
     if a is not None:
         rep["auto_skip"] = {"criterion": a.criterion, "target": a.target, "met": a.met,
@@ -148,6 +150,12 @@ def markdown(report: dict) -> str:
         out += ["", f"## 10 most sensitive layers (isolated: only this layer quantized, effect at the "
                 f"output, {report.get('sensitivity_samples')} samples)", "",
                 table(["node", "op", "output cosine", "SQNR dB", "weights only", "activations only"], body)]
+    if report.get("diagnosis"):
+        out += ["", "## What limits accuracy, and what to do", ""]
+        for d in report["diagnosis"]:
+            cause = f", mostly {d['cause']}" if d.get("cause") else ""
+            out.append(f"- **{d['node']}** ({d['op_type']}, isolated output cosine {d['isolated_cosine']:.6f}, "
+                       f"SQNR {d['isolated_sqnr_db']:.1f} dB{cause}): {d['advice']}")
     if report.get("weight_spread"):
         out += ["", "## Weight range spread (max channel / median channel; large = per-tensor hurts)", "",
                 table(["node", "channels", "spread"],

@@ -139,3 +139,58 @@ def test_four_bit_weights_use_sixteen_levels(tmp_path):
     from onnx import numpy_helper
     w = numpy_helper.to_array(next(t for t in qm.graph.initializer if t.name == "w1_quantized"))
     assert w.min() >= -7 and w.max() <= 7 and len(np.unique(w)) > 8
+
+
+def _swish_pair(spread=30.0):
+    """x -> Conv A (1x1, channel 3 amplified ``spread`` times) -> Swish (x * Sigmoid(x), which no
+    channel scale passes) -> Conv B (channel 3 weighted down as much) -> y: B's per-tensor int8
+    input has one channel far wider than the rest, and the narrow ones lose their levels."""
+    wa = np.eye(4, dtype=np.float32).reshape(4, 4, 1, 1)
+    wa[3] *= spread
+    wb = rand((4, 4, 1, 1), 7, 0.5)
+    wb[:, 3] /= spread      # every channel matters as much at the output
+    inits = {"wa": wa, "ba": np.full(4, 0.5, np.float32), "wb": wb, "bb": np.zeros(4, np.float32)}
+    nodes = [helper.make_node("Conv", ["x", "wa", "ba"], ["a"], name="A"),
+             helper.make_node("Sigmoid", ["a"], ["sa"], name="sig"),
+             helper.make_node("Mul", ["a", "sa"], ["h"], name="swish"),
+             helper.make_node("Conv", ["h", "wb", "bb"], ["y"], name="B")]
+    return make_model(nodes, [vi("x", [1, 4, 6, 6])], [vi("y", [1, 4, 6, 6])], inits)
+
+
+def test_diagnosis_names_the_wide_channel_and_the_op_that_blocks_equalization(tmp_path):
+    model = _swish_pair()
+    feeds = input_feeds(model, 6, seed=2)
+    result, qmodel = quantize_model(tmp_path, model, feeds=feeds, sens_samples=6)
+    rows = {d["node"]: d for d in result.report["diagnosis"]}
+    assert "B" in rows
+    b = rows["B"]
+    assert b["cause"] == "activations"
+    (act,) = b["activations"]
+    assert act["tensor"] == "h"
+    # oracle: per-channel max |h| over the samples, from onnxruntime
+    h_model = make_model(list(model.graph.node), list(model.graph.input), [vi("h", [1, 4, 6, 6])],
+                         {t.name: __import__("onnx").numpy_helper.to_array(t) for t in model.graph.initializer})
+    per_ch = np.max([np.abs(ort_run(h_model, f)[0]).max(axis=(0, 2, 3)) for f in feeds], axis=0)
+    assert act["channel_max"] == pytest.approx(per_ch.max(), rel=1e-5)
+    assert act["channel_spread"] == pytest.approx(per_ch.max() / np.median(per_ch), rel=1e-5)
+    assert act["channel_spread"] > 10
+    assert "Swish-style gate" in act["equalization"] and "swish" in act["equalization"]
+    assert "--skip_layers B" in b["advice"]
+    report_md = (tmp_path / "out" / "report.md").read_text()
+    assert "## What limits accuracy" in report_md and "--skip_layers B" in report_md
+
+
+def test_diagnosis_weight_sqnr_matches_the_quantized_models_weights(tmp_path):
+    from onnx import numpy_helper
+
+    model = _swish_pair()
+    feeds = input_feeds(model, 4, seed=3)
+    result, qmodel = quantize_model(tmp_path, model, feeds=feeds, sens_samples=4)
+    inits = {t.name: numpy_helper.to_array(t) for t in qmodel.graph.initializer}
+    dq = next(n for n in qmodel.graph.node if n.op_type == "DequantizeLinear" and n.output[0] == "wb_dq")
+    q, s, z = (inits[i] for i in dq.input)
+    w_hat = (q.astype(np.float64) - z.reshape(-1, 1, 1, 1)) * s.reshape(-1, 1, 1, 1)
+    w = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "wb")).astype(np.float64)
+    want = 10 * np.log10((w ** 2).sum() / ((w - w_hat) ** 2).sum())
+    rows = {d["node"]: d for d in result.report["diagnosis"]}
+    assert rows["B"]["weight_sqnr_db"] == pytest.approx(want, abs=1e-3)

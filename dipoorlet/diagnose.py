@@ -1,0 +1,185 @@
+"""Why the most sensitive layers lose accuracy, and what a user can do about each.
+
+The isolated sensitivity (:mod:`dipoorlet.sensitivity`) ranks layers and splits the worst into
+weight-only and activation-only error. This module turns that into a diagnosis per layer:
+
+* **activations** dominate: the quantized input's per-channel ranges (max |x| per channel over
+  the sensitivity samples, reduced inside the graph) and their spread (widest channel over the
+  median one) under one per-tensor scale; whether equalization could have evened them out, and if
+  not, the op that blocks it (a HardSwish, an Add, a Concat between the producing layer and this
+  one); the remedy is keeping the layer float (``--skip_layers``; TensorRT then runs it in FP16).
+* **weights** dominate: the SQNR of the layer's weights on their int8 grid; the remedy is weight
+  reconstruction (AdaRound-style rounding) or keeping the layer float.
+
+Cost: one pass over the sensitivity samples for the activation channel ranges of at most
+:data:`DIAGNOSE_LAYERS` layers.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from dipoorlet.graph import node_attr
+
+DIAGNOSE_LAYERS = 5
+MIN_LOSS = 1e-4          # layers whose isolated output cosine is above 1 - MIN_LOSS are fine
+SPREAD_NOTE = 4.0        # a channel spread worth naming
+
+
+def _channels(g, node, tensor: str) -> tuple[list[int] | None, int] | None:
+    """(reduced axes, channels) of ``tensor`` as ``node`` reads it; axes None: channels last."""
+    shape = g.shape(tensor)
+    if node.op_type in ("Conv", "ConvTranspose") and g.is_constant(node.input[1]) and node.input[0] == tensor:
+        w = g.weight(node.input[1]).shape
+        c = w[1] * int(node_attr(node, "group", 1)) if node.op_type == "Conv" else w[0]
+        if shape is not None and len(shape) >= 3:
+            return [0] + list(range(2, len(shape))), int(c)
+        return None
+    if node.op_type == "MatMul" and node.input[0] == tensor and g.is_constant(node.input[1]):
+        w = g.weight(node.input[1]).shape
+        return (None, int(w[0])) if len(w) == 2 else None
+    if shape is not None and len(shape) >= 3 and isinstance(shape[1], int) and shape[1] > 0:
+        return [0] + list(range(2, len(shape))), int(shape[1])    # NCHW ops: pooling, Add
+    return None
+
+
+def _blocker(g, tensor: str, depth: int = 8):
+    """How equalization relates to ``tensor``: ("reachable", conv) when a walk up through ops
+    that commute with a per-channel scale meets a Conv, ("blocked", node) at the first op that
+    does not, ("smoothed", mul) for a MatMul input smoothing made, or ("input", None)."""
+    from dipoorlet.equalize import PASS_THROUGH
+
+    t = tensor
+    for _ in range(depth):
+        prod = g.producer.get(t)
+        if prod is None:
+            return "input", None
+        if prod.op_type == "Conv":
+            return "reachable", prod
+        if prod.op_type == "Mul" and prod.name.endswith("_smooth_Mul"):
+            return "smoothed", prod
+        if prod.op_type in PASS_THROUGH or prod.op_type == "Pad" or _by_positive_scalar(g, prod):
+            t = prod.input[0]
+            continue
+        return "blocked", prod
+    return "blocked", g.producer.get(t)
+
+
+def _by_positive_scalar(g, node) -> bool:
+    """Mul or Div of a tensor by a positive scalar constant (commutes with a channel scale)."""
+    if node.op_type not in ("Mul", "Div") or len(node.input) != 2 or not g.is_constant(node.input[1]):
+        return False
+    v = np.asarray(g.weight(node.input[1]))
+    return v.size == 1 and float(v.ravel()[0]) > 0
+
+
+def _describe(g, node) -> str:
+    """A blocking op in words: ``x * f(x)`` gates (HardSwish, Swish exported as Mul) by name."""
+    if node.op_type == "Mul" and len(node.input) == 2:
+        makers = {g.producer[i].op_type for i in node.input if i in g.producer}
+        if makers & {"Clip", "HardSigmoid", "Sigmoid", "Relu"}:
+            return f"a HardSwish/Swish-style gate (x * f(x), {node.op_type} {node.name})"
+    return f"{node.op_type} {node.name}"
+
+
+def _weight_sqnr(g, places, plan, node: str) -> float | None:
+    from dipoorlet.qparams import quantize_array
+
+    for wp in places.weights.values():
+        if wp.node != node or wp.index != 1 or wp.tensor not in plan.weights:
+            continue
+        w = g.weight(wp.tensor).astype(np.float64)
+        q = quantize_array(w, plan.weights[wp.tensor]).astype(np.float64)
+        qp = plan.weights[wp.tensor]
+        scale = np.asarray(qp.scale, np.float64)
+        zp = np.asarray(qp.zero_point, np.float64)
+        if qp.axis is not None:
+            shape = [1] * w.ndim
+            shape[qp.axis] = -1
+            scale, zp = scale.reshape(shape), zp.reshape(shape)
+        err = float(((w - (q - zp) * scale) ** 2).sum())
+        sig = float((w ** 2).sum())
+        return math.inf if err == 0 else 10 * math.log10(sig / err) if sig > 0 else None
+    return None
+
+
+def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equalize_on=True,
+             equalized=(), k: int = DIAGNOSE_LAYERS) -> list[dict]:
+    """One row per layer among the ``k`` most sensitive that lose more than ``MIN_LOSS``."""
+    from dipoorlet.equalize import channel_stats
+
+    worst = [s for s in sorted(isolated, key=lambda s: s.isolated.cosine)[:k]
+             if s.isolated.cosine < 1 - MIN_LOSS]
+    if not worst:
+        return []
+    inputs: dict[str, list[str]] = {}
+    for t, p in places.activations.items():
+        if t not in plan.activations:
+            continue
+        for owner in dict.fromkeys(p.owners):
+            inputs.setdefault(owner, []).append(t)
+    items, seen = [], set()
+    for s in worst:
+        node = g.node_by_name[s.node]
+        for t in inputs.get(s.node, []):
+            ch = _channels(g, node, t)
+            if ch is not None and t not in seen:
+                seen.add(t)
+                items.append((t, ch[0], ch[1]))
+    ranges = channel_stats(g, items, data, indices, comm, device, label="diagnosis: channel ranges") if items else {}
+    rescaled = {n for r in equalized for n in [r.get("producer"), *r.get("absorbers", [])] if n}
+    rows = []
+    for s in worst:
+        row = {"node": s.node, "op_type": s.op_type, "isolated_cosine": s.isolated.cosine,
+               "isolated_sqnr_db": s.isolated.sqnr_db}
+        if s.weight_only is not None and s.activation_only is not None:
+            row["cause"] = "activations" if s.activation_only.sqnr_db < s.weight_only.sqnr_db else "weights"
+        acts = []
+        for t in inputs.get(s.node, []):
+            a = {"tensor": t, "amax": float(np.max(plan.activations[t].amax))}
+            if t in ranges:
+                r = ranges[t][0]
+                live = r[r > 0]
+                if live.size:
+                    a["channel_max"] = float(live.max())
+                    a["channel_spread"] = float(live.max() / np.median(live))
+            kind, via = _blocker(g, t)
+            if not equalize_on:
+                a["equalization"] = "off for this platform or by --no_equalize"
+            elif kind == "smoothed":
+                a["equalization"] = "already smoothed (MatMul input scale)"
+            elif kind == "reachable":
+                a["equalization"] = ("already equalized" if via.name in rescaled else
+                                     f"reachable from {via.name} but estimated to gain under 3 dB")
+            elif kind == "blocked":
+                a["equalization"] = f"blocked by {_describe(g, via)}, which does not commute with a channel scale"
+            else:
+                a["equalization"] = "a network input: nothing upstream to take a scale"
+            acts.append(a)
+        row["activations"] = acts
+        wsq = _weight_sqnr(g, places, plan, s.node)
+        if wsq is not None:
+            row["weight_sqnr_db"] = wsq
+        row["advice"] = _advice(row)
+        rows.append(row)
+    return rows
+
+
+def _advice(row: dict) -> str:
+    node = row["node"]
+    keep = f"keep it float with --skip_layers {node} (TensorRT runs it in FP16)"
+    if row.get("cause") == "weights":
+        w = row.get("weight_sqnr_db")
+        at = f" (its int8 weights are at {w:.1f} dB)" if w is not None and math.isfinite(w) else ""
+        return f"weight rounding dominates{at}: weight reconstruction (AdaRound-style) is the remedy, or {keep}"
+    facts = []
+    for a in row.get("activations", []):
+        part = [f"input {a['tensor']} clipped at {a['amax']:.4g}"]
+        if "channel_max" in a:
+            part.append(f"largest channel max {a['channel_max']:.4g}, channel ranges "
+                        f"{a['channel_spread']:.1f}x apart under one per-tensor scale")
+        part.append(f"equalization: {a['equalization']}")
+        facts.append("; ".join(part))
+    lead = "activation rounding dominates" if row.get("cause") == "activations" else "quantizing it costs"
+    return f"{lead} ({' / '.join(facts) or 'no quantized activation input'}); {keep}"
