@@ -105,7 +105,7 @@ def _weight_sqnr(g, places, plan, node: str) -> float | None:
 
 
 def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equalize_on=True,
-             equalized=(), k: int = DIAGNOSE_LAYERS) -> list[dict]:
+             equalized=(), smooth=True, k: int = DIAGNOSE_LAYERS) -> list[dict]:
     """One row per layer among the ``k`` most sensitive that lose more than ``MIN_LOSS``."""
     from dipoorlet.equalize import channel_stats
 
@@ -145,10 +145,16 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
                     a["channel_max"] = float(live.max())
                     a["channel_spread"] = float(live.max() / np.median(live))
             kind, via = _blocker(g, t)
+            node = g.node_by_name[s.node]
+            matmul_input = (node.op_type == "MatMul" and node.input[0] == t and g.is_constant(node.input[1])
+                            and len(g.weight(node.input[1]).shape) == 2)
             if not equalize_on:
                 a["equalization"] = "off for this platform or by --no_equalize"
             elif kind == "smoothed":
                 a["equalization"] = "already smoothed (MatMul input scale)"
+            elif matmul_input:
+                a["equalization"] = ("MatMul input smoothing estimated to gain under 3 dB" if smooth else
+                                     "MatMul input smoothing is off: this platform quantizes the Mul it inserts")
             elif kind == "reachable":
                 a["equalization"] = ("already equalized" if via.name in rescaled else
                                      f"reachable from {via.name} but estimated to gain under 3 dB")
