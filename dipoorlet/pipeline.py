@@ -209,6 +209,7 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
     if analysis.get("auto_skip") is not None:
         places = places.restrict([n for n in places.quantized_nodes
                                   if n not in analysis["auto_skip"].float_layers])
+        plan = plan.restricted(places)
     timings["sensitivity_s"] = time.perf_counter() - t
     qmodel = insert_qdq(g, places, plan)
     _check(qmodel)

@@ -108,6 +108,18 @@ class QuantPlan:
     # weight is quantized (a layer kept float by --skip_layers/auto_skip keeps its own bias)
     value_owners: dict = field(default_factory=dict)
 
+    def restricted(self, placement) -> "QuantPlan":
+        """The grids ``placement`` still uses (after ``--auto_skip`` kept layers float), so side
+        files never list a tensor the quantized model leaves float."""
+        kept = {wp.tensor for wp in placement.weights.values()}
+        nodes = {wp.node for wp in placement.weights.values()}
+        values = {k: v for k, v in self.values.items()
+                  if k not in self.value_owners or self.value_owners[k] in nodes}
+        return QuantPlan(activations={t: q for t, q in self.activations.items() if t in placement.activations},
+                         weights={t: q for t, q in self.weights.items() if t in kept},
+                         rules=dict(self.rules), values=values,
+                         value_owners={k: o for k, o in self.value_owners.items() if k in values})
+
 
 def bias_qparams(s_in: QParams, s_w: QParams) -> QParams:
     """int32 bias grid of a Conv/Gemm: scale = input scale x weight scale (per channel), zp 0."""

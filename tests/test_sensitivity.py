@@ -92,6 +92,14 @@ def test_auto_skip_keeps_the_layer_made_sensitive_by_construction_float(tmp_path
     assert rep["outputs"][0]["cosine"] >= 0.999
     conv2 = next(n for n in qm.graph.node if n.name == "conv2")
     assert conv2.input[0] == "m" and conv2.input[1] == "w2"  # float input and float weight
+    # side files list exactly what the model quantizes: nothing of the float conv2
+    quantized = {n.input[0] for n in qm.graph.node if n.op_type == "QuantizeLinear"}
+    blob = json.loads((tmp_path / "out" / "trt_clip_val.json").read_text())["blob_range"]
+    assert set(blob) == quantized and "m" not in blob
+    cache = (tmp_path / "out" / "trt_calib.cache").read_text().splitlines()[1:]
+    assert {line.rsplit(":", 1)[0] for line in cache} == quantized
+    weights = json.loads((tmp_path / "out" / "weight_clip_val.json").read_text())
+    assert "w2" not in weights
 
 
 def test_auto_skip_reports_not_met_when_capped(tmp_path):
