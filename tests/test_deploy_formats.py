@@ -322,7 +322,11 @@ def test_ti_parse_back(tmp_path, kind):
     assert list(txt) == list(ctx.plan.activations)
     for t, q in ctx.plan.activations.items():
         lo, hi = grid(q)
-        assert txt[t] == [lo[0], hi[0]]  # exact: repr round-trips
+        if q.signed and not np.any(q.zero_point):
+            # symmetric: [-127 s, 127 s], so a reader's max(|min|, |max|) / 127 is the plan's scale
+            assert txt[t] == [-hi[0], hi[0]] and max(-txt[t][0], txt[t][1]) / 127 == float(q.scale)
+        else:
+            assert txt[t] == [lo[0], hi[0]]  # exact: repr round-trips
         assert txt[t][0] <= 0 <= txt[t][1]
     assert txt["r"] == [0.0, 255 * 0.125]  # non-negative tensor: the unsigned grid
 
@@ -447,8 +451,9 @@ def test_end_to_end_files_match_the_simulated_model(tmp_path):
     for t in qdq:
         s = float(initializer(qm, t + "_scale"))
         lo, hi = ti_json[t]
-        assert hi == pytest.approx(127 * s, rel=1e-6) and lo == pytest.approx(-128 * s, rel=1e-6)
-        assert mm[t] == {"min": lo, "max": hi} and rk[t] == {"min": [lo], "max": [hi]}
+        # TI: [-127 s, 127 s] (a symmetric reader divides by 127); MagicMind and RK: the grid
+        assert hi == pytest.approx(127 * s, rel=1e-6) and lo == pytest.approx(-127 * s, rel=1e-6)
+        assert mm[t] == {"min": -128 * s, "max": hi} and rk[t] == {"min": [-128 * s], "max": [hi]}
     for name in ["rv_quantized_param.yaml", "rv_quantized_param.json", "atlas_quant_param.json",
                  "atlas_record.json", "atlas_record.txt", "imx_scale.json", "stpu_minmax.json"]:
         assert (out / name).stat().st_size > 0

@@ -5,24 +5,30 @@ and ``{"blob_range": {tensor: [min, max]}}`` (for NART), one entry per quantized
 
 The reference wrote the raw calibration range. TIDL quantizes with power-of-two scales,
 symmetric for signed tensors and unsigned for non-negative ones, so the raw range is not what the
-chip computes with; here ``[min, max]`` is the grid the plan's QParams actually use,
-``scale * (qmin - zp)`` and ``scale * (qmax - zp)`` (e.g. ``[-128 s, 127 s]`` for a signed
-tensor, ``[0, 255 s]`` for an unsigned one). Numbers are written with Python's shortest
+chip computes with; here ``[min, max]`` is the range that gives back the plan's own grid: for a
+signed (symmetric) tensor ``[-127 s, 127 s]``, since a symmetric reader takes
+``max(|min|, |max|) / 127`` as the scale (``-128 s`` would give it a scale one 127th too large,
+which a power-of-two chip rounds up to the next power: one bit lost); for an unsigned one the
+grid ``[0, 255 s]``. Numbers are written with Python's shortest
 round-trip ``repr``, so parsing them back gives the same float64. Tensor names are taken as they
 are; a name with a space would make the text file ambiguous (use the JSON file then).
 """
 from __future__ import annotations
 
 from dipoorlet.deploy import register
-from dipoorlet.deploy.snpe import floats, grid_range
+from dipoorlet.deploy.snpe import floats, grid_range, is_symmetric, sym_amax
 from dipoorlet.util import write_json, write_text
 
 
 def blob_ranges(ctx) -> dict[str, list[float]]:
     out = {}
     for t, qp in ctx.plan.activations.items():
-        lo, hi = grid_range(qp)
-        out[t] = [min(floats(lo)), max(floats(hi))]
+        if is_symmetric(qp):
+            a = max(floats(sym_amax(qp)))
+            out[t] = [-a, a]
+        else:
+            lo, hi = grid_range(qp)
+            out[t] = [min(floats(lo)), max(floats(hi))]
     return out
 
 
