@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dipoorlet.graph import Graph
+from dipoorlet.graph import Graph, node_attr
 from dipoorlet.platform import Platform
 
 
@@ -81,7 +81,10 @@ def weight_axis(g: Graph, node, index: int, per_channel: bool) -> int | None:
     if node.op_type == "Conv":
         return 0 if rank >= 2 else None
     if node.op_type == "ConvTranspose":
-        return 1 if rank >= 2 else None
+        # [C_in, C_out/group, k...]: axis 1 holds one group's output channels only, so a grouped
+        # one gets a per-tensor grid (a per-channel one would have C_out/group scales, which no
+        # backend's per-output-channel format can express)
+        return 1 if rank >= 2 and int(node_attr(node, "group", 1) or 1) == 1 else None
     if node.op_type == "Gemm":
         trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
         return 0 if trans_b else 1

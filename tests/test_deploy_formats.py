@@ -174,10 +174,14 @@ def test_snpe_parse_back(tmp_path, kind):
     for t, q in ctx.plan.activations.items():
         check_aimet(doc["activation_encodings"][t], q)
     check_aimet(doc["param_encodings"]["w"], ctx.plan.weights["w"])
-    bias = doc["param_encodings"]["b"]
-    s_in, s_w = ctx.plan.activations["x"].scale, ctx.plan.weights["w"].scale.reshape(-1)
-    assert [e["scale"] for e in bias] == pytest.approx(list(s_in * s_w), rel=1e-7)
-    assert all(e["bitwidth"] == 32 and e["offset"] == -2**31 and e["is_symmetric"] == "True" for e in bias)
+    if "b" not in ctx.plan.weights:
+        # the model keeps this bias float: no encoding may claim it is int32
+        assert "b" not in doc["param_encodings"]
+    else:
+        bias = doc["param_encodings"]["b"]
+        s_in, s_w = ctx.plan.activations["x"].scale, ctx.plan.weights["w"].scale.reshape(-1)
+        assert [e["scale"] for e in bias] == pytest.approx(list(s_in * s_w), rel=1e-7)
+        assert all(e["bitwidth"] == 32 and e["offset"] == -2**31 and e["is_symmetric"] == "True" for e in bias)
     args = doc["quantizer_args"]
     assert args["per_channel_quantization"] is (kind == "sym")
     assert args["is_symmetric"] is (kind == "sym")

@@ -389,3 +389,23 @@ def test_one_conv_output_equals_hand_fake_quant_with_the_plans_scales(tmp_path):
         (expected,) = conv.run(None, {"x": x_fq, "w": w_fq.astype(np.float32), "b": initializer(model, "b")})
         (got,) = ort_run(out / "quant_model.onnx", feed)
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_conv_transpose_weights_get_one_grid(tmp_path):
+    """[C_in, C_out/group, k, k]: a per-channel grid on axis 1 would cover one group's channels
+    only, which no backend format can express; a grouped ConvTranspose gets a per-tensor grid."""
+    from conftest import quantize_model, rand
+
+    w = rand((4, 3, 2, 2), 1, 0.5)
+    nodes = [helper.make_node("ConvTranspose", ["x", "wt", "bt"], ["y"], name="ct", group=2, strides=[2, 2])]
+    model = make_model(nodes, [vi("x", [1, 4, 3, 3])], [vi("y", [1, 6, 6, 6])],
+                       {"wt": w, "bt": rand((6,), 2, 0.1)})
+    feeds = input_feeds(model, 3)
+    _, qm = quantize_model(tmp_path, model, feeds=feeds)
+    dq = next(n for n in qm.graph.node if n.op_type == "DequantizeLinear" and n.output[0] == "wt_dq")
+    scale = next(t for t in qm.graph.initializer if t.name == dq.input[1])
+    assert list(scale.dims) == [] and not any(a.name == "axis" for a in dq.attribute)
+    got, want = ort_run(qm, feeds[0])[0], ort_run(model, feeds[0])[0]
+    assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
+    weights = json.loads((tmp_path / "out" / "weight_clip_val.json").read_text())
+    assert len(np.ravel(weights["wt"][0])) == 1

@@ -223,9 +223,11 @@ def encodings(ctx) -> dict:
         if qp is not None and wp.tensor not in params:
             params[wp.tensor] = aimet_encodings(qp)
     if getattr(ctx.platform, "quantize_bias", False):
+        # only biases the model holds as int32; one left float (a grouped ConvTranspose's, a
+        # broadcast Gemm bias) gets no encoding that would claim otherwise
         for layer in weighted_layers(ctx):
-            if layer.bias and layer.bqp is not None and layer.bias not in params:
-                params[layer.bias] = aimet_encodings(layer.bqp)
+            if layer.bias and layer.bias in plan.weights and layer.bias not in params:
+                params[layer.bias] = aimet_encodings(plan.weights[layer.bias])
     weights = [plan.weights[t] for t in params if t in plan.weights and plan.weights[t].bits < 32]
     return {
         "version": AIMET_VERSION,
