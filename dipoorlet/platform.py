@@ -104,9 +104,16 @@ def _rule(d: dict, where: str, defaults: dict) -> TensorRule:
     if unknown:
         raise ConfigError(f"platform spec {where}: unknown key(s) {sorted(unknown)}; "
                           f"valid: {sorted(_RULE_KEYS)}")
+    if "quantize_network_output" in d and not where.endswith("[activation]"):
+        raise ConfigError(f"platform spec {where}: quantize_network_output belongs in [activation]")
+    if d.get("per_channel") and where.endswith("[activation]"):
+        raise ConfigError(f"platform spec {where}: per_channel applies to weights only; "
+                          "activations are quantized per tensor")
     vals = {}
     for key, typ in _RULE_KEYS.items():
         if key == "quantize_network_output":
+            if key in d:
+                _need(d, key, bool, where)
             continue
         vals[key] = _need(d, key, typ, where) if key in d or key not in defaults else defaults[key]
     if not 2 <= vals["bits"] <= 16:
@@ -141,7 +148,7 @@ def parse(data: dict, source: str) -> Platform:
     _known(data["bias"], {"quantize": bool}, source + " [bias]")
     from dipoorlet.deploy import FORMATS
     for fmt in data["deploy"]:
-        if fmt not in FORMATS:
+        if not isinstance(fmt, str) or fmt not in FORMATS:
             raise ConfigError(f"platform spec {source}: deploy format {fmt!r} unknown; valid: {sorted(FORMATS)}")
     return Platform(
         name=data["name"], description=data["description"], deploy=tuple(data["deploy"]),

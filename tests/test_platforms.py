@@ -135,6 +135,11 @@ def test_user_spec_from_a_path(case, tmp_path):
     (lambda s: s.replace("[bias]\nquantize = false", "[bias]\nquantize = \"no\""), "'quantize' must be bool"),
     (lambda s: s.replace('name = "trt"\n', ""), "missing key 'name'"),
     (lambda s: s + "\n[extra]\n", "unknown key(s) ['extra']"),
+    (lambda s: s.replace("quantize_network_output = false", 'quantize_network_output = "false"'),
+     "'quantize_network_output' must be bool"),
+    (lambda s: s.replace("[weight]\n", "[weight]\nquantize_network_output = true\n"), "belongs in [activation]"),
+    (lambda s: s.replace("[activation]\n", "[activation]\nper_channel = true\n"), "per_channel applies to weights"),
+    (lambda s: s.replace('deploy = ["trt", "reference"]', 'deploy = [["trt"]]'), "deploy format ['trt']"),
 ])
 def test_bad_user_spec_names_the_key(tmp_path, edit, needle):
     spec = tmp_path / "bad.toml"
