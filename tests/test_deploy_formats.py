@@ -491,3 +491,26 @@ def test_pad_between_qdq_and_conv(tmp_path):
     assert float(layer.bqp.scale) == 0.25 * 2.0**-7
     rec = json.loads(export("atlas", ctx, tmp_path)["atlas_record.json"].read_text())
     assert rec["conv"]["scale_d"] == 0.25
+
+
+def test_trt_files_agree_for_an_always_zero_tensor(tmp_path):
+    """A ReLU that never fires has an empty clip range; the clip file and the cache must still
+    describe the same grid (amax = scale * 127), never a range of 0."""
+    import struct
+
+    from conftest import input_feeds, quantize_model, rand
+
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c"], name="c1"),
+             helper.make_node("Relu", ["c"], ["r"], name="relu"),
+             helper.make_node("Conv", ["r", "w2"], ["y"], name="c2")]
+    model = make_model(nodes, [vi("x", [1, 2, 4, 4])], [vi("y", [1, 2, 4, 4])],
+                       {"w1": rand((2, 2, 1, 1), 1, 0.1), "b1": np.full(2, -100.0, np.float32),
+                        "w2": rand((2, 2, 1, 1), 2)})
+    quantize_model(tmp_path, model, feeds=input_feeds(model, 2), skip_prof_layer=True)
+    blob = json.loads((tmp_path / "out" / "trt_clip_val.json").read_text())["blob_range"]
+    cache = dict(line.rsplit(": ", 1) for line in
+                 (tmp_path / "out" / "trt_calib.cache").read_text().splitlines()[1:])
+    assert set(blob) == set(cache) and "r" in blob
+    for t, hexed in cache.items():
+        scale = struct.unpack(">f", bytes.fromhex(hexed))[0]
+        assert scale > 0 and blob[t] == pytest.approx(127 * scale, rel=1e-6)

@@ -1,7 +1,7 @@
 """TensorRT side files: ``trt_clip_val.json`` and a calibration cache.
 
-- ``trt_clip_val.json``: ``{"blob_range": {tensor: amax}}``, amax = max(-min, max) of the clip
-  range, for use with ``ITensor.setDynamicRange(-amax, amax)``. Source: Dipoorlet
+- ``trt_clip_val.json``: ``{"blob_range": {tensor: amax}}``, amax = scale * 127 (the clip
+  range the grid covers), for use with ``ITensor.setDynamicRange(-amax, amax)``. Source: Dipoorlet
   ``deploy/deploy_trt.py`` (``json.dump(..., indent=4)``).
 - ``trt_calib.cache``: the text cache TensorRT's INT8 calibrators read and write. First line
   ``TRT-<version>-EntropyCalibration2``, then ``tensor: <hex>`` per tensor, the hex being the 8
@@ -18,6 +18,7 @@ from __future__ import annotations
 import struct
 
 from dipoorlet.deploy import register
+from dipoorlet.deploy.snpe import floats, sym_amax
 from dipoorlet.util import write_json, write_text
 
 
@@ -27,7 +28,9 @@ def cache_hex(scale: float) -> str:
 
 @register("trt")
 def export(ctx, folder):
-    amax = {t: float(qp.amax) for t, qp in ctx.plan.activations.items()}
+    # from the grid itself (scale * 127), so both files agree even where the clip range was
+    # empty (an always-zero tensor gets the smallest positive scale, not a range of 0)
+    amax = {t: float(max(floats(sym_amax(qp)))) for t, qp in ctx.plan.activations.items()}
     version = getattr(ctx.config, "trt_version", "8601")
     lines = [f"TRT-{version}-EntropyCalibration2"]
     for t, qp in ctx.plan.activations.items():
