@@ -125,13 +125,13 @@ def save(model: onnx.ModelProto, path: Path) -> Path:
 
 
 def quantize_model(tmp_path: Path, model: onnx.ModelProto, n: int = 4, feeds=None, act_quant="minmax",
-                   **kwargs):
+                   deploy="trt", **kwargs):
     """Save ``model``, write ``n`` samples, run dipoorlet.quantize; returns (result, quant model)."""
     model_path = save(model, tmp_path / "model.onnx")
     feeds = feeds if feeds is not None else input_feeds(model, n)
     data = write_samples(tmp_path / "data", feeds)
     out = tmp_path / "out"
-    result = dipoorlet.quantize(model=model_path, input_dir=data, data_num=len(feeds), deploy="trt",
+    result = dipoorlet.quantize(model=model_path, input_dir=data, data_num=len(feeds), deploy=deploy,
                                 output_dir=out, act_quant=act_quant, **kwargs)
     return result, onnx.load(str(out / "quant_model.onnx"))
 

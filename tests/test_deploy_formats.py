@@ -514,3 +514,32 @@ def test_trt_files_agree_for_an_always_zero_tensor(tmp_path):
     for t, hexed in cache.items():
         scale = struct.unpack(">f", bytes.fromhex(hexed))[0]
         assert scale > 0 and blob[t] == pytest.approx(127 * scale, rel=1e-6)
+
+
+def test_rockchip_fills_in_every_fused_activation_and_the_corrected_bias(tmp_path):
+    """RKNN fuses Conv+Clip (ReLU6) as it fuses Conv+Relu: the Conv output gets the Clip output's
+    range. With --bc the bias entry describes the corrected bias the model holds."""
+    import yaml
+
+    from conftest import input_feeds, quantize_model, rand
+
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c"], name="c1"),
+             helper.make_node("Clip", ["c", "lo", "hi"], ["r"], name="relu6"),
+             helper.make_node("Conv", ["r", "w2", "b2"], ["y"], name="c2")]
+    model = make_model(nodes, [vi("x", [1, 2, 4, 4])], [vi("y", [1, 2, 4, 4])],
+                       {"w1": rand((2, 2, 1, 1), 1), "b1": rand((2,), 2, 0.1), "lo": np.float32(0),
+                        "hi": np.float32(6), "w2": rand((2, 2, 1, 1), 3), "b2": rand((2,), 4, 0.1)})
+    _, qm = quantize_model(tmp_path, model, feeds=input_feeds(model, 4), deploy="rk", bias_correction=True,
+                           skip_prof_layer=True)
+    params = yaml.safe_load((tmp_path / "out" / "rk_quantized_param.yaml").read_text())["quantize_parameters"]
+    assert params["c"] == params["r"]
+    # the bias the model holds: int32 through a DequantizeLinear (rk quantizes biases)
+    from onnx import numpy_helper
+    inits = {t.name: numpy_helper.to_array(t) for t in qm.graph.initializer}
+    c2 = next(n for n in qm.graph.node if n.name == "c2")
+    dq = next(n for n in qm.graph.node if n.op_type == "DequantizeLinear" and n.output[0] == c2.input[2])
+    q, scale = inits[dq.input[0]].astype(np.float64), inits[dq.input[1]].astype(np.float64)
+    held = q * scale
+    float_bias = inits.get("b2", numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "b2")))
+    assert not np.allclose(held, float_bias, atol=scale.max())  # the correction moved it
+    assert params["c2_b"]["max"][0] == pytest.approx(float(np.abs(held).max()), abs=float(scale.max()))

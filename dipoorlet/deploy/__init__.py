@@ -27,6 +27,12 @@ class DeployContext:
     platform: object       # dipoorlet.platform.Platform
     config: object         # dipoorlet.config.QuantConfig
 
+    def value(self, name: str):
+        """A constant as the quantized model holds it: a weight transform's value (a corrected
+        bias) where the plan has one, else the float graph's."""
+        values = getattr(self.plan, "values", None) or {}
+        return values[name] if name in values else self.graph.weight(name)
+
 
 def export_all(ctx: DeployContext, folder: Path) -> list[Path]:
     written = []

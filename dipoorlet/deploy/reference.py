@@ -27,7 +27,7 @@ def export(ctx, folder):
     weights = {}
     for wp in ctx.placement.weights.values():
         if wp.tensor in ctx.plan.weights and wp.tensor not in weights:
-            lo, hi = _channel_range(ctx.graph.weight(wp.tensor), wp.axis)
+            lo, hi = _channel_range(np.asarray(ctx.value(wp.tensor)), wp.axis)
             weights[wp.tensor] = [lo, hi]
     return [write_json(folder / "act_clip_val.json", acts),
             write_json(folder / "weight_clip_val.json", weights)]

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import yaml
 
 from dipoorlet.deploy import register
@@ -77,6 +78,11 @@ def _write_both(folder, stem: str, obj) -> list:
 
 
 # ---- Toolkit 1 (RV1126) ---------------------------------------------------------------------
+def _fused(ctx) -> tuple:
+    """The activations the toolkit fuses into their producer (the platform's list; Relu if none)."""
+    return tuple(sorted(getattr(ctx.platform, "fused_activations", ()) or ())) or ("Relu",)
+
+
 def rv_key(ctx, tensor: str) -> str:
     prod = ctx.graph.producer.get(tensor)
     if prod is None:
@@ -98,7 +104,7 @@ def export_rv(ctx, folder):
     acts = ctx.plan.activations
     for t, qp in acts.items():
         params[rv_key(ctx, t)] = rv_entry(qp)
-    for src, dst in relu_fill_ins(ctx).items():
+    for src, dst in relu_fill_ins(ctx, _fused(ctx)).items():
         params.setdefault(rv_key(ctx, src), rv_entry(acts[dst]))
     for layer in weighted_layers(ctx):
         name = layer.node.name
@@ -129,13 +135,13 @@ def export_rk(ctx, folder):
     acts = ctx.plan.activations
     for t, qp in acts.items():
         params[t] = rk_range(qp)
-    for src, dst in relu_fill_ins(ctx).items():
+    for src, dst in relu_fill_ins(ctx, _fused(ctx)).items():
         params.setdefault(src, rk_range(acts[dst]))
     for layer in weighted_layers(ctx):
         name = layer.node.name
         params[f"{name}_W"] = rk_range(layer.wqp, weight=True)
         if layer.bias:
-            a = float(abs(ctx.graph.weight(layer.bias).astype("float64")).max(initial=0.0))
+            a = float(abs(np.asarray(ctx.value(layer.bias), dtype="float64")).max(initial=0.0))
             params[f"{name}_b"] = {"max": [a], "min": [-a]}
     return _write_both(folder, "rk_quantized_param",
                        {"custom_quantize_layers": {}, "quantize_parameters": params})
