@@ -121,7 +121,15 @@ def plan_biases(g: Graph, places, plan: QuantPlan) -> None:
         shape = g.weight(bias).shape
         if len(shape) != 1 or (s_w.scale.size > 1 and shape[0] != s_w.scale.size):
             continue  # e.g. a Gemm bias of shape (1, N) broadcast by the op: left float
-        plan.weights[bias] = bias_qparams(plan.activations[src], s_w)
+        bqp = bias_qparams(plan.activations[src], s_w)
+        value = np.asarray(plan.values.get(bias, g.weight(bias)), np.float64)
+        if np.any(np.abs(value) / bqp.scale.astype(np.float64) > bqp.qmax):
+            # a near-constant input (an all-zero state, a mask) gives a tiny input scale: the
+            # bias does not fit int32 on s_in * s_w, and saturating it would change the layer
+            log.info("bias %s of %s stays float: it exceeds the int32 range on scale s_in * s_w",
+                     bias, node_name)
+            continue
+        plan.weights[bias] = bqp
         places.weights[(node_name, 2)] = placement_mod.WeightPoint(bias, node_name, 2, plan.weights[bias].axis)
 
 

@@ -90,8 +90,10 @@ def quantize_array(x: np.ndarray, qp: QParams) -> np.ndarray:
         shape = [1] * x.ndim
         shape[qp.axis] = -1
         scale, zp = scale.reshape(shape), zp.reshape(shape)
-    q = np.clip(np.rint(x.astype(np.float32) / scale) + zp, qp.qmin, qp.qmax)
-    return q.astype(qp.zero_point.dtype)
+    # the division in float32 (as QuantizeLinear), the clip in float64: float32 cannot hold
+    # 2^31 - 1, and its nearest value 2^31 would wrap to -2^31 in an int32 bias
+    q = np.rint(x.astype(np.float32) / scale).astype(np.float64) + zp.astype(np.float64)
+    return np.clip(q, qp.qmin, qp.qmax).astype(qp.zero_point.dtype)
 
 
 @dataclass

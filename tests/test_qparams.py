@@ -156,3 +156,32 @@ def test_per_channel_on_last_axis_equals_onnxruntime():
 def test_qparams_amax():
     qp = QParams(np.float32(1), np.int8(0), 8, True, -128, 127, None, np.float32(-3), np.float32(2))
     assert qp.amax == 3.0
+
+
+def test_a_bias_too_large_for_int32_on_a_tiny_input_scale_stays_float(tmp_path):
+    """An all-zero state input gives the smallest input scale; s_in * s_w then puts the bias far
+    outside int32. It must stay float, not saturate (or wrap to -2^31 through float32)."""
+    from onnx import helper as oh
+
+    from conftest import make_model, ort_run, quantize_model, rand, vi
+
+    nodes = [oh.make_node("Gemm", ["h", "w", "b"], ["g"], name="gemm", transB=1),
+             oh.make_node("Add", ["g", "x"], ["y"], name="add")]
+    b = np.array([0.35, 0.82, 0.33, -1.3], np.float32)
+    model = make_model(nodes, [vi("x", [1, 4]), vi("h", [1, 4])], [vi("y", [1, 4])],
+                       {"w": rand((4, 4), 1), "b": b})
+    feeds = [{"x": rand((1, 4), i), "h": np.zeros((1, 4), np.float32)} for i in range(3)]
+    _, qm = quantize_model(tmp_path, model, feeds=feeds, deploy="qnn", skip_prof_layer=True)
+    gemm = next(n for n in qm.graph.node if n.name == "gemm")
+    assert gemm.input[2] == "b"  # read as the float initializer
+    for f in feeds:
+        np.testing.assert_allclose(ort_run(qm, f)[0], ort_run(model, f)[0], atol=0.05)
+
+
+def test_quantize_array_saturates_int32_without_wrapping():
+    from dipoorlet.qparams import QParams, quantize_array
+
+    qp = QParams(scale=np.float32(1e-9), zero_point=np.int32(0), bits=32, signed=True,
+                 qmin=-2**31, qmax=2**31 - 1)
+    q = quantize_array(np.array([5.0, -5.0, 1e-9], np.float32), qp)
+    assert q.tolist() == [2**31 - 1, -2**31, 1]
