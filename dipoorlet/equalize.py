@@ -20,6 +20,11 @@ original DFQ equalizes weight ranges only, which is what per-tensor weights need
 changed only when the estimate at least halves the noise, and no channel is amplified more than
 ``MAX_GAIN`` times, so dead channels do not blow the weights up.
 
+A may also be an elementwise affine pair instead of a Conv, ``Mul`` by a constant optionally followed
+by ``Add`` of a constant (scalar or per channel; PP-LCNetV3's learnable affine block after each
+HardSwish): both constants become per-channel vectors divided by ``s``. Only where the platform
+leaves such a Mul float (trt, atlas, magicmind), as for MatMul smoothing.
+
 Between A and B the walk accepts ops that commute with a positive per-channel scale along axis 1:
 Relu, LeakyRelu, PRelu, MaxPool, AveragePool, GlobalAveragePool, zero Pad, Identity, and a Mul
 by a per-channel gate computed from an already compensated branch (the squeeze-and-excitation
@@ -39,7 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
-from dipoorlet.graph import fresh_name, node_attr
+from dipoorlet.graph import drop_unused_initializers, fresh_name, node_attr
 from dipoorlet.progress import progress
 from dipoorlet.runtime import Runner
 
@@ -64,9 +69,13 @@ SUFFIX = "__dpl_chmax"
 
 @dataclass
 class Chain:
-    producer: str                                   # Conv A
+    producer: str                                   # Conv A (or the last node of an affine pair)
     measure: str                                    # tensor whose per-channel range sets s
     absorbers: list[str] = field(default_factory=list)   # Convs B
+    # an elementwise affine producer instead of a Conv: [Mul by a constant, optional Add of a
+    # constant] (PP-LCNetV3's learnable affine block after HardSwish); both constants take 1/s
+    affine: list[str] = field(default_factory=list)
+    channels: int = 0
 
 
 def _fp32(g, *names: str) -> bool:
@@ -91,10 +100,17 @@ def _absorbs(g, node, tensor: str, channels: int) -> bool:
     return w_shape[1] * int(node_attr(node, "group", 1)) == channels
 
 
-def find_chains(g) -> list[Chain]:
+def find_chains(g, affine: bool = False) -> list[Chain]:
+    """Conv pairs (and, with ``affine``, Mul/Add-by-constant -> Conv pairs) that can be rescaled."""
     chains = []
     claimed: set[str] = set()
     for a in g.topological_nodes():
+        if affine and a.op_type == "Mul":
+            chain = _affine_chain(g, a)
+            if chain is not None and not claimed & set(chain.absorbers):
+                claimed.update(chain.absorbers)
+                chains.append(chain)
+            continue
         if a.op_type != "Conv" or len(a.input) < 3 or not a.input[2]:
             continue
         if not (g.is_constant(a.input[1]) and g.is_constant(a.input[2])) or not _fp32(g, a.input[1], a.input[2]):
@@ -110,6 +126,53 @@ def find_chains(g) -> list[Chain]:
         claimed.update(chain.absorbers)
         chains.append(chain)
     return chains
+
+
+def _affine_const(g, node, channels: int, rank: int):
+    """(constant input, data input) of a Mul/Add whose constant is a float32 scalar or one value
+    per channel along axis 1 of a rank-``rank`` tensor, else None."""
+    if len(node.input) != 2:
+        return None
+    consts = [i for i in node.input if g.is_constant(i)]
+    if len(consts) != 1 or consts[0] not in g.initializers or not _fp32(g, consts[0]):
+        return None
+    c = consts[0]
+    data = node.input[1] if node.input[0] == c else node.input[0]
+    shape = tuple(g.weight(c).shape)
+    if len(shape) > rank:
+        return None
+    padded = (1,) * (rank - len(shape)) + shape
+    size = int(np.prod(shape)) if shape else 1
+    if size == 1 or (size == channels and padded[1] == channels):
+        return c, data
+    return None
+
+
+def _affine_chain(g, mul) -> Chain | None:
+    """Mul(x, a) [-> Add(., b)] -> ops that commute with a channel scale -> Convs: the constants
+    take 1/s as a per-channel vector, so the scale needs no Conv producer."""
+    out = mul.output[0]
+    shape = g.shape(out)
+    if shape is None or len(shape) < 3 or not isinstance(shape[1], int) or shape[1] <= 1:
+        return None
+    channels, rank = shape[1], len(shape)
+    m = _affine_const(g, mul, channels, rank)
+    if m is None or g.is_constant(m[1]) or not g.is_float(m[1]):
+        return None
+    nodes = [mul]
+    users = g.consumers.get(out, [])
+    if len(users) == 1 and users[0].op_type == "Add" and out not in g.output_names:
+        add = users[0]
+        b = _affine_const(g, add, channels, rank)
+        if b is not None and b[1] == out:
+            nodes.append(add)
+    last = nodes[-1]
+    chain = _walk(g, last, channels)
+    if chain is None:
+        return None
+    chain.affine = [n.name for n in nodes]
+    chain.channels = channels
+    return chain
 
 
 def _walk(g, a, channels: int) -> Chain | None:
@@ -207,6 +270,10 @@ def channel_stats(g, items: list[tuple[str, list[int] | None, int]], data, indic
 def _chain_items(g, chains: list[Chain]) -> list[tuple[str, list[int], int]]:
     items = []
     for ch in chains:
+        if ch.affine:
+            rank = len(g.shape(ch.measure) or g.shape(g.node_by_name[ch.affine[0]].output[0]))
+            items.append((ch.measure, [0] + list(range(2, rank)), ch.channels))
+            continue
         w = g.weight(g.node_by_name[ch.producer].input[1])
         items.append((ch.measure, [0] + list(range(2, w.ndim)), w.shape[0]))
     return items
@@ -228,10 +295,13 @@ def apply(g, chains: list[Chain], stats: dict[str, tuple]) -> list[dict]:
         s, alpha, gain = choose_scales(g, ch, r, ms)
         if s is None:
             continue
-        a = g.node_by_name[ch.producer]
-        w, b = g.weight(a.input[1]).astype(np.float64), g.weight(a.input[2]).astype(np.float64)
-        _set(g, a.input[1], w / s.reshape((-1,) + (1,) * (w.ndim - 1)))
-        _set(g, a.input[2], b / s)
+        if ch.affine:
+            _scale_affine(g, ch, s)
+        else:
+            a = g.node_by_name[ch.producer]
+            w, b = g.weight(a.input[1]).astype(np.float64), g.weight(a.input[2]).astype(np.float64)
+            _set(g, a.input[1], w / s.reshape((-1,) + (1,) * (w.ndim - 1)))
+            _set(g, a.input[2], b / s)
         for name in ch.absorbers:
             node = g.node_by_name[name]
             _set(g, node.input[1], _scale_inputs(g.weight(node.input[1]).astype(np.float64), node, s))
@@ -241,8 +311,25 @@ def apply(g, chains: list[Chain], stats: dict[str, tuple]) -> list[dict]:
                      "alpha": alpha, "max_gain": float(1.0 / s.min()),
                      "estimated_noise_reduction_db": gain})
     if rows:
+        drop_unused_initializers(g.graph)
         g.refresh()
     return rows
+
+
+def _scale_affine(g, ch: Chain, s: np.ndarray) -> None:
+    """Divide the constants of an affine producer by ``s`` along axis 1: each becomes a fresh
+    per-channel initializer (the old one may be shared)."""
+    rank = len(g.shape(g.node_by_name[ch.affine[0]].output[0]))
+    for name in ch.affine:
+        node = g.node_by_name[name]
+        i = next(k for k, x in enumerate(node.input) if g.is_constant(x))
+        v = np.asarray(g.weight(node.input[i]), np.float64).reshape(-1)
+        per_channel = (v if v.size == s.size else np.full(s.size, v[0])) / s
+        new = fresh_name(g, f"{node.input[i]}_equalized")
+        g.graph.initializer.append(numpy_helper.from_array(
+            per_channel.astype(np.float32).reshape((-1,) + (1,) * (rank - 2)), new))
+        g.initializers[new] = g.graph.initializer[-1]
+        node.input[i] = new
 
 
 def _scale_inputs(w: np.ndarray, node, s: np.ndarray) -> np.ndarray:
@@ -347,7 +434,7 @@ def equalize(g, data, indices, comm, device="cpu", smooth: bool = True) -> list[
 
     One statistics pass serves both: a Conv pair's scaled tensors never reach a MatMul (the walk
     refuses the pair), so rescaling the pairs leaves every MatMul input's statistics as measured."""
-    chains = [c for c in find_chains(g) if all(n in g.initializers for n in _weights(g, c))]
+    chains = [c for c in find_chains(g, affine=smooth) if all(n in g.initializers for n in _weights(g, c))]
     targets = matmul_targets(g) if smooth else {}
     chain_items = _chain_items(g, chains)
     measured = {t for t, _, _ in chain_items}
@@ -367,8 +454,11 @@ def equalize(g, data, indices, comm, device="cpu", smooth: bool = True) -> list[
 
 
 def _weights(g, chain: Chain) -> list[str]:
+    absorbers = [g.node_by_name[n].input[1] for n in chain.absorbers]
+    if chain.affine:
+        return [x for n in chain.affine for x in g.node_by_name[n].input if g.is_constant(x)] + absorbers
     a = g.node_by_name[chain.producer]
-    return [a.input[1], a.input[2]] + [g.node_by_name[n].input[1] for n in chain.absorbers]
+    return [a.input[1], a.input[2]] + absorbers
 
 
 # ----------------------------------------------------------------------------------- MatMul inputs

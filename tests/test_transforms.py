@@ -510,3 +510,69 @@ def test_eq_samples_must_be_a_positive_integer(tmp_path, bad):
 
     with pytest.raises(ConfigError, match="--eq_samples"):
         QuantConfig(model=tmp_path / "m.onnx", input_dir=tmp_path, data_num=1, equalize_samples=bad)
+
+
+# ----------------------------------------------------------------------------------- affine producers
+def _lab_block(skew=True, per_channel_bias=False):
+    """Conv A -> HardSwish (as exported: x * Clip(x + 3, 0, 6) / 6) -> Mul(scalar a) -> Add(b) ->
+    depthwise Conv -> Conv B: PP-LCNetV3's learnable affine block. The HardSwish stops any scale
+    from A, so the skewed channel ranges reach the depthwise input unless the affine pair takes
+    the scale."""
+    c = 6
+    wa = rand((c, 3, 3, 3), 0, 0.4)
+    if skew:
+        wa *= np.array([1, 30, 1, 0.5, 8, 1], np.float32).reshape(c, 1, 1, 1)
+    inits = {"wa": wa, "ba": rand((c,), 1, 0.1), "three": np.float32(3), "zero": np.float32(0),
+             "six": np.float32(6), "lab_a": np.array([0.8], np.float32),
+             "lab_b": (rand((1, c, 1, 1), 9, 0.2) if per_channel_bias else np.array([-0.3], np.float32)),
+             "wd": rand((c, 1, 3, 3), 2, 0.4), "bd": rand((c,), 3, 0.1),
+             "wb": rand((4, c, 1, 1), 4, 0.4), "bb": rand((4,), 5, 0.1)}
+    nodes = [helper.make_node("Conv", ["x", "wa", "ba"], ["a"], name="A", pads=[1] * 4),
+             helper.make_node("Add", ["a", "three"], ["a3"], name="hs_add"),
+             helper.make_node("Clip", ["a3", "zero", "six"], ["a6"], name="hs_clip"),
+             helper.make_node("Mul", ["a", "a6"], ["am"], name="hs_mul"),
+             helper.make_node("Div", ["am", "six"], ["hs"], name="hs_div"),
+             helper.make_node("Mul", ["lab_a", "hs"], ["la"], name="lab_mul"),
+             helper.make_node("Add", ["la", "lab_b"], ["lb"], name="lab_add"),
+             helper.make_node("Conv", ["lb", "wd", "bd"], ["d"], name="dw", pads=[1] * 4, group=c),
+             helper.make_node("Conv", ["d", "wb", "bb"], ["y"], name="B")]
+    return make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("y", [1, 4, 8, 8])], inits)
+
+
+@pytest.mark.parametrize("per_channel_bias", [False, True])
+def test_an_affine_pair_takes_the_scale_and_keeps_the_float_function(per_channel_bias):
+    import onnx
+
+    model = _lab_block(per_channel_bias=per_channel_bias)
+    feeds = _feeds()
+    g, rows = _equalized(model, feeds)
+    chains = {r["producer"]: r["absorbers"] for r in rows}
+    assert chains.get("lab_add") == ["dw"]
+    mul, add = g.node_by_name["lab_mul"], g.node_by_name["lab_add"]
+    for node in (mul, add):
+        const = next(i for i in node.input if i in g.initializers)
+        assert g.weight(const).shape == (6, 1, 1)  # now one value per channel
+    for f in feeds:
+        np.testing.assert_allclose(ort_run(g.model, f)[0], ort_run(model, f)[0], rtol=1e-4, atol=1e-5)
+    m2 = onnx.ModelProto()
+    m2.CopyFrom(g.model)
+    m2.graph.output.append(helper.make_tensor_value_info("lb", onnx.TensorProto.FLOAT, None))
+    r = np.max([np.abs(ort_run(m2, f)[1]).max(axis=(0, 2, 3)) for f in feeds], axis=0)
+    assert r.max() / r.min() < 2.0  # was ~30x
+
+
+def test_affine_pairs_only_where_the_platform_leaves_the_mul_float():
+    from dipoorlet import equalize
+    from dipoorlet.dist import SingleProcess
+
+    g = Graph(_lab_block())
+    prepare.prepare(g)
+    rows = equalize.equalize(g, _Data(_feeds()), range(4), SingleProcess(), smooth=False)
+    assert "lab_add" not in {r["producer"] for r in rows}
+
+
+def test_affine_equalization_lowers_the_quantization_error(tmp_path):
+    model = _lab_block()
+    feeds = _feeds(8)
+    sq = {eq: _output_sqnr(tmp_path, model, feeds, eq)[0] for eq in (False, True)}
+    assert sq[True] > sq[False] + 3.0, sq
