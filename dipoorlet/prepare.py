@@ -179,16 +179,47 @@ def ensure_opset(g: Graph, target: int = QDQ_OPSET) -> int:
                          f"({MIN_OPSET}-{MAX_OPSET}); export the model at opset 13-17")
     if version >= target:
         return version
+    if version < 13:
+        for node in g.graph.node:
+            if node.op_type != "Hardmax" or node.domain not in ("", "ai.onnx"):
+                continue
+            axis = node_attr(node, "axis", 1)
+            rank = len(g.shape(node.input[0]) or [])
+            if not rank or axis not in (-1, rank - 1):
+                # onnx's converter keeps the node as is, but Hardmax-13 no longer flattens the
+                # input from ``axis`` on: the output would change
+                raise ModelError(f"Hardmax {node.name or node.output[0]} (opset {version}, axis {axis}) "
+                                 f"changes meaning when converted to opset {target}; export the model "
+                                 f"at opset {target} or later")
     try:
         converted = version_converter.convert_version(g.model, target)
     except Exception as exc:
         raise ModelError(f"could not convert the model from opset {version} to {target} "
                          f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
                          f"export it at opset {target} or later") from exc
+    if version < 11:
+        _resize_as_before_11(converted.graph)
+    if converted.ir_version < 7:
+        converted.ir_version = 7   # opset 13 needs IR 7
     g.model = converted
     g.refresh()
     log.info("converted the model from opset %d to %d for per-channel Q/DQ", version, target)
     return version
+
+
+def _resize_as_before_11(graph) -> None:
+    """Upsample and Resize-10 sample at ``x_out / scale`` (asymmetric; nearest takes the floor);
+    onnx's converter emits a Resize with the opset-11 defaults (half_pixel, round_prefer_floor),
+    which moves a bilinear upsampling by half a pixel. Write the old sampling out explicitly."""
+    for node in graph.node:
+        if node.op_type != "Resize" or node.domain not in ("", "ai.onnx"):
+            continue
+        names = {a.name for a in node.attribute}
+        if "coordinate_transformation_mode" not in names:
+            node.attribute.append(helper.make_attribute("coordinate_transformation_mode", "asymmetric"))
+        mode = node_attr(node, "mode", b"nearest")
+        if mode in (b"nearest", "nearest") and "nearest_mode" not in names:
+            node.attribute.append(helper.make_attribute("nearest_mode", "floor"))
 
 
 def lower_ir_version(g: Graph) -> int:

@@ -60,6 +60,37 @@ def test_recent_opsets_quantize_unchanged(tmp_path, opset):
     assert res.report["outputs"][0]["cosine"] > 0.99
 
 
+@pytest.mark.parametrize("op,opset", [("Upsample", 9), ("Resize", 10)])
+@pytest.mark.parametrize("mode", ["linear", "nearest"])
+@pytest.mark.parametrize("scale", [1.5, 2.0])
+def test_converting_old_upsampling_keeps_its_sampling(op, opset, mode, scale):
+    """onnx's converter turns Upsample/Resize-10 into a Resize with opset-11 defaults (half_pixel),
+    which shifts bilinear upsampling by half a pixel; the prepared graph must compute the same."""
+    nodes = [helper.make_node(op, ["x", "s"], ["y"], mode=mode)]
+    model = make_model(nodes, [vi("x", [1, 2, 3, 4])], [vi("y", [1, 2, int(3 * scale), int(4 * scale)])],
+                       {"s": np.array([1, 1, scale, scale], np.float32)}, opset=opset)
+    model.ir_version = 5
+    g = Graph(model)
+    prepare(g)
+    assert g.opset >= 13 and g.model.ir_version >= 7
+    x = {"x": rand((1, 2, 3, 4), 4)}
+    np.testing.assert_array_equal(ort_run(g.model, x)[0], ort_run(model, x)[0])
+
+
+@pytest.mark.parametrize("axis,ok", [(1, False), (2, True), (-1, True)])
+def test_an_old_hardmax_over_flattened_axes_is_refused(axis, ok):
+    nodes = [helper.make_node("Hardmax", ["x"], ["y"], axis=axis)]
+    model = make_model(nodes, [vi("x", [2, 3, 4])], [vi("y", [2, 3, 4])], opset=12)
+    g = Graph(model)
+    if ok:
+        prepare(g)
+        x = {"x": rand((2, 3, 4), 5)}
+        np.testing.assert_array_equal(ort_run(g.model, x)[0], ort_run(model, x)[0])
+    else:
+        with pytest.raises(ModelError, match="Hardmax.*export the model at opset 13"):
+            prepare(g)
+
+
 def test_old_opset_conv_weights_are_per_channel(tmp_path):
     _, qm = quantize_model(tmp_path, conv_model(opset=11), n=2)
     dq = next(n for n in qm.graph.node if n.op_type == "DequantizeLinear" and n.input[0] == "w_quantized")
