@@ -79,6 +79,9 @@ class QuantConfig:
         if (self.a_bits or 8) > 8 or any((p[1] or 8) > 8 for p in self.layer_bits.values()):
             raise ConfigError("activation bits above 8 need int16 Q/DQ (opset 21), not supported yet; "
                               "use --a_bits 2..8")
+        if (self.w_bits or 8) > 8 or any((p[0] or 8) > 8 for p in self.layer_bits.values()):
+            raise ConfigError("weight bits above 8 need int16 Q/DQ (opset 21), not supported yet; "
+                              "use --w_bits 2..8 (or --skip_layers to keep a layer float)")
         for name, value in (("bias_correction (--bc)", self.bias_correction),
                             ("equalize (--no_equalize)", self.equalize)):
             if not isinstance(value, bool):

@@ -120,6 +120,9 @@ class DataSource:
             if s.name not in keys:
                 raise DataError(f"{path} has no array named {s.name!r} (has {sorted(keys)}); "
                                 "store one [N, ...] array per model input under its name")
+            if self._npz[s.name].ndim == 0:
+                raise DataError(f"{path}[{s.name!r}] is a single number; store an [N, ...] array of "
+                                "samples per model input")
             count = self._npz[s.name].shape[0]
             if count < self.n:
                 raise DataError(f"{path}[{s.name!r}] holds {count} samples but -N is {self.n}; "

@@ -87,6 +87,11 @@ def load(name_or_path: str) -> Platform:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"platform spec {path} is not valid TOML ({exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"platform spec {path} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                          "save it as UTF-8") from exc
+    except OSError as exc:
+        raise ConfigError(f"cannot read platform spec {path}: {exc.strerror or exc}") from exc
     return parse(data, str(path))
 
 
@@ -116,8 +121,9 @@ def _rule(d: dict, where: str, defaults: dict) -> TensorRule:
                 _need(d, key, bool, where)
             continue
         vals[key] = _need(d, key, typ, where) if key in d or key not in defaults else defaults[key]
-    if not 2 <= vals["bits"] <= 16:
-        raise ConfigError(f"platform spec {where}: bits must be 2..16, got {vals['bits']}")
+    if not 2 <= vals["bits"] <= 8:
+        raise ConfigError(f"platform spec {where}: bits must be 2..8 (int16 Q/DQ needs opset 21, "
+                          f"not supported yet), got {vals['bits']}")
     if vals["unsigned"] and vals["symmetric"]:
         raise ConfigError(f"platform spec {where}: unsigned grids are asymmetric; set symmetric = false")
     if vals["unsigned_nonnegative"] and not vals["symmetric"]:

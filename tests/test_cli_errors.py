@@ -14,6 +14,7 @@ from onnx import helper
 from conftest import conv_model, input_feeds, make_model, rand, save, vi, write_samples
 from dipoorlet.cli import main
 from dipoorlet.errors import DipoorletError
+from dipoorlet.platform import platforms_dir
 
 
 @pytest.fixture(autouse=True)
@@ -196,9 +197,38 @@ def zero_samples(c):
     return ["-N"]
 
 
+def weight_bits_above_8(c):
+    c.extra = ["--w_bits", "12"]
+    return ["weight bits above 8", "--w_bits"]
+
+
+def npz_scalar(c):
+    np.savez(c.tmp / "d.npz", x=np.float32(1))
+    c.args["-I"] = str(c.tmp / "d.npz")
+    c.args["-N"] = "1"
+    return ["d.npz", "[N, ...] array"]
+
+
+def platform_not_utf8(c):
+    spec = c.tmp / "chip.toml"
+    src = (platforms_dir() / "trt.toml").read_text()
+    spec.write_bytes(("# caf\xe9\n" + src).encode("latin-1"))
+    c.args["-D"] = str(spec)
+    return ["chip.toml", "UTF-8"]
+
+
+def platform_bits_16(c):
+    spec = c.tmp / "chip16.toml"
+    src = (platforms_dir() / "trt.toml").read_text()
+    spec.write_text(src.replace("bits = 8", "bits = 16", 1))
+    c.args["-D"] = str(spec)
+    return ["chip16.toml", "bits must be 2..8"]
+
+
 CASES = [missing_model, model_is_a_folder, not_onnx, external_data_missing, custom_op, input_dir_missing, input_folder_missing,
          too_few_files, bin_wrong_size, nan_in_sample, inf_in_npy, unknown_method, unknown_platform,
-         output_not_writable, output_is_a_file, nothing_quantizable, skip_layer_unknown, input_shape_malformed, input_shape_unknown_name, zero_samples]
+         output_not_writable, output_is_a_file, nothing_quantizable, skip_layer_unknown, input_shape_malformed, input_shape_unknown_name, zero_samples,
+         weight_bits_above_8, npz_scalar, platform_not_utf8, platform_bits_16]
 
 
 @pytest.mark.parametrize("breaker", CASES, ids=[f.__name__ for f in CASES])

@@ -130,7 +130,7 @@ def test_user_spec_from_a_path(case, tmp_path):
 
 @pytest.mark.parametrize("edit,needle", [
     (lambda s: s.replace("bits = 8\nsymmetric = true\nunsigned", "bitz = 8\nsymmetric = true\nunsigned", 1), "bitz"),
-    (lambda s: s.replace("bits = 8", "bits = 0", 1), "bits must be 2..16"),
+    (lambda s: s.replace("bits = 8", "bits = 0", 1), "bits must be 2..8"),
     (lambda s: s.replace('deploy = ["trt", "reference"]', 'deploy = ["nope"]'), "deploy format 'nope'"),
     (lambda s: s.replace("[bias]\nquantize = false", "[bias]\nquantize = \"no\""), "'quantize' must be bool"),
     (lambda s: s.replace('name = "trt"\n', ""), "missing key 'name'"),
