@@ -37,6 +37,29 @@ def _int_clip(graph, src: str, qp: QParams, name: str) -> str:
     return out
 
 
+ACT_SUFFIXES = ("_scale", "_zero_point", "_q", "_dq", "_QuantizeLinear", "_DequantizeLinear", "_clip_min",
+                "_clip_max", "_clipped", "_Clip", "_float")
+WEIGHT_SUFFIXES = ("_quantized", "_scale", "_zero_point", "_dq", "_DequantizeLinear")
+
+
+def _all_names(model: onnx.ModelProto) -> set[str]:
+    g = model.graph
+    names = {n.name for n in g.node} | {o for n in g.node for o in n.output} | {i for n in g.node for i in n.input}
+    names |= {t.name for t in g.initializer} | {v.name for v in [*g.input, *g.output, *g.value_info]}
+    return names
+
+
+def _base(tensor: str, taken: set[str], suffixes) -> str:
+    """``tensor`` itself when none of ``tensor + suffix`` is taken (the reference tool's names),
+    else the first ``tensor_<i>`` that is free; its derived names are then reserved."""
+    base, i = tensor, 0
+    while any(base + sfx in taken for sfx in suffixes):
+        i += 1
+        base = f"{tensor}_{i}"
+    taken.update(base + sfx for sfx in suffixes)
+    return base
+
+
 def insert_qdq(g: Graph, placement: Placement, plan: QuantPlan) -> onnx.ModelProto:
     """A new model with Q/DQ inserted; ``g`` is not modified."""
     model = onnx.ModelProto()
@@ -44,25 +67,27 @@ def insert_qdq(g: Graph, placement: Placement, plan: QuantPlan) -> onnx.ModelPro
     graph = model.graph
     nodes = {n.name: n for n in graph.node}
     new_nodes: dict[str, list] = {}   # producer tensor -> nodes to insert after its producer
+    taken = _all_names(model)
 
     for tensor, point in placement.activations.items():
         qp = plan.activations.get(tensor)
         if qp is None or not (point.uses or point.output):
             continue
-        s = _const(graph, tensor + "_scale", qp.scale)
-        z = _const(graph, tensor + "_zero_point", qp.zero_point)
-        q_out = tensor + "_q"
-        q = helper.make_node("QuantizeLinear", [tensor, s, z], [q_out], name=tensor + "_QuantizeLinear")
+        base = _base(tensor, taken, ACT_SUFFIXES)
+        s = _const(graph, base + "_scale", qp.scale)
+        z = _const(graph, base + "_zero_point", qp.zero_point)
+        q_out = base + "_q"
+        q = helper.make_node("QuantizeLinear", [tensor, s, z], [q_out], name=base + "_QuantizeLinear")
         before = len(graph.node)
-        q_src = _int_clip(graph, q_out, qp, tensor)
+        q_src = _int_clip(graph, q_out, qp, base)
         extra = [graph.node.pop() for _ in range(len(graph.node) - before)][::-1]
-        dq = helper.make_node("DequantizeLinear", [q_src, s, z], [tensor + "_dq"],
-                              name=tensor + "_DequantizeLinear")
+        dq = helper.make_node("DequantizeLinear", [q_src, s, z], [base + "_dq"],
+                              name=base + "_DequantizeLinear")
         new_nodes[tensor] = [q, *extra, dq]
         for node_name, index in point.uses:
-            nodes[node_name].input[index] = tensor + "_dq"
+            nodes[node_name].input[index] = base + "_dq"
         if point.output:
-            _quantize_output(graph, tensor, q, dq, nodes, new_nodes)
+            _quantize_output(graph, tensor, base, q, dq, nodes, new_nodes)
 
     # transformed constants (plan.values), each only while the layer it belongs to is quantized
     quantized_nodes = {wp.node for wp in placement.weights.values() if wp.tensor in plan.weights}
@@ -77,15 +102,16 @@ def insert_qdq(g: Graph, placement: Placement, plan: QuantPlan) -> onnx.ModelPro
         key = wp.tensor
         if key not in weight_names_used:
             value = values[wp.tensor] if wp.tensor in values else g.weight(wp.tensor)
-            qname = wp.tensor + "_quantized"
+            base = _base(wp.tensor, taken, WEIGHT_SUFFIXES)
+            qname = base + "_quantized"
             _const(graph, qname, quantize_array(value, qp))
-            s = _const(graph, wp.tensor + "_scale", qp.scale)
-            z = _const(graph, wp.tensor + "_zero_point", qp.zero_point)
+            s = _const(graph, base + "_scale", qp.scale)
+            z = _const(graph, base + "_zero_point", qp.zero_point)
             attrs = {"axis": qp.axis} if qp.axis is not None else {}
-            dq = helper.make_node("DequantizeLinear", [qname, s, z], [wp.tensor + "_dq"],
-                                  name=wp.tensor + "_DequantizeLinear", **attrs)
+            dq = helper.make_node("DequantizeLinear", [qname, s, z], [base + "_dq"],
+                                  name=base + "_DequantizeLinear", **attrs)
             new_nodes.setdefault("", []).append(dq)
-            weight_names_used[key] = wp.tensor + "_dq"
+            weight_names_used[key] = base + "_dq"
         node.input[index] = weight_names_used[key]
 
     _replace_values(graph, values, set(weight_names_used))
@@ -110,20 +136,20 @@ def _replace_values(graph: onnx.GraphProto, values: dict, quantized: set) -> Non
                 np.asarray(todo.pop(name), dtype=np.float32), name)))
 
 
-def _quantize_output(graph, tensor: str, q, dq, nodes: dict, new_nodes: dict) -> None:
+def _quantize_output(graph, tensor: str, base: str, q, dq, nodes: dict, new_nodes: dict) -> None:
     """Make network output ``tensor`` the dequantized value, keeping its name.
 
     The producer now writes ``<t>_float``; Q reads it and DQ writes ``<t>``, so every consumer
     and the graph output see what the chip outputs, under the name users already know.
     """
-    src = tensor + "_float"
+    src = base + "_float"
     for node in graph.node:
         for i, out in enumerate(node.output):
             if out == tensor:
                 node.output[i] = src
     for node in nodes.values():
         for i, name in enumerate(node.input):
-            if name == tensor + "_dq":
+            if name == base + "_dq":
                 node.input[i] = tensor
     q.input[0] = src
     dq.output[0] = tensor

@@ -409,3 +409,22 @@ def test_grouped_conv_transpose_weights_get_one_grid(tmp_path):
     assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
     weights = json.loads((tmp_path / "out" / "weight_clip_val.json").read_text())
     assert len(np.ravel(weights["wt"][0])) == 1
+
+
+def test_inserted_names_never_collide_with_the_models_own(tmp_path):
+    """A model that already has tensors called x_scale and w_dq: the Q/DQ names move aside
+    (x_1_scale ...) instead of clashing, and the model still computes the same."""
+    from conftest import quantize_model, rand
+
+    nodes = [helper.make_node("Mul", ["x", "x_scale"], ["xs"], name="pre"),
+             helper.make_node("Conv", ["xs", "w"], ["c"], name="conv"),
+             helper.make_node("Add", ["c", "w_dq"], ["y"], name="post")]
+    model = make_model(nodes, [vi("x", [1, 3, 4, 4])], [vi("y", [1, 2, 4, 4])],
+                       {"x_scale": rand((1, 3, 1, 1), 1), "w": rand((2, 3, 1, 1), 2),
+                        "w_dq": rand((1, 2, 1, 1), 3)})
+    feeds = input_feeds(model, 3)
+    _, qm = quantize_model(tmp_path, model, feeds=feeds, skip_prof_layer=True)
+    onnx.checker.check_model(qm)
+    names = [t.name for t in qm.graph.initializer]
+    assert len(names) == len(set(names)) and "w_1_dq" in {o for n in qm.graph.node for o in n.output}
+    np.testing.assert_allclose(ort_run(qm, feeds[0])[0], ort_run(model, feeds[0])[0], atol=0.1)
