@@ -27,7 +27,7 @@ def _const(g: onnx.GraphProto, name: str, value: np.ndarray) -> str:
 
 def _int_clip(graph, src: str, qp: QParams, name: str) -> str:
     full_min, full_max = (-128, 127) if qp.signed else (0, 255)
-    if qp.bits >= 8 or (qp.qmin <= full_min and qp.qmax >= full_max):
+    if qp.bits > 8 or (qp.qmin <= full_min and qp.qmax >= full_max):
         return src
     dtype = qp.zero_point.dtype
     lo = _const(graph, name + "_clip_min", np.array(qp.qmin, dtype=dtype))

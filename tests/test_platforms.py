@@ -161,3 +161,17 @@ def test_ops_a_platform_cannot_quantize_stay_float_with_a_reason(case):
     reasons = {d["node"]: d for d in res.report["decisions"]}
     assert not reasons["pool1"]["quantized"] and "not quantized on atlas" in reasons["pool1"]["reason"]
     assert reasons["conv1"]["quantized"]
+
+
+def test_narrow_range_8_bit_activations_never_reach_minus_128(case, tmp_path):
+    """An 8-bit activation grid of [-127, 127] (narrow_range) needs the Clip between Q and DQ as
+    lower bit widths do; QuantizeLinear alone would produce -128."""
+    src = (platforms.platforms_dir() / "trt.toml").read_text()
+    act, rest = src.split("[weight]", 1)
+    spec = tmp_path / "narrow.toml"
+    spec.write_text(act.replace("unsigned = false", "unsigned = false\nnarrow_range = true", 1) + "[weight]" + rest)
+    res, out, qm = run(case, str(spec))
+    clips = [n for n in qm.graph.node if n.op_type == "Clip" and n.input[0].endswith("_q")]
+    assert clips
+    lo = next(t for t in qm.graph.initializer if t.name == clips[0].input[1])
+    assert int(numpy_helper.to_array(lo)) == -127
