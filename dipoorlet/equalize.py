@@ -230,6 +230,7 @@ def channel_stats(g, items: list[tuple[str, list[int] | None, int]], data, indic
     processes with an exact MAX. ``axes=None``: the channels are the last axis, whatever the rank."""
     model = g.model
     outputs = []
+    types = dict(g.types)
     n_nodes = len(model.graph.node)
     n_inits = len(model.graph.initializer)
     try:
@@ -240,25 +241,32 @@ def channel_stats(g, items: list[tuple[str, list[int] | None, int]], data, indic
                 model.graph.initializer.append(numpy_helper.from_array(np.array([-1, n], np.int64), shape))
                 model.graph.node.append(helper.make_node("Reshape", [t, shape], [src], name=src))
                 axes = [0]
-            for kind, pre, op in (("max", "Abs", "ReduceMax"), ("ms", "Mul", "ReduceMean")):
-                mid, out = f"{t}{SUFFIX}_{kind}_in", f"{t}{SUFFIX}_{kind}"
-                model.graph.node.append(helper.make_node(pre, [src] if pre == "Abs" else [src, src], [mid], name=mid))
+            # reductions straight from the tensor: no full-size |x| or x*x temporaries
+            for kind, op in (("hi", "ReduceMax"), ("lo", "ReduceMin"), ("ss", "ReduceSumSquare")):
+                out = f"{t}{SUFFIX}_{kind}"
                 if g.opset >= 18:
                     ax = f"{t}{SUFFIX}_{kind}_axes"
                     model.graph.initializer.append(numpy_helper.from_array(np.array(axes, np.int64), ax))
-                    model.graph.node.append(helper.make_node(op, [mid, ax], [out], name=out, keepdims=0))
+                    model.graph.node.append(helper.make_node(op, [src, ax], [out], name=out, keepdims=0))
                 else:
-                    model.graph.node.append(helper.make_node(op, [mid], [out], name=out, axes=axes, keepdims=0))
+                    model.graph.node.append(helper.make_node(op, [src], [out], name=out, axes=axes, keepdims=0))
                 outputs.append(out)
-        runner = Runner(model, outputs, types=g.types, device=device)
+            size = f"{t}{SUFFIX}_size"
+            model.graph.node.append(helper.make_node("Size", [src], [size], name=size))
+            outputs.append(size)
+            types[size] = (TensorProto.INT64, [])
+        runner = Runner(model, outputs, types=types, device=device)
     finally:
         del model.graph.node[n_nodes:]
         del model.graph.initializer[n_inits:]
     acc = [np.zeros(n) for _, _, n in items for _ in range(2)]
     for i in progress(indices, label, comm):
         got, _ = runner.run(data.sample(i), ranges=False)
-        for k, out in enumerate(outputs):
-            acc[k] = np.maximum(acc[k], np.asarray(got[out], dtype=np.float64).reshape(-1))
+        for k, (_, _, n) in enumerate(items):
+            hi, lo, ss, size = (np.asarray(got[o], dtype=np.float64).reshape(-1) for o in outputs[4 * k:4 * k + 4])
+            per_channel = max(float(size[0]) / n, 1.0)
+            acc[2 * k] = np.maximum(acc[2 * k], np.maximum(hi, -lo))
+            acc[2 * k + 1] = np.maximum(acc[2 * k + 1], ss / per_channel)
     flat = comm.allreduce_max(np.concatenate(acc)) if acc else np.zeros(0)
     result, offset = {}, 0
     for t, _, n in items:
