@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -108,7 +109,11 @@ class MPIComm(SingleProcess):
         self.comm.Barrier()
 
     def abort(self, code: int = 2):
+        sys.stdout.flush()
         sys.stderr.flush()
+        # the launcher forwards each rank's stderr through its proxy; Abort kills the proxies,
+        # and a message still in transit was lost now and then (seen under load with 3 ranks)
+        time.sleep(0.5)
         self.comm.Abort(code)
 
 
