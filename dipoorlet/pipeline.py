@@ -228,12 +228,13 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
     savefp = _fp_saver(staging, g.output_names) if cfg.savefp else None
     try:
         t = time.perf_counter()
-        samples = profile.collect_errors(g, qmodel, data, indices, targets_prof, comm, cfg.device, savefp)
+        errors, out_cosines = profile.collect_errors(g, qmodel, data, indices, targets_prof, comm,
+                                                     cfg.device, savefp)
         timings["profile_s"] = time.perf_counter() - t
         if comm.rank != 0:
             return Result(out_dir, [], {}, [], timings)
         # Every collective step is done (the gather waited for all ranks): rank 0 writes.
-        rows = profile.summarize(samples, targets_prof, g.output_names,
+        rows = profile.summarize(errors, targets_prof, g.output_names,
                                  places.quantized_nodes if not cfg.skip_prof_layer else ())
         staging.mkdir(exist_ok=True)
         if cfg.quant_format == "QOP":
@@ -247,7 +248,7 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
                 "quantized_nodes": len(places.quantized_nodes),
                 "qdq_tensors": sum(1 for t in places.activations if t in plan.activations),
                 "weights": len(places.weights)}
-        rep = report.build(rows, places, meta, analysis, stats, plan, samples)
+        rep = report.build(rows, places, meta, analysis, stats, plan, out_cosines)
         files += report.write(staging, rep)
         timings["total_s"] = time.perf_counter() - t0
         final = _publish(staging, out_dir)

@@ -3,9 +3,11 @@
 For every quantized node's outputs and every network output, the float model's tensor is compared
 with the quantized model's tensor at the same name (the *cumulative* error: everything upstream
 quantized, as the reference tool reports it). Both models run once per sample, each in one
-session built for the pass. Per sample only a few scalars are kept (cosine, error and signal
-energy, max |error|), tagged with the sample index so results merged across processes are summed
-in sample order and come out bit-identical for any process count.
+session built for the pass. Each sample's scalars (cosine, error and signal energy, max |error|)
+go at once into per-tensor accumulators of fixed size (:class:`ErrorStats`): sums are exact
+(Shewchuk's partials, as ``math.fsum``), so accumulators merged across processes in any order
+give bit-identical results, and memory does not grow with -N. Only the network outputs keep one
+cosine per sample (8 bytes), for the report's per-sample distribution.
 
 Cosine of a sample: sum(f*q) / sqrt(sum(f^2) sum(q^2)), 1 when both are zero. Layer cosine is the
 mean over samples (as the reference); SQNR is 10 log10(sum f^2 / sum (f-q)^2) over all samples.
@@ -63,11 +65,95 @@ def profile_targets(graph, placement, layers: bool) -> dict[str, tuple[str, str]
     return targets
 
 
+class ExactSum:
+    """The correctly rounded sum of floats added one by one, in any order and across processes:
+    the exact sum is held as non-overlapping partials (Shewchuk 1997, the algorithm behind
+    ``math.fsum``), a few floats whatever the count. Non-finite values are tracked apart."""
+
+    __slots__ = ("partials", "nan", "pos_inf", "neg_inf")
+
+    def __init__(self):
+        self.partials: list[float] = []
+        self.nan = self.pos_inf = self.neg_inf = False
+
+    def add(self, x: float) -> None:
+        x = float(x)
+        if not math.isfinite(x):
+            if x != x:
+                self.nan = True
+            elif x > 0:
+                self.pos_inf = True
+            else:
+                self.neg_inf = True
+            return
+        partials, i = self.partials, 0
+        for y in partials:
+            if abs(x) < abs(y):
+                x, y = y, x
+            hi = x + y
+            lo = y - (hi - x)
+            if lo:
+                partials[i] = lo
+                i += 1
+            x = hi
+        partials[i:] = [x]
+
+    def merge(self, other: "ExactSum") -> None:
+        for x in other.partials:
+            self.add(x)
+        self.nan |= other.nan
+        self.pos_inf |= other.pos_inf
+        self.neg_inf |= other.neg_inf
+
+    def value(self) -> float:
+        if self.nan or (self.pos_inf and self.neg_inf):
+            return math.nan
+        if self.pos_inf or self.neg_inf:
+            return math.inf if self.pos_inf else -math.inf
+        return math.fsum(self.partials)
+
+
+class ErrorStats:
+    """One tensor's error over the samples seen: count, exact sums of cosine, error and signal
+    energy, the lowest cosine and the largest |error| (NaN samples counted apart)."""
+
+    __slots__ = ("n", "cos", "err", "sig", "min_cos", "max_abs", "nan")
+
+    def __init__(self):
+        self.n, self.cos, self.err, self.sig = 0, ExactSum(), ExactSum(), ExactSum()
+        self.min_cos, self.max_abs, self.nan = math.inf, 0.0, 0
+
+    def add(self, cos: float, err: float, sig: float, max_abs: float) -> None:
+        self.n += 1
+        self.cos.add(cos)
+        self.err.add(err)
+        self.sig.add(sig)
+        if cos != cos or max_abs != max_abs:
+            self.nan += 1
+        if cos == cos:
+            self.min_cos = min(self.min_cos, cos)
+        if max_abs == max_abs:
+            self.max_abs = max(self.max_abs, max_abs)
+
+    def merge(self, other: "ErrorStats") -> "ErrorStats":
+        self.n += other.n
+        for a, b in ((self.cos, other.cos), (self.err, other.err), (self.sig, other.sig)):
+            a.merge(b)
+        self.min_cos = min(self.min_cos, other.min_cos)
+        self.max_abs = max(self.max_abs, other.max_abs)
+        self.nan += other.nan
+        return self
+
+
 def collect_errors(graph, qmodel, data, indices, targets: dict, comm, device="cpu", on_float=None):
+    """({tensor: ErrorStats} merged over every process, {network output: per-sample cosines in
+    sample order}); both complete on rank 0."""
     names = list(targets)
+    outputs = [t for t in names if t in set(graph.output_names)]
     fp = Runner(graph.model, names, types=graph.types, device=device)
     qr = Runner(qmodel, names, types=graph.types, optimize=False, device=device)
-    per_sample: dict[str, list] = {t: [] for t in names}
+    stats = {t: ErrorStats() for t in names}
+    out_cos: dict[str, list] = {t: [] for t in outputs}
     for i in progress(indices, "error profile", comm):
         feed = data.sample(i)
         f_out, _ = fp.run(feed)
@@ -75,25 +161,35 @@ def collect_errors(graph, qmodel, data, indices, targets: dict, comm, device="cp
         if on_float is not None:
             on_float(i, f_out)
         for t in names:
-            per_sample[t].append((i,) + sample_metrics(f_out[t], q_out[t]))
-    return comm.gather_samples(per_sample)
+            m = sample_metrics(f_out[t], q_out[t])
+            stats[t].add(*m)
+            if t in out_cos:
+                out_cos[t].append((i, m[0]))
+    gathered = comm.gather_samples({t: [st] for t, st in stats.items()})
+    merged = {}
+    for t, parts in gathered.items():
+        merged[t] = ErrorStats()
+        for part in parts:
+            merged[t].merge(part)
+    cosines = comm.gather_samples(out_cos)
+    return merged, {t: [c for _, c in sorted(v)] for t, v in cosines.items()}
 
 
-def summarize(per_sample: dict, targets: dict, outputs: list[str], quantized=()) -> list[ErrorRow]:
+def summarize(stats: dict, targets: dict, outputs: list[str], quantized=()) -> list[ErrorRow]:
     """One row per layer tensor and one per network output (a quantized layer's output that is
     also a network output gets both)."""
     quantized = set(quantized)
     rows = []
-    for t, samples in per_sample.items():
-        samples = sorted(samples)
-        if not samples:
+    for t, st in stats.items():
+        if not st.n:
             continue
-        cos = [s[1] for s in samples]
-        err = math.fsum(s[2] for s in samples)
-        sig = math.fsum(s[3] for s in samples)
+        err, sig = st.err.value(), st.sig.value()
         sqnr = math.inf if err == 0 else (10 * math.log10(sig / err) if sig > 0 else -math.inf)
+        if err != err or sig != sig:
+            sqnr = math.nan
         node, op = targets[t]
-        values = (math.fsum(cos) / len(cos), min(cos), sqnr, max(s[4] for s in samples))
+        min_cos = st.min_cos if st.min_cos != math.inf else math.nan
+        values = (st.cos.value() / st.n, min_cos, sqnr, st.max_abs)
         if t not in outputs or node in quantized:
             rows.append(ErrorRow(t, node, op, *values, False))
         if t in outputs:

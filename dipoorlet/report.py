@@ -46,10 +46,10 @@ def _histograms(nodes, places, stats, plan, bins: int = 64) -> dict:
     return out
 
 
-def _output_distribution(samples: dict, outputs: list[str], bins: int = 20) -> dict:
+def _output_distribution(cosines: dict, outputs: list[str], bins: int = 20) -> dict:
     dist = {}
     for t in outputs:
-        cos = np.array([s[1] for s in samples.get(t, [])], dtype=np.float64)
+        cos = np.array(cosines.get(t, []), dtype=np.float64)
         cos = cos[np.isfinite(cos)]  # a model whose own output is NaN for a sample
         if cos.size == 0:
             continue
@@ -61,7 +61,7 @@ def _output_distribution(samples: dict, outputs: list[str], bins: int = 20) -> d
 
 
 def build(rows, places, meta: dict, analysis: dict | None = None, stats=None, plan=None,
-          samples=None) -> dict:
+          output_cosines=None) -> dict:
     analysis = analysis or {}
     iso = {s.node: s for s in analysis.get("isolated", [])}
     layers = []
@@ -109,8 +109,8 @@ def build(rows, places, meta: dict, analysis: dict | None = None, stats=None, pl
     if stats is not None and plan is not None:
         focus = list(dict.fromkeys(rep["most_sensitive_layers"][:5] + worst_nodes[:5]))
         rep["activation_histograms"] = _histograms(focus, places, stats, plan)
-    if samples is not None:
-        rep["output_distribution"] = _output_distribution(samples, [o["tensor"] for o in rep["outputs"]])
+    if output_cosines is not None:
+        rep["output_distribution"] = _output_distribution(output_cosines, [o["tensor"] for o in rep["outputs"]])
     return rep
 
 

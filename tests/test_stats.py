@@ -138,3 +138,49 @@ def test_tensorstats_merge_adds_histograms_and_ranges(rng):
     whole.update(x)
     assert (merged.minmax.lo, merged.minmax.hi) == (lo, hi)
     np.testing.assert_array_equal(merged.hist.counts, whole.counts)
+
+
+def test_exact_sum_streams_and_merges_to_math_fsum_in_any_order():
+    import math
+    import random
+
+    from dipoorlet.profile import ExactSum
+
+    rng = random.Random(3)
+    values = [rng.uniform(-1, 1) * 10 ** rng.randint(-12, 12) for _ in range(3000)] + [1e16, 1.0, -1e16]
+    want = math.fsum(values)
+    for _ in range(3):
+        rng.shuffle(values)
+        parts = [ExactSum() for _ in range(4)]
+        for k, v in enumerate(values):
+            parts[k % 4].add(v)
+        total = ExactSum()
+        for p in parts[::-1]:
+            total.merge(p)
+        assert total.value() == want
+        assert len(total.partials) < 40   # a few floats, not one per value
+    s = ExactSum()
+    s.add(1.0)
+    s.add(math.inf)
+    assert s.value() == math.inf
+    s.add(-math.inf)
+    assert math.isnan(s.value())
+
+
+def test_error_stats_match_the_per_sample_computation():
+    import math
+
+    from dipoorlet.profile import ErrorStats, sample_metrics
+
+    rng = np.random.default_rng(0)
+    pairs = [(rng.standard_normal(50).astype(np.float32), rng.standard_normal(50).astype(np.float32))
+             for _ in range(20)]
+    rows = [sample_metrics(f, f + 0.1 * q) for f, q in pairs]
+    a, b = ErrorStats(), ErrorStats()
+    for k, r in enumerate(rows):
+        (a if k % 3 else b).add(*r)
+    st = a.merge(b)
+    assert st.n == 20
+    assert st.cos.value() / st.n == math.fsum(r[0] for r in rows) / 20
+    assert st.err.value() == math.fsum(r[1] for r in rows) and st.sig.value() == math.fsum(r[2] for r in rows)
+    assert st.min_cos == min(r[0] for r in rows) and st.max_abs == max(r[3] for r in rows)
