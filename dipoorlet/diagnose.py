@@ -24,7 +24,6 @@ from dipoorlet.graph import node_attr
 
 DIAGNOSE_LAYERS = 5
 MIN_LOSS = 1e-4          # layers whose isolated output cosine is above 1 - MIN_LOSS are fine
-SPREAD_NOTE = 4.0        # a channel spread worth naming
 
 
 def _channels(g, node, tensor: str) -> tuple[list[int] | None, int] | None:
@@ -84,21 +83,15 @@ def _describe(g, node) -> str:
 
 
 def _weight_sqnr(g, places, plan, node: str) -> float | None:
-    from dipoorlet.qparams import quantize_array
+    from dipoorlet.qparams import dequantize_array, quantize_array
 
     for wp in places.weights.values():
         if wp.node != node or wp.index != 1 or wp.tensor not in plan.weights:
             continue
         w = g.weight(wp.tensor).astype(np.float64)
-        q = quantize_array(w, plan.weights[wp.tensor]).astype(np.float64)
         qp = plan.weights[wp.tensor]
-        scale = np.asarray(qp.scale, np.float64)
-        zp = np.asarray(qp.zero_point, np.float64)
-        if qp.axis is not None:
-            shape = [1] * w.ndim
-            shape[qp.axis] = -1
-            scale, zp = scale.reshape(shape), zp.reshape(shape)
-        err = float(((w - (q - zp) * scale) ** 2).sum())
+        w_hat = dequantize_array(quantize_array(w, qp), qp)
+        err = float(((w - w_hat) ** 2).sum())
         sig = float((w ** 2).sum())
         return math.inf if err == 0 else 10 * math.log10(sig / err) if sig > 0 else None
     return None

@@ -83,6 +83,16 @@ def rule_signed(rule: TensorRule) -> bool:
     return not rule.unsigned
 
 
+def dequantize_array(q: np.ndarray, qp: QParams) -> np.ndarray:
+    """Float64 values of integers ``q`` on ``qp``'s grid (as DequantizeLinear, in float64)."""
+    scale, zp = np.asarray(qp.scale, np.float64), np.asarray(qp.zero_point, np.float64)
+    if qp.axis is not None:
+        shape = [1] * q.ndim
+        shape[qp.axis] = -1
+        scale, zp = scale.reshape(shape), zp.reshape(shape)
+    return (q.astype(np.float64) - zp) * scale
+
+
 def quantize_array(x: np.ndarray, qp: QParams) -> np.ndarray:
     """Integer values of ``x`` on ``qp``'s grid (round half to even, as ONNX QuantizeLinear)."""
     scale, zp = qp.scale.astype(np.float32), qp.zero_point.astype(np.float32)

@@ -203,6 +203,16 @@ def _feeds(n=4, shape=(1, 3, 8, 8), seed=0):
     return [{"x": rng.standard_normal(shape).astype(np.float32)} for _ in range(n)]
 
 
+def _channel_max(model, tensor, feeds):
+    """Per-channel max |x| of ``tensor`` over ``feeds`` (axis 1), from onnxruntime."""
+    import onnx
+
+    m2 = onnx.ModelProto()
+    m2.CopyFrom(model)
+    m2.graph.output.append(helper.make_tensor_value_info(tensor, onnx.TensorProto.FLOAT, None))
+    return np.max([np.abs(ort_run(m2, f)[1]).max(axis=(0, 2, 3)) for f in feeds], axis=0)
+
+
 def test_equalization_keeps_the_float_function_and_evens_out_channel_ranges():
     model = _se_block()
     feeds = _feeds()
@@ -217,11 +227,7 @@ def test_equalization_keeps_the_float_function_and_evens_out_channel_ranges():
     for f in feeds:
         np.testing.assert_allclose(ort_run(g.model, f)[0], ort_run(model, f)[0], rtol=1e-4, atol=1e-5)
     # the activation A feeds into the depthwise conv now spans one range in every channel
-    import onnx
-    m2 = onnx.ModelProto()
-    m2.CopyFrom(g.model)
-    m2.graph.output.append(helper.make_tensor_value_info("ar", onnx.TensorProto.FLOAT, None))
-    r = np.max([np.abs(ort_run(m2, f)[1]).max(axis=(0, 2, 3)) for f in feeds], axis=0)
+    r = _channel_max(g.model, "ar", feeds)
     np.testing.assert_allclose(r, r.max(), rtol=1e-4)
 
 
@@ -541,8 +547,6 @@ def _lab_block(skew=True, per_channel_bias=False):
 
 @pytest.mark.parametrize("per_channel_bias", [False, True])
 def test_an_affine_pair_takes_the_scale_and_keeps_the_float_function(per_channel_bias):
-    import onnx
-
     model = _lab_block(per_channel_bias=per_channel_bias)
     feeds = _feeds()
     g, rows = _equalized(model, feeds)
@@ -554,10 +558,7 @@ def test_an_affine_pair_takes_the_scale_and_keeps_the_float_function(per_channel
         assert g.weight(const).shape == (6, 1, 1)  # now one value per channel
     for f in feeds:
         np.testing.assert_allclose(ort_run(g.model, f)[0], ort_run(model, f)[0], rtol=1e-4, atol=1e-5)
-    m2 = onnx.ModelProto()
-    m2.CopyFrom(g.model)
-    m2.graph.output.append(helper.make_tensor_value_info("lb", onnx.TensorProto.FLOAT, None))
-    r = np.max([np.abs(ort_run(m2, f)[1]).max(axis=(0, 2, 3)) for f in feeds], axis=0)
+    r = _channel_max(g.model, "lb", feeds)
     assert r.max() / r.min() < 2.0  # was ~30x
 
 
