@@ -33,7 +33,7 @@ def collect(graph, data, indices, targets: list[str], comm, histograms: bool, bi
     # With histograms, leave one core to the numpy binning thread (it overlaps inference).
     threads = max(1, (os.cpu_count() or 2) - 1) if histograms else 0
     runner = Runner(graph.model, targets if histograms else [], reduce_minmax=targets,
-                    types=graph.types, device=device, threads=threads)
+                    types=graph.types, device=device, threads=threads, spin=not histograms)
     if not histograms:
         return range_pass(runner, data, indices, targets, comm)
     return histogram_pass(runner, data, indices, targets, bins, comm)

@@ -241,9 +241,16 @@ def channel_stats(g, items: list[tuple[str, list[int] | None, int]], data, indic
                 model.graph.initializer.append(numpy_helper.from_array(np.array([-1, n], np.int64), shape))
                 model.graph.node.append(helper.make_node("Reshape", [t, shape], [src], name=src))
                 axes = [0]
-            # reductions straight from the tensor: no full-size |x| or x*x temporaries
+            # reductions straight from the tensor: no full-size |x| or x*x temporaries. A Relu
+            # output's minimum is 0 (most measured tensors are one): no ReduceMin for it, each
+            # reduction costs about as much as a small network's Conv.
+            producer = g.producer.get(t)
+            nonneg = producer is not None and producer.op_type == "Relu"
             for kind, op in (("hi", "ReduceMax"), ("lo", "ReduceMin"), ("ss", "ReduceSumSquare")):
                 out = f"{t}{SUFFIX}_{kind}"
+                if kind == "lo" and nonneg:
+                    outputs.append(None)
+                    continue
                 if g.opset >= 18:
                     ax = f"{t}{SUFFIX}_{kind}_axes"
                     model.graph.initializer.append(numpy_helper.from_array(np.array(axes, np.int64), ax))
@@ -255,7 +262,7 @@ def channel_stats(g, items: list[tuple[str, list[int] | None, int]], data, indic
             model.graph.node.append(helper.make_node("Size", [src], [size], name=size))
             outputs.append(size)
             types[size] = (TensorProto.INT64, [])
-        runner = Runner(model, outputs, types=types, device=device)
+        runner = Runner(model, [o for o in outputs if o is not None], types=types, device=device)
     finally:
         del model.graph.node[n_nodes:]
         del model.graph.initializer[n_inits:]
@@ -263,7 +270,8 @@ def channel_stats(g, items: list[tuple[str, list[int] | None, int]], data, indic
     for i in progress(indices, label, comm):
         got, _ = runner.run(data.sample(i), ranges=False)
         for k, (_, _, n) in enumerate(items):
-            hi, lo, ss, size = (np.asarray(got[o], dtype=np.float64).reshape(-1) for o in outputs[4 * k:4 * k + 4])
+            hi, lo, ss, size = (np.asarray(got[o], dtype=np.float64).reshape(-1) if o is not None else 0.0
+                                for o in outputs[4 * k:4 * k + 4])
             per_channel = max(float(size[0]) / n, 1.0)
             acc[2 * k] = np.maximum(acc[2 * k], np.maximum(hi, -lo))
             acc[2 * k + 1] = np.maximum(acc[2 * k + 1], ss / per_channel)

@@ -98,7 +98,7 @@ class Runner:
 
     def __init__(self, model: onnx.ModelProto, outputs: list[str], *, reduce_minmax=(),
                  types: dict | None = None, optimize: bool = True, device: str = "cpu",
-                 threads: int = 0):
+                 threads: int = 0, spin: bool = True):
         ort = _ort()
         self.outputs = list(outputs)
         self.reduced = list(reduce_minmax)
@@ -108,8 +108,11 @@ class Runner:
                                        else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
         if threads:
             so.intra_op_num_threads = threads
-        # No busy-waiting between ops: calibration bins histograms on a worker thread meanwhile.
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        if not spin:
+            # No busy-waiting between ops: calibration bins histograms on a worker thread
+            # meanwhile. Elsewhere spinning stays on (onnxruntime's default): without it every
+            # op of a small network waits for its pool threads to wake up.
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         providers = choose_providers(device)
         with tempfile.TemporaryDirectory(prefix="dipoorlet-") as tmp:
             src = _exposed_model_bytes_or_path(model, self.outputs, self.reduced, types or {}, tmp)

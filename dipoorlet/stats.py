@@ -112,7 +112,13 @@ class LogHistogram:
 
     MANTISSA_BITS = 7
     MIN_EXP, MAX_EXP = -48, 48
-    __slots__ = ("counts",)
+    # Tensors smaller than this are not binned one by one: their keys (2 bytes a value) wait
+    # until this many have gathered. One bincount costs ~40 us whatever its size (a 65,536-bin
+    # table), as much as binning 25,000 values, so a small network's ~50 small activations
+    # cost that per sample; buffered, one bincount serves many samples. Memory: at most
+    # 2 * BUFFER bytes per tensor (128 KB), whatever -N.
+    BUFFER = 1 << 16
+    __slots__ = ("_counts", "_pending", "_pending_n")
 
     _shift = 23 - MANTISSA_BITS
     _lo_key = (127 + MIN_EXP) << MANTISSA_BITS      # key of 2^MIN_EXP
@@ -124,22 +130,51 @@ class LogHistogram:
     _top = 1 if sys.byteorder == "little" else 0
 
     def __init__(self):
-        self.counts = np.zeros(2 * self.span + 2, dtype=np.int64)
+        self._counts = np.zeros(2 * self.span + 2, dtype=np.int64)
+        self._pending: list[np.ndarray] = []
+        self._pending_n = 0
+
+    @property
+    def counts(self) -> np.ndarray:
+        self._flush()
+        return self._counts
+
+    @counts.setter
+    def counts(self, value: np.ndarray) -> None:
+        self._pending, self._pending_n = [], 0
+        self._counts = value
 
     def update(self, x: np.ndarray) -> None:
         x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
-        # bincount straight from the strided uint16 view: 3 ns per value, against 4.5 for
+        keys = x.view(np.uint16)[self._top::2]
+        if keys.size >= self.BUFFER:
+            self._add(keys)
+            return
+        self._pending.append(keys.copy())      # the caller may reuse x's memory
+        self._pending_n += keys.size
+        if self._pending_n >= self.BUFFER:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._pending:
+            keys = self._pending[0] if len(self._pending) == 1 else np.concatenate(self._pending)
+            self._pending, self._pending_n = [], 0
+            self._add(keys)
+
+    def _add(self, keys: np.ndarray) -> None:
+        # bincount straight from the (strided) uint16 view: 3 ns per value, against 4.5 for
         # shifting into a key array first (and no temporary of 8 bytes per value)
-        c = np.bincount(x.view(np.uint16)[self._top::2], minlength=2 * self._half)
+        c = np.bincount(keys, minlength=2 * self._half)
         pos, neg = c[:self._half], c[self._half:]       # sign bit set: the upper half
         lo, hi, n = self._lo_key, self._hi_key, self.span
-        self.counts[:n] += neg[lo:hi]
-        self.counts[n:2 * n] += pos[lo:hi]
-        self.counts[-2] += neg[:lo].sum() + pos[:lo].sum()
-        self.counts[-1] += neg[hi:].sum() + pos[hi:].sum()
+        counts = self._counts
+        counts[:n] += neg[lo:hi]
+        counts[n:2 * n] += pos[lo:hi]
+        counts[-2] += neg[:lo].sum() + pos[:lo].sum()
+        counts[-1] += neg[hi:].sum() + pos[hi:].sum()
 
     def merge(self, other: "LogHistogram") -> "LogHistogram":
-        out = LogHistogram.__new__(LogHistogram)
+        out = LogHistogram()
         out.counts = self.counts + other.counts
         return out
 

@@ -233,7 +233,7 @@ def run_method(spec: str, task, n: int, out: Path, args) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     if tool == "dipoorlet":
         cmd = [sys.executable, "-m", "dipoorlet", "-M", task.model, "-I", task.calib_dir, "-N", n,
-               "-D", "trt", "-O", mdir, "-A", method, "--skip_prof_layer"]
+               "-D", "trt", "-O", mdir, "-A", method, "--skip_prof_layer"] + args.dipoorlet_args.split()
     elif tool == "ort":
         cmd = [sys.executable, str(Path(__file__).resolve()), "--_child", "ort", str(task.model),
                str(task.calib_dir), str(args.ort_n_calib or n), method, str(mdir), str(args.ort_entropy_bins)]
@@ -330,6 +330,7 @@ def main(argv=None) -> int:
                     help="calibration samples for onnxruntime's quantizer (default: --n-calib)")
     ap.add_argument("--ort-entropy-bins", type=int, default=2048,
                     help="histogram bins for ort:Entropy (0: onnxruntime's default 128, which equals MinMax)")
+    ap.add_argument("--dipoorlet-args", default="", help="extra flags for every dipoorlet run, e.g. '--eq_samples 16'")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per quantizer run")
     ap.add_argument("--mem-limit-gb", type=float, default=16,
                     help="address-space cap per quantizer run (0: none)")

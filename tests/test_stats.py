@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
-from dipoorlet.stats import Histogram, MinMax, TensorStats
+from dipoorlet.stats import Histogram, LogHistogram, MinMax, TensorStats
 
 
 def centred_data(rng, amax, bins, n, signed):
@@ -184,3 +184,36 @@ def test_error_stats_match_the_per_sample_computation():
     assert st.cos.value() / st.n == math.fsum(r[0] for r in rows) / 20
     assert st.err.value() == math.fsum(r[1] for r in rows) and st.sig.value() == math.fsum(r[2] for r in rows)
     assert st.min_cos == min(r[0] for r in rows) and st.max_abs == max(r[3] for r in rows)
+
+
+def _log_oracle(x: np.ndarray) -> np.ndarray:
+    """LogHistogram's layout from np.searchsorted on its magnitude edges (no bit tricks)."""
+    edges = LogHistogram.bin_edges()
+    n = LogHistogram.span
+    out = np.zeros(2 * n + 2, dtype=np.int64)
+    a = np.abs(x.astype(np.float64))
+    small, big = a < edges[0], a >= edges[-1]
+    out[-2], out[-1] = small.sum(), big.sum()
+    mid = ~(small | big)
+    idx = np.searchsorted(edges, a[mid], side="right") - 1
+    neg = np.signbit(x[mid])
+    np.add.at(out, idx[neg], 1)
+    np.add.at(out, n + idx[~neg], 1)
+    return out
+
+
+def test_log_histogram_buffered_small_and_direct_large_updates_match_the_oracle(rng):
+    # sizes on both sides of the buffering threshold, and a merge while keys are still pending
+    sizes = [7, 1000, LogHistogram.BUFFER - 1, 3, LogHistogram.BUFFER, 5 * LogHistogram.BUFFER, 40000, 40000]
+    parts = [(rng.standard_normal(s) * rng.choice([1e-3, 1.0, 300.0])).astype(np.float32) for s in sizes]
+    parts[1][:10] = 0.0
+    parts[1][10:12] = [1e30, -1e-30]
+    a, b = LogHistogram(), LogHistogram()
+    for i, p in enumerate(parts):
+        (a if i % 2 else b).update(p)
+    assert a._pending or b._pending      # the merge below must flush them
+    merged = a.merge(b)
+    np.testing.assert_array_equal(merged.counts, _log_oracle(np.concatenate(parts)))
+    # updating after reading the counts keeps adding
+    a.update(parts[0])
+    np.testing.assert_array_equal(a.counts, _log_oracle(np.concatenate(parts[1::2] + [parts[0]])))

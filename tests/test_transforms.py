@@ -577,3 +577,30 @@ def test_affine_equalization_lowers_the_quantization_error(tmp_path):
     feeds = _feeds(8)
     sq = {eq: _output_sqnr(tmp_path, model, feeds, eq)[0] for eq in (False, True)}
     assert sq[True] > sq[False] + 3.0, sq
+
+
+def test_channel_stats_match_numpy_for_relu_and_signed_tensors():
+    """Per-channel max |x| and peak per-sample mean square, against numpy on onnxruntime's
+    tensors: a Relu output (no ReduceMin in the graph) and a signed Conv output."""
+    import onnx
+    from dipoorlet import equalize
+    from dipoorlet.dist import SingleProcess
+
+    model = _se_block()
+    feeds = _feeds(5)
+    g = Graph(model)
+    prepare.prepare(g)
+    items = [("ar", [0, 2, 3], 6), ("d", [0, 2, 3], 6)]
+    got = equalize.channel_stats(g, items, _Data(feeds), range(len(feeds)), SingleProcess())
+    m2 = onnx.ModelProto()
+    m2.CopyFrom(g.model)
+    for t, _, _ in items:
+        m2.graph.output.append(helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None))
+    outs = [ort_run(m2, f)[1:] for f in feeds]
+    for k, (t, _, _) in enumerate(items):
+        xs = [o[k].astype(np.float64) for o in outs]
+        want_r = np.max([np.abs(x).max(axis=(0, 2, 3)) for x in xs], axis=0)
+        want_ms = np.max([(x ** 2).mean(axis=(0, 2, 3)) for x in xs], axis=0)
+        np.testing.assert_allclose(got[t][0], want_r, rtol=1e-6)
+        np.testing.assert_allclose(got[t][1], want_ms, rtol=1e-5)
+    assert (np.concatenate([o[1] for o in outs]) < 0).any()     # "d" is signed: its min mattered
