@@ -144,7 +144,7 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
             if not equalize_on:
                 a["equalization"] = "off for this platform or by --no_equalize"
             elif kind == "smoothed":
-                a["equalization"] = "already smoothed (MatMul input scale)"
+                a["equalization"] = "already smoothed (a per-channel input scale moved into the weights)"
             elif matmul_input:
                 a["equalization"] = ("MatMul input smoothing estimated to gain under 3 dB" if smooth else
                                      "MatMul input smoothing is off: this platform quantizes the Mul it inserts")
@@ -153,6 +153,10 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
                                      f"reachable from {via.name} but estimated to gain under 3 dB")
             elif kind == "blocked":
                 a["equalization"] = f"blocked by {_describe(g, via)}, which does not commute with a channel scale"
+                if node.op_type == "Conv" and node.input[0] == t and g.is_constant(node.input[1]):
+                    a["equalization"] += ("; input smoothing (the scale moved into this Conv's weights) "
+                                          + ("estimated to gain under 3 dB" if smooth else
+                                             "is off: this platform quantizes the Mul it inserts"))
             else:
                 a["equalization"] = "a network input: nothing upstream to take a scale"
             acts.append(a)

@@ -295,8 +295,19 @@ def _chain_items(g, chains: list[Chain]) -> list[tuple[str, list[int], int]]:
     return items
 
 
-def _matmul_items(g, targets: dict[str, list[str]]) -> list[tuple[str, None, int]]:
-    return [(x, None, g.weight(g.node_by_name[m[0]].input[1]).shape[0]) for x, m in targets.items()]
+def _smooth_items(g, targets: dict[str, list[str]]) -> list[tuple[str, list[int] | None, int]]:
+    """channel_stats items of smoothing targets: a MatMul input's channels are its last axis,
+    a Conv input's axis 1."""
+    items = []
+    for x, names in targets.items():
+        node = g.node_by_name[names[0]]
+        w = g.weight(node.input[1])
+        if node.op_type == "MatMul":
+            items.append((x, None, w.shape[0]))
+        else:
+            rank = len(g.shape(x))
+            items.append((x, [0] + list(range(2, rank)), w.shape[1] * int(node_attr(node, "group", 1))))
+    return items
 
 
 def apply(g, chains: list[Chain], stats: dict[str, tuple]) -> list[dict]:
@@ -450,11 +461,16 @@ def equalize(g, data, indices, comm, device="cpu", smooth: bool = True) -> list[
 
     One statistics pass serves both: a Conv pair's scaled tensors never reach a MatMul (the walk
     refuses the pair), so rescaling the pairs leaves every MatMul input's statistics as measured."""
-    chains = [c for c in find_chains(g, affine=smooth) if all(n in g.initializers for n in _weights(g, c))]
-    targets = matmul_targets(g) if smooth else {}
+    found = find_chains(g, affine=smooth)
+    chains = [c for c in found if all(n in g.initializers for n in _weights(g, c))]
+    # Conv inputs equalization cannot reach (a HardSwish, an Add, a Concat in between) are
+    # smoothed instead; a Conv a pair already serves is left to the pair.
+    absorbing = {n for c in found for n in c.absorbers}
+    targets = smooth_targets(g, exclude=absorbing) if smooth else {}
     chain_items = _chain_items(g, chains)
     measured = {t for t, _, _ in chain_items}
-    items = chain_items + [it for it in _matmul_items(g, targets) if it[0] not in measured]
+    targets = {x: m for x, m in targets.items() if x not in measured}
+    items = chain_items + _smooth_items(g, targets)
     if not items:
         return []
     stats = channel_stats(g, items, data, indices, comm, device)
@@ -464,8 +480,7 @@ def equalize(g, data, indices, comm, device="cpu", smooth: bool = True) -> list[
                  ", ".join(f"{r['producer']} -> {'/'.join(r['absorbers'])} spread {r['range_spread_before']:.1f}x"
                            for r in rows[:5]) + (" ..." if len(rows) > 5 else ""))
     if targets:
-        rows += smooth_matmuls(g, data, indices, comm, device,
-                               targets={x: m for x, m in targets.items() if x not in measured}, stats=stats)
+        rows += smooth_inputs(g, data, indices, comm, device, targets=targets, stats=stats)
     return rows
 
 
@@ -498,7 +513,41 @@ def matmul_targets(g) -> dict[str, list[str]]:
     return out
 
 
+def conv_targets(g, exclude=()) -> dict[str, list[str]]:
+    """Activation tensor -> the Convs (not in ``exclude``) that read it as input 0 with a
+    constant fp32 weight of their own; channels on axis 1, rank known."""
+    out: dict[str, list[str]] = {}
+    for node in g.topological_nodes():
+        if node.op_type != "Conv" or node.name in exclude or len(node.input) < 2:
+            continue
+        x, w = node.input[0], node.input[1]
+        if not g.is_constant(w) or g.is_constant(x) or not g.is_float(x) or w not in g.initializers:
+            continue
+        if len(g.consumers.get(w, [])) != 1 or w in g.output_names or not _fp32(g, w):
+            continue
+        shape, wshape = g.shape(x), g.weight(w).shape
+        channels = wshape[1] * int(node_attr(node, "group", 1))
+        if shape is None or len(shape) != len(wshape) or shape[1] not in (None, channels):
+            continue
+        out.setdefault(x, []).append(node.name)
+    return out
+
+
+def smooth_targets(g, exclude=()) -> dict[str, list[str]]:
+    """MatMul and Conv inputs that smoothing may rescale (a tensor read by both kinds keeps to
+    its MatMuls)."""
+    out = matmul_targets(g)
+    for x, names in conv_targets(g, exclude).items():
+        out.setdefault(x, names)
+    return out
+
+
 def smooth_matmuls(g, data, indices, comm, device="cpu", targets=None, stats=None) -> list[dict]:
+    """:func:`smooth_inputs` over the MatMul inputs only."""
+    return smooth_inputs(g, data, indices, comm, device, matmul_targets(g) if targets is None else targets, stats)
+
+
+def smooth_inputs(g, data, indices, comm, device="cpu", targets=None, stats=None) -> list[dict]:
     """SmoothQuant-style scaling of MatMul inputs (Xiao et al., ICML 2023), as TensorRT Model
     Optimizer's ``pre_quant_scale``: ``X @ W == (X / s) @ (s W)``. The division is a Mul by a
     constant vector inserted before the MatMuls (TensorRT fuses it with the quantize step); the
@@ -506,27 +555,43 @@ def smooth_matmuls(g, data, indices, comm, device="cpu", targets=None, stats=Non
     channels (LayerNorm outputs, GELU outputs) that set a per-tensor grid far too coarse for the
     rest; the weights, quantized per output column, absorb the scale at a smaller cost.
     ``s`` is chosen as for Conv pairs (:func:`choose_layer_scales`), only where it at least halves
-    the estimated noise."""
-    targets = matmul_targets(g) if targets is None else targets
+    the estimated noise.
+
+    The same holds for a Conv input that equalization cannot reach because the op that makes it
+    does not commute with a channel scale (HardSwish in MobileNetV3 and PP-LCNet, a residual Add,
+    a Concat): ``conv(x, W) == conv(x / s, W * s)`` along W's input channels, with the Mul by a
+    ``[C, 1, 1]`` constant. For a depthwise Conv the weight grid is per channel, so the
+    activation can be equalized fully at no weight cost."""
+    targets = smooth_targets(g) if targets is None else targets
     if not targets:
         return []
     if stats is None:
-        stats = channel_stats(g, _matmul_items(g, targets), data, indices, comm, device)
+        stats = channel_stats(g, _smooth_items(g, targets), data, indices, comm, device)
     rows = []
     for x, names in targets.items():
+        if x not in stats:
+            continue
         r, ms = stats[x]
         if not (np.all(np.isfinite(r)) and np.all(np.isfinite(ms))) or r.max() <= 0:
             continue
-        weights = [g.weight(g.node_by_name[n].input[1]).astype(np.float64) for n in names]
-        layers = [(w.T[:, :, None], 1) for w in weights]     # [N, K, 1]: Conv layout
+        nodes = [g.node_by_name[n] for n in names]
+        weights = [g.weight(n.input[1]).astype(np.float64) for n in nodes]
+        conv = nodes[0].op_type == "Conv"
+        if conv:
+            layers = [(w, int(node_attr(n, "group", 1))) for n, w in zip(nodes, weights)]
+        else:
+            layers = [(w.T[:, :, None], 1) for w in weights]     # [N, K, 1]: Conv layout
         s, alpha, gain = choose_layer_scales(layers, r, ms)
         if s is None:
             continue
-        for n, w in zip(names, weights):
-            _set(g, g.node_by_name[n].input[1], w * s[:, None])
+        for (w, group), n, w0 in zip(layers, nodes, weights):
+            _set(g, n.input[1], _scale_weight(w0, group, s) if conv else w0 * s[:, None])
         scale_name = fresh_name(g, f"{x}_smooth_factor")
         out_name = fresh_name(g, f"{x}_smooth")
-        g.graph.initializer.append(numpy_helper.from_array((1.0 / s).astype(np.float32), scale_name))
+        factor = (1.0 / s).astype(np.float32)
+        if conv:
+            factor = factor.reshape((-1,) + (1,) * (len(weights[0].shape) - 2))
+        g.graph.initializer.append(numpy_helper.from_array(factor, scale_name))
         g.initializers[scale_name] = g.graph.initializer[-1]
         mul = helper.make_node("Mul", [x, scale_name], [out_name], name=fresh_name(g, f"{x}_smooth_Mul"))
         consumers = [g.node_by_name[n] for n in names]
@@ -539,10 +604,11 @@ def smooth_matmuls(g, data, indices, comm, device="cpu", targets=None, stats=Non
         g.graph.value_info.append(helper.make_tensor_value_info(out_name, elem, shape))
         g.refresh()
         positive = r[r > 0]
-        rows.append({"tensor": x, "matmuls": list(names), "alpha": alpha, "max_gain": float(1.0 / s.min()),
+        rows.append({"tensor": x, "matmuls" if not conv else "convs": list(names), "alpha": alpha,
+                     "max_gain": float(1.0 / s.min()),
                      "range_spread_before": float(r.max() / positive.min()) if positive.size else 1.0,
                      "estimated_noise_reduction_db": gain})
     if rows:
-        log.info("smoothing: %d MatMul inputs rescaled (%s)", len(rows),
+        log.info("smoothing: %d MatMul/Conv inputs rescaled (%s)", len(rows),
                  ", ".join(f"{r['tensor']} alpha {r['alpha']}" for r in rows[:4]) + (" ..." if len(rows) > 4 else ""))
     return rows

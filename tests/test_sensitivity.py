@@ -167,9 +167,10 @@ def _swish_pair(spread=30.0):
 
 
 def test_diagnosis_names_the_wide_channel_and_the_op_that_blocks_equalization(tmp_path):
+    # qnn: per-channel weights (equalization on) but Mul quantized (no input smoothing)
     model = _swish_pair()
     feeds = input_feeds(model, 6, seed=2)
-    result, qmodel = quantize_model(tmp_path, model, feeds=feeds, sens_samples=6)
+    result, qmodel = quantize_model(tmp_path, model, feeds=feeds, sens_samples=6, deploy="qnn")
     rows = {d["node"]: d for d in result.report["diagnosis"]}
     assert "B" in rows
     b = rows["B"]
@@ -184,6 +185,7 @@ def test_diagnosis_names_the_wide_channel_and_the_op_that_blocks_equalization(tm
     assert act["channel_spread"] == pytest.approx(per_ch.max() / np.median(per_ch), rel=1e-5)
     assert act["channel_spread"] > 10
     assert "Swish-style gate" in act["equalization"] and "swish" in act["equalization"]
+    assert "smoothing" in act["equalization"] and "quantizes the Mul" in act["equalization"]
     assert "--skip_layers B" in b["advice"]
     report_md = (tmp_path / "out" / "report.md").read_text()
     assert "## What limits accuracy" in report_md and "--skip_layers B" in report_md
@@ -194,7 +196,8 @@ def test_diagnosis_weight_sqnr_matches_the_quantized_models_weights(tmp_path):
 
     model = _swish_pair()
     feeds = input_feeds(model, 4, seed=3)
-    result, qmodel = quantize_model(tmp_path, model, feeds=feeds, sens_samples=4)
+    # qnn: no input smoothing, so B stays among the layers the diagnosis explains
+    result, qmodel = quantize_model(tmp_path, model, feeds=feeds, sens_samples=4, deploy="qnn")
     inits = {t.name: numpy_helper.to_array(t) for t in qmodel.graph.initializer}
     dq = next(n for n in qmodel.graph.node if n.op_type == "DequantizeLinear" and n.output[0] == "wb_dq")
     q, s, z = (inits[i] for i in dq.input)
@@ -203,3 +206,15 @@ def test_diagnosis_weight_sqnr_matches_the_quantized_models_weights(tmp_path):
     want = 10 * np.log10((w ** 2).sum() / ((w - w_hat) ** 2).sum())
     rows = {d["node"]: d for d in result.report["diagnosis"]}
     assert rows["B"]["weight_sqnr_db"] == pytest.approx(want, abs=1e-3)
+
+
+def test_diagnosis_on_trt_reports_the_conv_input_smoothing(tmp_path):
+    model = _swish_pair()
+    feeds = input_feeds(model, 6, seed=2)
+    result, qmodel = quantize_model(tmp_path, model, feeds=feeds, sens_samples=6)
+    assert any(r.get("convs") == ["B"] for r in result.report["equalization"])
+    # smoothed, B may lose too little to be diagnosed at all
+    rows = {d["node"]: d for d in result.report.get("diagnosis", [])}
+    if "B" in rows:
+        (act,) = rows["B"]["activations"]
+        assert act["tensor"] != "h" and "already smoothed" in act["equalization"]

@@ -76,7 +76,9 @@ def test_prepare_reports_folded_batchnorms():
 
 
 # ----------------------------------------------------------------------------------- bias correction
-def _quantize(tmp_path, model, feeds, bc, deploy="trt", tag=""):
+def _quantize(tmp_path, model, feeds, bc, deploy="trt", tag="", equalize=False):
+    """Bias-correction runs: equalization off, so the skewed inputs keep the mean shift that
+    the correction must remove (input smoothing would shrink it first)."""
     import onnx
     import dipoorlet
     from conftest import write_samples
@@ -86,7 +88,7 @@ def _quantize(tmp_path, model, feeds, bc, deploy="trt", tag=""):
     data = write_samples(tmp_path / "d", feeds)
     out = tmp_path / f"o-{bc}-{deploy}{tag}"
     res = dipoorlet.quantize(model=path, input_dir=data, data_num=len(feeds), deploy=deploy, output_dir=out,
-                             skip_prof_layer=True, act_quant="mse", bias_correction=bc)
+                             skip_prof_layer=True, act_quant="mse", bias_correction=bc, equalize=equalize)
     return onnx.load(str(out / "quant_model.onnx")), res
 
 
@@ -254,7 +256,7 @@ def test_equalization_leaves_a_pair_alone_when_a_path_does_not_commute_with_the_
                   helper.make_node("Conv", ["b", "wb", "bb"], ["y"], name="B2")]
     model = make_model(nodes, [vi("x", [1, 3, 8, 8])], outputs, inits, opset=14)
     g, rows = _equalized(model, _feeds())
-    assert all(r["producer"] != "A" for r in rows)
+    assert all(r.get("producer") != "A" for r in rows)
 
 
 def test_equalization_chooses_nothing_when_channels_are_already_balanced():
@@ -604,3 +606,67 @@ def test_channel_stats_match_numpy_for_relu_and_signed_tensors():
         np.testing.assert_allclose(got[t][0], want_r, rtol=1e-6)
         np.testing.assert_allclose(got[t][1], want_ms, rtol=1e-5)
     assert (np.concatenate([o[1] for o in outs]) < 0).any()     # "d" is signed: its min mattered
+
+
+def _hardswish_block(spread=25.0, depthwise=False):
+    """Conv A (channel 2 amplified ``spread`` times) -> HardSwish (no channel scale passes it) ->
+    Conv B (dense, channel 2 weighted down as much; or depthwise) -> Relu: B's per-tensor int8
+    input has one channel far wider than the rest."""
+    c = 4
+    wa = rand((c, 3, 3, 3), 40, 0.4)
+    wa[2] *= spread
+    if depthwise:
+        wb = rand((c, 1, 3, 3), 41, 0.5)
+    else:
+        wb = rand((c, c, 1, 1), 41, 0.5)
+        wb[:, 2] /= spread
+    inits = {"wa": wa, "ba": rand((c,), 42, 0.1), "wb": wb, "bb": rand((c,), 43, 0.1)}
+    nodes = [helper.make_node("Conv", ["x", "wa", "ba"], ["a"], name="A", pads=[1] * 4),
+             helper.make_node("HardSwish", ["a"], ["h"], name="hswish"),
+             helper.make_node("Conv", ["h", "wb", "bb"], ["y0"], name="B",
+                              **({"group": c, "pads": [1] * 4} if depthwise else {})),
+             helper.make_node("Relu", ["y0"], ["y"], name="relu")]
+    return make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("y", [1, c, 8, 8])], inits, opset=14)
+
+
+@pytest.mark.parametrize("depthwise", [False, True])
+def test_conv_input_smoothing_keeps_the_float_function(depthwise):
+    from dipoorlet import equalize
+    from dipoorlet.dist import SingleProcess
+
+    model = _hardswish_block(depthwise=depthwise)
+    feeds = _feeds(4)
+    g = Graph(model)
+    prepare.prepare(g)
+    rows = equalize.equalize(g, _Data(feeds), range(4), SingleProcess())
+    row = next(r for r in rows if r.get("convs") == ["B"])
+    assert row["tensor"] == "h" and row["max_gain"] > 4
+    mul = g.producer[g.node_by_name["B"].input[0]]
+    assert mul.op_type == "Mul" and mul.input[0] == "h"
+    factor = g.weight(mul.input[1])
+    assert factor.shape == (4, 1, 1) and factor.ravel()[2] < factor.ravel()[0]   # the wide channel shrinks
+    for f in feeds:
+        np.testing.assert_allclose(ort_run(g.model, f)[0], ort_run(model, f)[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("depthwise", [False, True])
+def test_conv_input_smoothing_lowers_the_quantization_error(tmp_path, depthwise):
+    model = _hardswish_block(depthwise=depthwise)
+    feeds = _feeds(8)
+    sq = {eq: _output_sqnr(tmp_path, model, feeds, eq) for eq in (False, True)}
+    assert sq[True][0] > sq[False][0] + 6.0, {k: v[0] for k, v in sq.items()}
+    assert any(r.get("convs") == ["B"] for r in sq[True][1]["equalization"])
+
+
+def test_conv_input_smoothing_is_off_where_the_platform_quantizes_mul(tmp_path):
+    import onnx
+    import dipoorlet
+    from conftest import write_samples
+
+    onnx.save(_hardswish_block(), tmp_path / "m.onnx")
+    data = write_samples(tmp_path / "d", _feeds(4))
+    res = dipoorlet.quantize(model=tmp_path / "m.onnx", input_dir=data, data_num=4, deploy="qnn",
+                             output_dir=tmp_path / "o", skip_prof_layer=True)
+    assert not any("convs" in r for r in res.report.get("equalization", []))
+    qm = onnx.load(str(tmp_path / "o" / "quant_model.onnx"))
+    assert not any(n.name.endswith("_smooth_Mul") for n in qm.graph.node)
