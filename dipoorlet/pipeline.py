@@ -242,6 +242,8 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
                      save_model(_to_qop(qmodel), staging / "quant_model.onnx")]
         else:
             files = [save_model(qmodel, staging / "quant_model.onnx")]
+        if equalized or plan.values:
+            files.append(_save_transformed(g, plan, staging / "transformed_model.onnx"))
         files += export_all(DeployContext(g, plan, places, plat, cfg), staging)
         meta = {"model": str(cfg.model), "platform": plat.name, "method": cfg.act_quant,
                 "samples": cfg.data_num,
@@ -274,6 +276,29 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm) -> dict:
         out["auto_skip"] = sensitivity.auto_skip(g, places, plan, scorer, out["isolated"], crit,
                                                  target, cfg.max_float_layers)
     return out
+
+
+def _save_transformed(g: Graph, plan, path: Path) -> Path:
+    """The float model after the weight transforms (equalization's rescaled weights and inserted
+    Muls, corrected biases), without Q/DQ: the graph whose tensor names and ranges the side files
+    describe, for the flows that take a float model plus ranges (TensorRT's setDynamicRange or
+    calibration cache, SNPE/QNN encodings, RKNN and Atlas parameter files). The input model
+    would not match them: its weights differ and the smoothed tensors are not in it."""
+    from onnx import numpy_helper
+
+    inits = {t.name: t for t in g.graph.initializer}
+    saved = {}
+    try:
+        for name, value in plan.values.items():
+            if name in inits:
+                saved[name] = onnx.TensorProto()
+                saved[name].CopyFrom(inits[name])
+                dtype = onnx.helper.tensor_dtype_to_np_dtype(inits[name].data_type)
+                inits[name].CopyFrom(numpy_helper.from_array(np.asarray(value).astype(dtype), name))
+        return save_model(g.model, path)
+    finally:
+        for name, t in saved.items():
+            inits[name].CopyFrom(t)
 
 
 def _check(qmodel) -> None:

@@ -670,3 +670,42 @@ def test_conv_input_smoothing_is_off_where_the_platform_quantizes_mul(tmp_path):
     assert not any("convs" in r for r in res.report.get("equalization", []))
     qm = onnx.load(str(tmp_path / "o" / "quant_model.onnx"))
     assert not any(n.name.endswith("_smooth_Mul") for n in qm.graph.node)
+
+
+def test_transformed_float_model_matches_the_side_files_and_the_float_function(tmp_path):
+    import json
+    import onnx
+    import dipoorlet
+    from conftest import write_samples
+
+    model = _hardswish_block()
+    feeds = _feeds(6)
+    onnx.save(model, tmp_path / "m.onnx")
+    data = write_samples(tmp_path / "d", feeds)
+    res = dipoorlet.quantize(model=tmp_path / "m.onnx", input_dir=data, data_num=6, deploy="trt",
+                             output_dir=tmp_path / "o", skip_prof_layer=True)
+    assert res.report["equalization"]
+    tm = onnx.load(str(tmp_path / "o" / "transformed_model.onnx"))
+    assert not any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in tm.graph.node)
+    for f in feeds:   # the transforms keep the float function
+        np.testing.assert_allclose(ort_run(tm, f)[0], ort_run(model, f)[0], rtol=1e-4, atol=1e-4)
+    names = {o for n in tm.graph.node for o in n.output} | {i.name for i in tm.graph.input}
+    ranges = json.loads((tmp_path / "o" / "trt_clip_val.json").read_text())["blob_range"]
+    assert set(ranges) <= names and "h" not in ranges     # B reads the smoothed tensor
+    original = {o for n in model.graph.node for o in n.output} | {"x"}
+    assert set(ranges) - original                          # which the input model lacks
+
+    # bias correction: the transformed model holds the quantized model's corrected biases
+    res = dipoorlet.quantize(model=tmp_path / "m.onnx", input_dir=data, data_num=6, deploy="trt",
+                             output_dir=tmp_path / "bc", skip_prof_layer=True, equalize=False,
+                             bias_correction=True)
+    tm = {t.name: onnx.numpy_helper.to_array(t) for t in
+          onnx.load(str(tmp_path / "bc" / "transformed_model.onnx")).graph.initializer}
+    qm = {t.name: onnx.numpy_helper.to_array(t) for t in
+          onnx.load(str(tmp_path / "bc" / "quant_model.onnx")).graph.initializer}
+    assert not np.allclose(tm["bb"], onnx.numpy_helper.to_array(model.graph.initializer[3]))
+    np.testing.assert_array_equal(tm["bb"], qm["bb"])
+    # nothing transformed: no such file
+    dipoorlet.quantize(model=tmp_path / "m.onnx", input_dir=data, data_num=6, deploy="trt",
+                       output_dir=tmp_path / "plain", skip_prof_layer=True, equalize=False)
+    assert not (tmp_path / "plain" / "transformed_model.onnx").exists()
