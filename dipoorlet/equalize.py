@@ -395,7 +395,8 @@ def choose_scales(g, ch: Chain, r: np.ndarray, ms: np.ndarray):
     return choose_layer_scales(layers, r, ms)
 
 
-def choose_layer_scales(layers: list[tuple[np.ndarray, int]], r: np.ndarray, ms: np.ndarray):
+def choose_layer_scales(layers: list[tuple[np.ndarray, int]], r: np.ndarray, ms: np.ndarray,
+                        min_gain: float = MIN_GAIN):
     """:func:`choose_scales` for consumers given as (weight in Conv layout [O, C/group, taps...],
     group)."""
     w_in = np.zeros_like(r)   # largest |weight| on each input channel, over dense consumers
@@ -442,7 +443,7 @@ def choose_layer_scales(layers: list[tuple[np.ndarray, int]], r: np.ndarray, ms:
             best, best_alpha, best_noise = s, alpha, n
     # The estimate ignores clipping and how layers interact; act only on a clear gain (the
     # activation noise at least halved), not on a marginal one.
-    if best is not None and best_noise > base / MIN_GAIN:
+    if best is not None and best_noise > base / min_gain:
         best = None
     if best is None:
         return None, None, 0.0
