@@ -233,6 +233,9 @@ def channel_stats(g, items: list[tuple[str, list[int] | None, int]], data, indic
     types = dict(g.types)
     n_nodes = len(model.graph.node)
     n_inits = len(model.graph.initializer)
+    # sizes known before running only when every input is static (no sample can differ)
+    static_inputs = all(all(isinstance(d, int) and d > 0 for d in (g.shape(i.name) or [None]))
+                        for i in g.graph_inputs)
     try:
         for t, axes, n in items:
             src = t
@@ -258,11 +261,15 @@ def channel_stats(g, items: list[tuple[str, list[int] | None, int]], data, indic
                 else:
                     model.graph.node.append(helper.make_node(op, [src], [out], name=out, axes=axes, keepdims=0))
                 outputs.append(out)
+            shape = g.shape(t)
+            if static_inputs and shape and all(isinstance(d, int) and d > 0 for d in shape):
+                outputs.append(int(np.prod(shape)))    # static: no Size op to run per sample
+                continue
             size = f"{t}{SUFFIX}_size"
             model.graph.node.append(helper.make_node("Size", [src], [size], name=size))
             outputs.append(size)
             types[size] = (TensorProto.INT64, [])
-        runner = Runner(model, [o for o in outputs if o is not None], types=types, device=device)
+        runner = Runner(model, [o for o in outputs if isinstance(o, str)], types=types, device=device)
     finally:
         del model.graph.node[n_nodes:]
         del model.graph.initializer[n_inits:]
@@ -270,8 +277,8 @@ def channel_stats(g, items: list[tuple[str, list[int] | None, int]], data, indic
     for i in progress(indices, label, comm):
         got, _ = runner.run(data.sample(i), ranges=False)
         for k, (_, _, n) in enumerate(items):
-            hi, lo, ss, size = (np.asarray(got[o], dtype=np.float64).reshape(-1) if o is not None else 0.0
-                                for o in outputs[4 * k:4 * k + 4])
+            hi, lo, ss, size = (np.asarray(got[o], dtype=np.float64).reshape(-1) if isinstance(o, str)
+                                else np.array([float(o or 0)]) for o in outputs[4 * k:4 * k + 4])
             per_channel = max(float(size[0]) / n, 1.0)
             acc[2 * k] = np.maximum(acc[2 * k], np.maximum(hi, -lo))
             acc[2 * k + 1] = np.maximum(acc[2 * k + 1], ss / per_channel)
@@ -603,13 +610,15 @@ def smooth_inputs(g, data, indices, comm, device="cpu", targets=None, stats=None
         # declared, so shape inference, refresh() and placement all see a float tensor
         elem, shape = g.types.get(x, (TensorProto.FLOAT, None))
         g.graph.value_info.append(helper.make_tensor_value_info(out_name, elem, shape))
-        g.refresh()
+        g.producer[out_name] = mul          # for fresh_name; one refresh() after the loop
+        g.node_by_name[mul.name] = mul
         positive = r[r > 0]
         rows.append({"tensor": x, "matmuls" if not conv else "convs": list(names), "alpha": alpha,
                      "max_gain": float(1.0 / s.min()),
                      "range_spread_before": float(r.max() / positive.min()) if positive.size else 1.0,
                      "estimated_noise_reduction_db": gain})
     if rows:
+        g.refresh()
         log.info("smoothing: %d MatMul/Conv inputs rescaled (%s)", len(rows),
                  ", ".join(f"{r['tensor']} alpha {r['alpha']}" for r in rows[:4]) + (" ..." if len(rows) > 4 else ""))
     return rows
