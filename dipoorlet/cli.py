@@ -47,8 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bias correction: after calibration, remove the mean shift each quantized "
                         "Conv/Gemm/MatMul adds to its output (one extra pass of the quantized model)")
     p.add_argument("--no_equalize", action="store_true",
-                   help="do not equalize per-channel activation ranges between Conv pairs (on by default "
-                        "for platforms with per-channel weights)")
+                   help="do not equalize per-channel activation ranges between Conv pairs nor smooth "
+                        "MatMul/Conv inputs (on by default for platforms with per-channel weights)")
     p.add_argument("--eq_samples", type=int, default=None, metavar="K",
                    help="samples the equalization statistics pass reads (default: all N up to 64)")
     p.add_argument("--stpu_wg", action="store_true", help="stpu: Winograd F(2,3) for 3x3 stride-1 convolutions")
