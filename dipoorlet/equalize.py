@@ -572,8 +572,8 @@ def smooth_inputs(g, data, indices, comm, device="cpu", targets=None, stats=None
     The same holds for a Conv input that equalization cannot reach because the op that makes it
     does not commute with a channel scale (HardSwish in MobileNetV3 and PP-LCNet, a residual Add,
     a Concat): ``conv(x, W) == conv(x / s, W * s)`` along W's input channels, with the Mul by a
-    ``[C, 1, 1]`` constant. For a depthwise Conv the weight grid is per channel, so the
-    activation can be equalized fully at no weight cost."""
+    ``[C, 1, 1]`` constant. For a depthwise Conv the weight grid is per channel, so only the
+    activation side of the estimate counts."""
     targets = smooth_targets(g) if targets is None else targets
     if not targets:
         return []
