@@ -471,8 +471,9 @@ def equalize(g, data, indices, comm, device="cpu", smooth: bool = True) -> list[
     ``smooth``: also rescale MatMul inputs, which inserts a Mul (for backends that do not
     quantize a Mul's own inputs, where it runs fused in float).
 
-    One statistics pass serves both: a Conv pair's scaled tensors never reach a MatMul (the walk
-    refuses the pair), so rescaling the pairs leaves every MatMul input's statistics as measured."""
+    One statistics pass serves both: a pair's scaled tensors reach no MatMul and no Conv but its
+    own absorbers (the walk refuses the pair otherwise, and absorbers are never smoothed), so
+    rescaling the pairs leaves every smoothing target's statistics as measured."""
     found = find_chains(g, affine=smooth)
     chains = [c for c in found if all(n in g.initializers for n in _weights(g, c))]
     # Conv inputs equalization cannot reach (a HardSwish, an Add, a Concat in between) are
