@@ -498,7 +498,7 @@ def box_matches(ref_boxes: list, boxes: list, thr: float = 0.5) -> int:
 
 def det_metrics(ref_probs: list[np.ndarray], probs: list[np.ndarray]) -> dict:
     inter = union = 0
-    cos, n_ref, n_out, n_match = [], 0, 0, 0
+    cos, cos_text, n_ref, n_out, n_match = [], [], 0, 0, 0
     for r, p in zip(ref_probs, probs):
         mr, mp = r > DB_THRESH, p > DB_THRESH
         inter += int((mr & mp).sum())
@@ -506,12 +506,15 @@ def det_metrics(ref_probs: list[np.ndarray], probs: list[np.ndarray]) -> dict:
         a, b = r.ravel().astype(np.float64), p.ravel().astype(np.float64)
         na, nb = np.linalg.norm(a), np.linalg.norm(b)
         cos.append(float(a @ b / (na * nb)) if na > 0 and nb > 0 else float(na == nb))
+        if mr.any():    # an image without text has a near-zero float map: any noise sets its cosine
+            cos_text.append(cos[-1])
         rb = [sl for _, sl, _ in db_components(r)[1]]
         pb = [sl for _, sl, _ in db_components(p)[1]]
         n_ref, n_out, n_match = n_ref + len(rb), n_out + len(pb), n_match + box_matches(rb, pb)
     return {"mask_iou": inter / union if union else 1.0,
             "box_f1": 2 * n_match / (n_ref + n_out) if n_ref + n_out else 1.0,
-            "cosine": float(np.mean(cos)), "n_boxes_float": n_ref}
+            "cosine": float(np.mean(cos)), "cosine_text": float(np.mean(cos_text)) if cos_text else 1.0,
+            "n_boxes_float": n_ref}
 
 
 def _det_augment(img: np.ndarray, rng: np.random.Generator) -> np.ndarray:
