@@ -720,3 +720,64 @@ def test_transformed_float_model_matches_the_side_files_and_the_float_function(t
     dipoorlet.quantize(model=tmp_path / "m.onnx", input_dir=data, data_num=6, deploy="trt",
                        output_dir=tmp_path / "plain", skip_prof_layer=True, equalize=False)
     assert not (tmp_path / "plain" / "transformed_model.onnx").exists()
+
+
+def _smoothing_case(kind):
+    """Conv inputs equalization cannot reach, in shapes the smoothing must handle: a 1-D Conv, a
+    grouped (not depthwise) Conv, one tensor read by two Convs, and a graph input with a dynamic
+    spatial size (channel 1 of every input is 30x wider than the rest)."""
+    import onnx
+
+    c = 4
+    if kind == "conv1d":
+        nodes = [helper.make_node("HardSwish", ["x"], ["h"], name="hs"),
+                 helper.make_node("Conv", ["h", "w", "b"], ["y"], name="B")]
+        inits = {"w": rand((c, c, 3), 50, 0.5), "b": rand((c,), 51, 0.1)}
+        return make_model(nodes, [vi("x", [1, c, 16])], [vi("y", [1, c, 14])], inits, opset=14), (1, c, 16)
+    if kind == "grouped":
+        nodes = [helper.make_node("HardSwish", ["x"], ["h"], name="hs"),
+                 helper.make_node("Conv", ["h", "w", "b"], ["y"], name="B", group=2)]
+        inits = {"w": rand((c, c // 2, 1, 1), 52, 0.5), "b": rand((c,), 53, 0.1)}
+        return make_model(nodes, [vi("x", [1, c, 6, 6])], [vi("y", [1, c, 6, 6])], inits, opset=14), (1, c, 6, 6)
+    if kind == "two_readers":
+        nodes = [helper.make_node("HardSwish", ["x"], ["h"], name="hs"),
+                 helper.make_node("Conv", ["h", "w1", "b1"], ["y1"], name="B1"),
+                 helper.make_node("Conv", ["h", "w2", "b2"], ["y2"], name="B2", group=c),
+                 helper.make_node("Add", ["y1", "y2"], ["y"], name="add")]
+        inits = {"w1": rand((c, c, 1, 1), 54, 0.5), "b1": rand((c,), 55, 0.1),
+                 "w2": rand((c, 1, 1, 1), 56, 0.5), "b2": rand((c,), 57, 0.1)}
+        return make_model(nodes, [vi("x", [1, c, 6, 6])], [vi("y", [1, c, 6, 6])], inits, opset=14), (1, c, 6, 6)
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["y"], name="B", pads=[1] * 4)]
+    inits = {"w": rand((c, c, 3, 3), 58, 0.5), "b": rand((c,), 59, 0.1)}
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, c, "h", "w"])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, c, "h", "w"])
+    return make_model(nodes, [x], [y], inits, opset=14), (1, c, 6, 6)
+
+
+@pytest.mark.parametrize("kind", ["conv1d", "grouped", "two_readers", "dynamic_input"])
+def test_conv_input_smoothing_keeps_the_function_of_every_conv_shape(kind):
+    from dipoorlet import equalize
+    from dipoorlet.dist import SingleProcess
+
+    model, shape = _smoothing_case(kind)
+    rng = np.random.default_rng(60)
+    scale = np.ones(shape[1], np.float32)
+    scale[1] = 30.0
+    feeds = []
+    for i in range(4):
+        s = list(shape)
+        if kind == "dynamic_input":
+            s[2] = s[3] = 6 + 2 * (i % 2)
+        x = rng.standard_normal(s).astype(np.float32) * scale.reshape((1, -1) + (1,) * (len(s) - 2))
+        feeds.append({"x": x})
+    g = Graph(model)
+    prepare.prepare(g)
+    rows = equalize.equalize(g, _Data(feeds), range(4), SingleProcess())
+    smoothed = [r for r in rows if "convs" in r]
+    assert smoothed, rows
+    if kind == "two_readers":
+        assert sorted(smoothed[0]["convs"]) == ["B1", "B2"]
+        muls = [n for n in g.graph.node if n.name.endswith("_smooth_Mul")]
+        assert len(muls) == 1 and {c.name for c in g.consumers[muls[0].output[0]]} == {"B1", "B2"}
+    for f in feeds:
+        np.testing.assert_allclose(ort_run(g.model, f)[0], ort_run(model, f)[0], rtol=1e-4, atol=1e-4)
