@@ -65,6 +65,14 @@ def _blocker(g, tensor: str, depth: int = 8):
     return "blocked", g.producer.get(t)
 
 
+def _smoothing_note(smooth: bool) -> str:
+    if not smooth:
+        return "input smoothing is off: this platform quantizes the Mul it inserts"
+    return ("input smoothing (the scale moved into this Conv's weights) did not apply: estimated to "
+            "gain under 3 dB, or the Conv is excluded (shared weight, a Pad before it, part of a Conv "
+            "pair, --skip_layers)")
+
+
 def _by_positive_scalar(g, node) -> bool:
     """Mul or Div of a tensor by a positive scalar constant (commutes with a channel scale)."""
     if node.op_type not in ("Mul", "Div") or len(node.input) != 2 or not g.is_constant(node.input[1]):
@@ -154,11 +162,11 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
             elif kind == "blocked":
                 a["equalization"] = f"blocked by {_describe(g, via)}, which does not commute with a channel scale"
                 if node.op_type == "Conv" and node.input[0] == t and g.is_constant(node.input[1]):
-                    a["equalization"] += ("; input smoothing (the scale moved into this Conv's weights) "
-                                          + ("estimated to gain under 3 dB" if smooth else
-                                             "is off: this platform quantizes the Mul it inserts"))
+                    a["equalization"] += "; " + _smoothing_note(smooth)
             else:
                 a["equalization"] = "a network input: nothing upstream to take a scale"
+                if node.op_type == "Conv" and node.input[0] == t and g.is_constant(node.input[1]):
+                    a["equalization"] += "; " + _smoothing_note(smooth)
             acts.append(a)
         row["activations"] = acts
         wsq = _weight_sqnr(g, places, plan, s.node)

@@ -237,9 +237,6 @@ def channel_stats(g, items: list[tuple[str, list[int] | None, int]], data, indic
     types = dict(g.types)
     n_nodes = len(model.graph.node)
     n_inits = len(model.graph.initializer)
-    # sizes known before running only when every input is static (no sample can differ)
-    static_inputs = all(all(isinstance(d, int) and d > 0 for d in (g.shape(i.name) or [None]))
-                        for i in g.graph_inputs)
     try:
         for t, axes, n in items:
             src = t
@@ -265,15 +262,13 @@ def channel_stats(g, items: list[tuple[str, list[int] | None, int]], data, indic
                 else:
                     model.graph.node.append(helper.make_node(op, [src], [out], name=out, axes=axes, keepdims=0))
                 outputs.append(out)
-            shape = g.shape(t)
-            if static_inputs and shape and all(isinstance(d, int) and d > 0 for d in shape):
-                outputs.append(int(np.prod(shape)))    # static: no Size op to run per sample
-                continue
+            # measured per sample: a shape the model declares may be stale
             size = f"{t}{SUFFIX}_size"
             model.graph.node.append(helper.make_node("Size", [src], [size], name=size))
             outputs.append(size)
             types[size] = (TensorProto.INT64, [])
-        runner = Runner(model, [o for o in outputs if isinstance(o, str)], types=types, device=device)
+        runner = Runner(model, [o for o in outputs if isinstance(o, str)], types=types, device=device,
+                        spin=True)
     finally:
         del model.graph.node[n_nodes:]
         del model.graph.initializer[n_inits:]
@@ -466,7 +461,7 @@ def _set(g, name: str, value: np.ndarray) -> None:
     t.CopyFrom(numpy_helper.from_array(value.astype(np.float32), name))
 
 
-def equalize(g, data, indices, comm, device="cpu", smooth: bool = True) -> list[dict]:
+def equalize(g, data, indices, comm, device="cpu", smooth: bool = True, skip=()) -> list[dict]:
     """Find, measure and apply; returns the summary rows (empty when nothing qualifies).
     ``smooth``: also rescale MatMul inputs, which inserts a Mul (for backends that do not
     quantize a Mul's own inputs, where it runs fused in float).
@@ -479,7 +474,7 @@ def equalize(g, data, indices, comm, device="cpu", smooth: bool = True) -> list[
     # Conv inputs equalization cannot reach (a HardSwish, an Add, a Concat in between) are
     # smoothed instead; a Conv a pair already serves is left to the pair.
     absorbing = {n for c in found for n in c.absorbers}
-    targets = smooth_targets(g, exclude=absorbing) if smooth else {}
+    targets = smooth_targets(g, exclude=absorbing | set(skip)) if smooth else {}
     chain_items = _chain_items(g, chains)
     measured = {t for t, _, _ in chain_items}
     targets = {x: m for x, m in targets.items() if x not in measured}
@@ -538,6 +533,8 @@ def conv_targets(g, exclude=()) -> dict[str, list[str]]:
             continue
         if len(g.consumers.get(w, [])) != 1 or w in g.output_names or not _fp32(g, w):
             continue
+        if x in g.producer and g.producer[x].op_type == "Pad":
+            continue   # a Mul between Pad and Conv would break the backend's Pad-into-Conv fusion
         shape, wshape = g.shape(x), g.weight(w).shape
         channels = wshape[1] * int(node_attr(node, "group", 1))
         if shape is None or len(shape) != len(wshape) or shape[1] not in (None, channels):

@@ -173,7 +173,8 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         # follows still sees all N.
         k = min(cfg.data_num, cfg.equalize_samples or equalize.default_samples(cfg.data_num))
         eq_indices = shard(k, comm.rank, comm.world)
-        equalized = equalize.equalize(g, data, eq_indices, comm, cfg.device, smooth="Mul" not in plat.quantize_ops)
+        equalized = equalize.equalize(g, data, eq_indices, comm, cfg.device, smooth="Mul" not in plat.quantize_ops,
+                                       skip=cfg.skip_layers)
         timings["equalize_s"] = time.perf_counter() - t
     places = placement_mod.place(g, plat, cfg.skip_layers)
     targets = list(places.activations)

@@ -98,7 +98,7 @@ class Runner:
 
     def __init__(self, model: onnx.ModelProto, outputs: list[str], *, reduce_minmax=(),
                  types: dict | None = None, optimize: bool = True, device: str = "cpu",
-                 threads: int = 0, spin: bool = True):
+                 threads: int = 0, spin: bool = False):
         ort = _ort()
         self.outputs = list(outputs)
         self.reduced = list(reduce_minmax)
@@ -109,9 +109,11 @@ class Runner:
         if threads:
             so.intra_op_num_threads = threads
         if not spin:
-            # No busy-waiting between ops: calibration bins histograms on a worker thread
-            # meanwhile. Elsewhere spinning stays on (onnxruntime's default): without it every
-            # op of a small network waits for its pool threads to wake up.
+            # No busy-waiting between ops unless the caller runs this session alone: calibration
+            # bins histograms on a worker thread meanwhile, and the profile and sensitivity
+            # passes alternate two sessions whose spinning threads would take each other's cores
+            # (measured: profile pass 3x slower). A lone session spins (onnxruntime's default):
+            # otherwise every op of a small network waits for its pool threads to wake up.
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         providers = choose_providers(device)
         with tempfile.TemporaryDirectory(prefix="dipoorlet-") as tmp:

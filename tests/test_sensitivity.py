@@ -213,8 +213,15 @@ def test_diagnosis_on_trt_reports_the_conv_input_smoothing(tmp_path):
     feeds = input_feeds(model, 6, seed=2)
     result, qmodel = quantize_model(tmp_path, model, feeds=feeds, sens_samples=6)
     assert any(r.get("convs") == ["B"] for r in result.report["equalization"])
-    # smoothed, B may lose too little to be diagnosed at all
-    rows = {d["node"]: d for d in result.report.get("diagnosis", [])}
-    if "B" in rows:
-        (act,) = rows["B"]["activations"]
-        assert act["tensor"] != "h" and "already smoothed" in act["equalization"]
+    # smoothed, B loses too little to be among the diagnosed layers; the classification the
+    # diagnosis would print for its input is checked on the quantized model's float graph
+    from dipoorlet.diagnose import _blocker
+    from dipoorlet.graph import Graph
+
+    b = next(n for n in qmodel.graph.node if n.name == "B")
+    g = Graph(qmodel)
+    t = b.input[0]
+    while g.producer[t].op_type in ("DequantizeLinear", "QuantizeLinear"):
+        t = g.producer[t].input[0]
+    kind, via = _blocker(g, t)
+    assert kind == "smoothed" and via.input[0] == "h"

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from onnx import helper
+from onnx.numpy_helper import to_array as onnx_to_array
 
 from conftest import make_model, ort_run, rand, vi
 from dipoorlet import prepare
@@ -781,3 +782,27 @@ def test_conv_input_smoothing_keeps_the_function_of_every_conv_shape(kind):
         assert len(muls) == 1 and {c.name for c in g.consumers[muls[0].output[0]]} == {"B1", "B2"}
     for f in feeds:
         np.testing.assert_allclose(ort_run(g.model, f)[0], ort_run(model, f)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_conv_input_smoothing_leaves_pad_fed_and_skipped_convs_alone():
+    from dipoorlet import equalize
+    from dipoorlet.dist import SingleProcess
+
+    # HardSwish -> Pad -> Conv: a Mul between Pad and Conv would break Pad-into-Conv fusion
+    base = _hardswish_block()
+    nodes = list(base.graph.node)
+    nodes[2] = helper.make_node("Conv", ["hp", "wb", "bb"], ["y0"], name="B")
+    pad_inits = {"pads": np.array([0, 0, 0, 0, 0, 0, 0, 0], np.int64)}
+    nodes.insert(2, helper.make_node("Pad", ["h", "pads"], ["hp"], name="pad"))
+    inits = {t.name: onnx_to_array(t) for t in base.graph.initializer} | pad_inits
+    padded = make_model(nodes, list(base.graph.input), list(base.graph.output), inits, opset=14)
+    feeds = _feeds(4)
+    for model, skip in ((padded, ()), (base, ("B",))):
+        g = Graph(model)
+        prepare.prepare(g)
+        rows = equalize.equalize(g, _Data(feeds), range(4), SingleProcess(), skip=skip)
+        assert not any("convs" in r for r in rows)
+        assert not any(n.name.endswith("_smooth_Mul") for n in g.graph.node)
+    g = Graph(base)   # the control: the same block without Pad or skip is smoothed
+    prepare.prepare(g)
+    assert any("convs" in r for r in equalize.equalize(g, _Data(feeds), range(4), SingleProcess()))
