@@ -147,6 +147,7 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
                     a["channel_spread"] = float(live.max() / np.median(live))
             kind, via = _blocker(g, t)
             node = g.node_by_name[s.node]
+            conv_input = node.op_type == "Conv" and node.input[0] == t and g.is_constant(node.input[1])
             matmul_input = (node.op_type == "MatMul" and node.input[0] == t and g.is_constant(node.input[1])
                             and len(g.weight(node.input[1]).shape) == 2)
             if not equalize_on:
@@ -161,11 +162,11 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
                                      f"reachable from {via.name} but estimated to gain under 3 dB")
             elif kind == "blocked":
                 a["equalization"] = f"blocked by {_describe(g, via)}, which does not commute with a channel scale"
-                if node.op_type == "Conv" and node.input[0] == t and g.is_constant(node.input[1]):
+                if conv_input:
                     a["equalization"] += "; " + _smoothing_note(smooth)
             else:
                 a["equalization"] = "a network input: nothing upstream to take a scale"
-                if node.op_type == "Conv" and node.input[0] == t and g.is_constant(node.input[1]):
+                if conv_input:
                     a["equalization"] += "; " + _smoothing_note(smooth)
             acts.append(a)
         row["activations"] = acts
