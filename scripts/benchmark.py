@@ -345,6 +345,8 @@ def main(argv=None) -> int:
                     help="address-space cap per quantizer run (0: none)")
     ap.add_argument("--_child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.repeat < 1:
+        ap.error(f"--repeat {args.repeat}: expected a positive number of runs")
 
     if args._child:
         kind, *rest = args._child
