@@ -17,7 +17,7 @@ from onnx import helper, numpy_helper
 
 from dipoorlet.graph import Graph, drop_unused_initializers
 from dipoorlet.placement import Placement
-from dipoorlet.qparams import QParams, QuantPlan, quantize_array
+from dipoorlet.qparams import QParams, QuantPlan, dequantize_array, quantize_array
 
 
 def _const(g: onnx.GraphProto, name: str, value: np.ndarray) -> str:
@@ -74,15 +74,7 @@ def insert_qdq(g: Graph, placement: Placement, plan: QuantPlan) -> onnx.ModelPro
         if qp is None or not (point.uses or point.output):
             continue
         base = _base(tensor, taken, ACT_SUFFIXES)
-        s = _const(graph, base + "_scale", qp.scale)
-        z = _const(graph, base + "_zero_point", qp.zero_point)
-        q_out = base + "_q"
-        q = helper.make_node("QuantizeLinear", [tensor, s, z], [q_out], name=base + "_QuantizeLinear")
-        before = len(graph.node)
-        q_src = _int_clip(graph, q_out, qp, base)
-        extra = [graph.node.pop() for _ in range(len(graph.node) - before)][::-1]
-        dq = helper.make_node("DequantizeLinear", [q_src, s, z], [base + "_dq"],
-                              name=base + "_DequantizeLinear")
+        q, extra, dq = _act_chain(graph, tensor, base, qp)
         new_nodes[tensor] = [q, *extra, dq]
         for node_name, index in point.uses:
             nodes[node_name].input[index] = base + "_dq"
@@ -118,6 +110,20 @@ def insert_qdq(g: Graph, placement: Placement, plan: QuantPlan) -> onnx.ModelPro
     _rebuild(graph, new_nodes)
     drop_unused_initializers(graph)
     return model
+
+
+def _act_chain(graph, tensor: str, base: str, qp: QParams):
+    """QuantizeLinear (-> integer Clip) -> DequantizeLinear for ``tensor``, output ``<base>_dq``;
+    the scale/zero-point constants go into ``graph``, the nodes are returned, not inserted."""
+    s = _const(graph, base + "_scale", qp.scale)
+    z = _const(graph, base + "_zero_point", qp.zero_point)
+    q_out = base + "_q"
+    q = helper.make_node("QuantizeLinear", [tensor, s, z], [q_out], name=base + "_QuantizeLinear")
+    before = len(graph.node)
+    q_src = _int_clip(graph, q_out, qp, base)
+    extra = [graph.node.pop() for _ in range(len(graph.node) - before)][::-1]
+    dq = helper.make_node("DequantizeLinear", [q_src, s, z], [base + "_dq"], name=base + "_DequantizeLinear")
+    return q, extra, dq
 
 
 def _replace_values(graph: onnx.GraphProto, values: dict, quantized: set) -> None:
@@ -169,3 +175,146 @@ def _rebuild(graph: onnx.GraphProto, new_nodes: dict[str, list]) -> None:
             order.extend(new_nodes.pop(out, []))
     del graph.node[:]
     graph.node.extend(order)
+
+
+class Switchboard:
+    """One model that holds every quantization of a placement, each switched on or off per run.
+
+    Built for the sensitivity analysis, which scores dozens of variants of one placement (each
+    layer alone, its weight alone, its activations alone, the whole model less the float layers
+    of ``--auto_skip``). Building, serializing and loading one onnxruntime session per variant
+    cost three times the inference itself (measured on MiniLM: 24 s of 35 s); with this, one
+    session serves them all and a variant costs only its runs.
+
+    - Activations: every quantized tensor gets its Q/DQ once; each quantized node that reads it
+      reads ``Where(on_<node>, t_dq, t)`` instead, ``on_<node>`` a boolean scalar input. A network
+      output quantized in place becomes ``Where(on_<producer>, t_dq, t_float)`` under its name.
+    - Weights and the constants of weight transforms (``plan.values``) become graph inputs, one
+      per quantized use, fed the float or the fake-quantized (dequantized) array per run: no
+      per-run Q/DQ of weights, no copies (onnxruntime reads numpy inputs in place).
+
+    :meth:`feed` gives the inputs of the variant in which the nodes in ``acts`` have their
+    activations quantized and those in ``weights`` their weights, exactly what
+    ``insert_qdq(g, placement.restrict(...), plan)`` computes (``Where`` selects, it does not
+    blend; a dequantized int32 bias may differ in the last float32 bit).
+    """
+
+    def __init__(self, g: Graph, placement: Placement, plan: QuantPlan):
+        self.g, self.plan = g, plan
+        self._cache: dict = {}
+        model = onnx.ModelProto()
+        model.CopyFrom(g.model)
+        graph = model.graph
+        nodes = {n.name: n for n in graph.node}
+        taken = _all_names(model)
+        new_nodes: dict[str, list] = {}
+        self.masks: dict[str, str] = {}            # owner node -> boolean input
+        self.act_owners: set[str] = set()
+
+        def mask(owner: str) -> str:
+            if owner not in self.masks:
+                name = _base(f"on_{owner}", taken, ("",))
+                graph.input.append(helper.make_tensor_value_info(name, onnx.TensorProto.BOOL, []))
+                self.masks[owner] = name
+            return self.masks[owner]
+
+        for tensor, point in placement.activations.items():
+            qp = plan.activations.get(tensor)
+            if qp is None or not (point.uses or point.output):
+                continue
+            base = _base(tensor, taken, ACT_SUFFIXES + ("_sw",))
+            src = tensor
+            chain = []
+            if point.output:
+                owner = placement.output_owners[tensor]
+                src = base + "_float"
+                for node in graph.node:
+                    for i, out in enumerate(node.output):
+                        if out == tensor:
+                            node.output[i] = src
+                self.act_owners.add(owner)
+            q, extra, dq = _act_chain(graph, src, base, qp)
+            chain += [q, *extra, dq]
+            if point.output:
+                chain.append(helper.make_node("Where", [mask(owner), dq.output[0], src], [tensor],
+                                              name=base + "_sw_out"))
+            wired: dict[str, str] = {}
+            for (node_name, index), owner in zip(point.uses, point.owners):
+                if owner not in wired:
+                    out = _base(f"{base}_sw_{len(wired)}", taken, ("",))
+                    chain.append(helper.make_node("Where", [mask(owner), dq.output[0], tensor], [out], name=out))
+                    wired[owner] = out
+                    self.act_owners.add(owner)
+                nodes[node_name].input[index] = wired[owner]
+            new_nodes[src] = chain
+
+        # weights and transformed constants: graph inputs, one per quantized use
+        self.weight_inputs: list[tuple[str, str, str]] = []   # (input, node, tensor)
+        self.value_inputs: list[tuple[str, str]] = []         # (input, tensor): float uses of a transformed constant
+        self.weight_nodes = {wp.node for wp in placement.weights.values() if wp.tensor in plan.weights}
+        inputs: list[tuple[str, str]] = []
+        for (node_name, index), wp in placement.weights.items():
+            if wp.tensor not in plan.weights:
+                continue
+            name = _base(f"{wp.tensor}_sw_{node_name}_{index}", taken, ("",))
+            nodes[node_name].input[index] = name
+            self.weight_inputs.append((name, node_name, wp.tensor))
+            inputs.append((name, wp.tensor))
+        for tensor in plan.values:
+            name = _base(f"{tensor}_sw_value", taken, ("",))
+            used = False
+            for node in graph.node:
+                for i, x in enumerate(node.input):
+                    if x == tensor:
+                        node.input[i] = name
+                        used = True
+            if used:
+                self.value_inputs.append((name, tensor))
+                inputs.append((name, tensor))
+        for name, tensor in inputs:
+            w = self._weight(tensor)
+            graph.input.append(helper.make_tensor_value_info(
+                name, helper.np_dtype_to_tensor_dtype(w.dtype), list(w.shape)))
+        _rebuild(graph, new_nodes)
+        drop_unused_initializers(graph)
+        self.model = model
+
+    def _weight(self, tensor: str) -> np.ndarray:
+        key = ("float", tensor)
+        if key not in self._cache:
+            self._cache[key] = np.ascontiguousarray(self.g.weight(tensor))
+        return self._cache[key]
+
+    def _value(self, tensor: str, weights_on: set) -> tuple[str, np.ndarray]:
+        """The float value a variant holds for ``tensor`` (transformed or the model's own)."""
+        plan = self.plan
+        owner = plan.value_owners.get(tensor)
+        if tensor in plan.values and (owner is None or owner in weights_on):
+            key = ("value", tensor)
+            if key not in self._cache:
+                dtype = self._weight(tensor).dtype
+                self._cache[key] = np.ascontiguousarray(np.asarray(plan.values[tensor], dtype=dtype))
+            return "value", self._cache[key]
+        return "float", self._weight(tensor)
+
+    def _fake_quant(self, tensor: str, which: str, value: np.ndarray) -> np.ndarray:
+        key = ("fq", which, tensor)
+        if key not in self._cache:
+            qp = self.plan.weights[tensor]
+            self._cache[key] = dequantize_array(quantize_array(value, qp), qp).astype(value.dtype)
+        return self._cache[key]
+
+    @property
+    def owners(self) -> set[str]:
+        """Every node some switch belongs to (all of them on = the full placement)."""
+        return set(self.act_owners) | set(self.weight_nodes)
+
+    def feed(self, acts=(), weights=()) -> dict[str, np.ndarray]:
+        acts, weights = set(acts), set(weights) & self.weight_nodes
+        feed = {name: np.array(owner in acts) for owner, name in self.masks.items()}
+        for name, node, tensor in self.weight_inputs:
+            which, value = self._value(tensor, weights)
+            feed[name] = self._fake_quant(tensor, which, value) if node in weights else value
+        for name, tensor in self.value_inputs:
+            feed[name] = self._value(tensor, weights)[1]
+        return feed

@@ -225,3 +225,46 @@ def test_diagnosis_on_trt_reports_the_conv_input_smoothing(tmp_path):
         t = g.producer[t].input[0]
     kind, via = _blocker(g, t)
     assert kind == "smoothed" and via.input[0] == "h"
+
+
+@pytest.mark.parametrize("deploy,extra", [
+    ("trt", {}),                                             # int32 biases, residual Add fused
+    ("snpe", {"bias_correction": True}),                     # network output quantized; corrected biases
+    ("trt", {"layer_bits": {"conv2": (4, 4)}, "auto_skip": "cosine:0.999999", "max_float_layers": 2}),
+])
+def test_switchboard_variants_equal_separately_built_models(tmp_path, monkeypatch, deploy, extra):
+    """Every variant the sensitivity analysis scores through the one switchable session scores
+    the same as the model insert_qdq builds for that variant on its own."""
+    from dipoorlet import sensitivity
+    from dipoorlet.qdq import insert_qdq
+
+    seen = []
+    switched = sensitivity.Scorer.score_variant
+
+    def checked(self, places, plan, acts, weights):
+        got = switched(self, places, plan, acts, weights)
+        acts, weights = set(acts), set(weights)
+        if acts and weights:
+            assert acts == weights
+            alone = places.restrict(acts)
+        else:
+            alone = places.restrict(acts, weights=False) if acts else places.restrict(weights, acts=False)
+        ref = self.score(insert_qdq(self.graph, alone, plan))
+        assert got.cosine == pytest.approx(ref.cosine, abs=1e-6)
+        if ref.sqnr_db < 80:   # above, both are float32 rounding apart from float
+            assert got.sqnr_db == pytest.approx(ref.sqnr_db, rel=1e-3)
+        else:
+            assert got.sqnr_db > 80
+        assert got.max_abs_err == pytest.approx(ref.max_abs_err, rel=1e-3, abs=1e-5)
+        seen.append((len(acts), len(weights), ref.cosine))
+        return got
+
+    monkeypatch.setattr(sensitivity.Scorer, "score_variant", checked)
+    result, _ = quantize_model(tmp_path, tiny_cnn(seed=2), n=4, deploy=deploy, sens_samples=4, **extra)
+    n_nodes = len(result.report["sensitivity"])
+    assert n_nodes >= 3 and sum(1 for a, w, _ in seen if a == w == 1) == n_nodes   # each layer alone
+    assert any(a == 0 and w == 1 for a, w, _ in seen)                      # weight only
+    assert any(a == 1 and w == 0 for a, w, _ in seen)                      # activations only
+    assert any(c < 0.999999 for *_, c in seen)                             # the variants differ from float
+    if "auto_skip" in extra:
+        assert any(a == w >= 2 for a, w, _ in seen)                        # whole-model variants
