@@ -191,7 +191,9 @@ def correct(g, places, plan, data, indices, comm, device="cpu") -> dict:
         delta = _shift(sums_q, sums, mq, m, group)
         if s.op_type == "Gemm":  # y = alpha A B + beta C: the shift is alpha delta, C moves y by beta
             delta = delta * node_attr(node, "alpha", 1.0) / node_attr(node, "beta", 1.0)
-        bias = plan.values.get(s.bias, g.weight(s.bias)).astype(np.float64)
+        # from the float model's bias: delta is the whole mean shift W_q E[x_q] - W E[x], including
+        # what an earlier compensation in plan.values (an activation shift) already covers
+        bias = g.weight(s.bias).astype(np.float64)
         if bias.shape != delta.shape:
             continue
         plan.values[s.bias] = (bias - delta).astype(np.float32)

@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no_equalize", action="store_true",
                    help="do not equalize per-channel activation ranges between Conv pairs nor smooth "
                         "MatMul/Conv inputs (on by default for platforms with per-channel weights)")
+    p.add_argument("--no_shift", action="store_true",
+                   help="do not shift one-sided activations (ReLU/GELU outputs) onto the symmetric "
+                        "grid with the shift absorbed in the next layer's bias (on by default for "
+                        "symmetric-activation platforms such as trt)")
     p.add_argument("--eq_samples", type=int, default=None, metavar="K",
                    help="samples the equalization statistics pass reads (default: all N up to 64)")
     p.add_argument("--stpu_wg", action="store_true", help="stpu: Winograd F(2,3) for 3x3 stride-1 convolutions")
@@ -183,7 +187,7 @@ def main(argv=None) -> int:
                           input_shapes=parse_input_shapes(args.input_shape), savefp=args.savefp,
                           skip_prof_layer=args.skip_prof_layer, trt_version=args.trt_version,
                           quant_format=args.quant_format, stpu_wg=args.stpu_wg, bias_correction=args.bc,
-                          equalize=not args.no_equalize, equalize_samples=args.eq_samples,
+                          equalize=not args.no_equalize, shift=not args.no_shift, equalize_samples=args.eq_samples,
                           sens_samples=args.sens_samples, criterion=args.criterion, auto_skip=args.auto_skip,
                           max_float_layers=args.max_float_layers, fail_below=args.fail_below,
                           w_bits=args.w_bits, a_bits=args.a_bits, layer_bits=parse_layer_bits(args.layer_bits),

@@ -37,6 +37,7 @@ class QuantConfig:
     bias_correction: bool = False      # --bc
     equalize: bool = True              # --no_equalize turns activation equalization off
     equalize_samples: int | None = None  # --eq_samples; None: equalize.default_samples(N)
+    shift: bool = True                 # --no_shift: no asymmetric-grid shift on symmetric backends
     device: str = "cpu"
     debug: bool = False
 

@@ -23,6 +23,7 @@ import numpy as np
 import onnx
 
 from dipoorlet import calibrate, placement as placement_mod, platform as platform_mod, prepare, profile, report, sensitivity
+from dipoorlet import shift as shift_mod
 from dipoorlet.config import QuantConfig
 from dipoorlet.data import DataSource, input_specs, shard
 from dipoorlet.deploy import DeployContext, export_all
@@ -193,6 +194,13 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
     if plat.share_scale:
         share_scales(g, plan, plat.share_scale)
     plan_weights(g, places, plan, plat, cfg)
+    shifted = []
+    if cfg.shift and shift_mod.applicable(plat):
+        shifted = shift_mod.apply(g, places, plan, stats, RANGE_METHODS[cfg.act_quant], cfg.threshold,
+                                  cfg.percentile)
+        if shifted:
+            places = placement_mod.place(g, plat, cfg.skip_layers)
+            plan_weights(g, places, plan, plat, cfg)
     corrections = None
     if cfg.bias_correction:
         from dipoorlet import bias_correction
@@ -209,6 +217,8 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         analysis["bias_correction"] = corrections
     if equalized:
         analysis["equalization"] = equalized
+    if shifted:
+        analysis["shift"] = shifted
     if analysis.get("isolated"):
         from dipoorlet import diagnose
 
@@ -243,7 +253,7 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
                      save_model(_to_qop(qmodel), staging / "quant_model.onnx")]
         else:
             files = [save_model(qmodel, staging / "quant_model.onnx")]
-        if equalized or plan.values:
+        if equalized or shifted or plan.values:
             files.append(_save_transformed(g, plan, staging / "transformed_model.onnx"))
         files += export_all(DeployContext(g, plan, places, plat, cfg), staging)
         meta = {"model": str(cfg.model), "platform": plat.name, "method": cfg.act_quant,

@@ -99,6 +99,8 @@ def build(rows, places, meta: dict, analysis: dict | None = None, stats=None, pl
         rep["bias_correction"] = analysis["bias_correction"]
     if "equalization" in analysis:
         rep["equalization"] = analysis["equalization"]
+    if "shift" in analysis:
+        rep["shift"] = analysis["shift"]
     if analysis.get("diagnosis"):
         rep["diagnosis"] = analysis["diagnosis"]
     a = analysis.get("auto_skip")

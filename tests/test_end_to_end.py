@@ -15,7 +15,9 @@ from dipoorlet.ranges import RANGE_METHODS
 
 N = 8
 EXPECTED_FILES = {"quant_model.onnx", "trt_clip_val.json", "trt_calib.cache", "act_clip_val.json",
-                  "weight_clip_val.json", "report.json", "report.md", "report.html", "dipoorlet.log"}
+                  "weight_clip_val.json", "report.json", "report.md", "report.html", "dipoorlet.log",
+                  # the Gemm's one-sided input is shifted (dipoorlet.shift): the float graph changed
+                  "transformed_model.onnx"}
 
 
 def _close_logs():
@@ -125,7 +127,8 @@ def test_report_json_metadata_and_layers(run):
     report = json.loads((out / "report.json").read_text())
     assert (report["platform"], report["method"], report["samples"]) == ("trt", "mse", N)
     assert {l["node"] for l in report["layers"]} == {"conv1", "pool1", "conv2", "add2", "gap", "fc"}
-    assert {d["node"] for d in report["decisions"]} == {n.name for n in tiny_cnn().graph.node}
+    assert {d["node"] for d in report["decisions"]} == {n.name for n in tiny_cnn().graph.node} | {"f_shift_Add"}
+    assert [r["tensor"] for r in report["shift"]] == ["f"]
 
 
 def test_report_md_and_log_name_the_output(run):

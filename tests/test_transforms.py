@@ -695,7 +695,7 @@ def test_transformed_float_model_matches_the_side_files_and_the_float_function(t
     onnx.save(model, tmp_path / "m.onnx")
     data = write_samples(tmp_path / "d", feeds)
     res = dipoorlet.quantize(model=tmp_path / "m.onnx", input_dir=data, data_num=6, deploy="trt",
-                             output_dir=tmp_path / "o", skip_prof_layer=True)
+                             output_dir=tmp_path / "o", skip_prof_layer=True, shift=False)
     assert res.report["equalization"]
     tm = onnx.load(str(tmp_path / "o" / "transformed_model.onnx"))
     assert not any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in tm.graph.node)
@@ -710,7 +710,7 @@ def test_transformed_float_model_matches_the_side_files_and_the_float_function(t
     # bias correction: the transformed model holds the quantized model's corrected biases
     res = dipoorlet.quantize(model=tmp_path / "m.onnx", input_dir=data, data_num=6, deploy="trt",
                              output_dir=tmp_path / "bc", skip_prof_layer=True, equalize=False,
-                             bias_correction=True)
+                             bias_correction=True, shift=False)
     tm = {t.name: onnx.numpy_helper.to_array(t) for t in
           onnx.load(str(tmp_path / "bc" / "transformed_model.onnx")).graph.initializer}
     qm = {t.name: onnx.numpy_helper.to_array(t) for t in
@@ -719,7 +719,7 @@ def test_transformed_float_model_matches_the_side_files_and_the_float_function(t
     np.testing.assert_array_equal(tm["bb"], qm["bb"])
     # nothing transformed: no such file
     dipoorlet.quantize(model=tmp_path / "m.onnx", input_dir=data, data_num=6, deploy="trt",
-                       output_dir=tmp_path / "plain", skip_prof_layer=True, equalize=False)
+                       output_dir=tmp_path / "plain", skip_prof_layer=True, equalize=False, shift=False)
     assert not (tmp_path / "plain" / "transformed_model.onnx").exists()
 
 

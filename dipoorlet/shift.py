@@ -1,0 +1,227 @@
+"""Asymmetric activation grids on symmetric backends: a shift that the next layer's bias absorbs.
+
+TensorRT quantizes every activation on a grid symmetric around 0. A one-sided tensor (a ReLU,
+HardSwish or GELU output: nearly all of its values on one side of 0) then uses half of the 256
+levels. Where every consumer of such a tensor is an affine layer with a constant weight that
+pads nothing (MatMul, Gemm, a Conv with zero padding), the tensor can be shifted instead:
+
+    x' = x + d,   d = zp * s          (an Add by a constant, fused by TensorRT into x's producer)
+    W x' + (b - W d) = W x + b        (the consumer's bias absorbs the shift: same function)
+
+and ``x'`` quantized on the symmetric grid of scale ``s`` is exactly ``x`` on the asymmetric grid
+``(s, zp)``: ``round(x'/s) = round(x/s) + zp`` (``zp`` is an integer). The asymmetric grid is the
+one the range method gives for the tensor's own statistics with the levels of both sides
+(``qmax - qmin`` steps), as on an asymmetric backend; so no new statistics pass is needed.
+
+A shift is applied where it shrinks the step by at least ``MIN_RATIO`` (here 1.2x, 1.6 dB of that
+tensor's rounding noise); a ReLU output gains close to 2x (6 dB). Padded Convs are left alone: their
+zero padding would become ``-d`` after the shift, which no bias can absorb.
+
+What this changes for deployment: the graph gets an ``Add`` per shifted tensor and new biases
+(both in ``transformed_model.onnx`` and in the Q/DQ model); the side files name the shifted
+tensors (``<t>_shift``) with their symmetric ranges, which is what TensorRT must be told.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
+
+from dipoorlet.graph import drop_unused_initializers, fresh_name, node_attr
+from dipoorlet.qparams import QParams, dequantize_array, levels, make_qparams, quantize_array
+from dipoorlet.ranges import RangeParams
+
+log = logging.getLogger(__name__)
+
+MIN_RATIO = 1.2
+
+
+def applicable(plat) -> bool:
+    """Symmetric activations without power-of-two scales or shared grids (TensorRT)."""
+    a = plat.activation
+    return bool(a.symmetric and not a.power_of_two and not a.unsigned and not a.unsigned_nonnegative
+                and not plat.share_scale)
+
+
+def _consumer_ok(g, node, tensor: str) -> bool:
+    if node.input[0] != tensor or any(i == tensor for i in node.input[1:]):
+        return False
+    if len(node.input) < 2 or node.input[1] not in g.initializers:
+        return False
+    w_shape = g.shape(node.input[1])
+    if node.op_type == "MatMul":
+        return w_shape is not None and len(w_shape) == 2
+    if node.op_type == "Gemm":
+        if node_attr(node, "transA", 0) or w_shape is None or len(w_shape) != 2:
+            return False
+        if len(node.input) < 3 or not node.input[2]:
+            return True
+        n = w_shape[0] if node_attr(node, "transB", 0) else w_shape[1]
+        return node.input[2] in g.initializers and g.weight(node.input[2]).size in (1, n)
+    if node.op_type == "Conv":
+        pads = node_attr(node, "pads", None)
+        auto = node_attr(node, "auto_pad", "NOTSET")
+        auto = auto.decode() if isinstance(auto, bytes) else auto
+        no_pad = (pads is None or not any(pads)) and auto in ("NOTSET", "VALID")
+        return no_pad and (len(node.input) < 3 or not node.input[2] or node.input[2] in g.initializers)
+    return False
+
+
+def _bias_add(g, matmul):
+    """The Add of a constant [N] vector that follows a MatMul as its only consumer, or None."""
+    cons = g.consumers.get(matmul.output[0], [])
+    if len(cons) != 1 or cons[0].op_type != "Add" or matmul.output[0] in g.output_names:
+        return None
+    add = cons[0]
+    other = add.input[1] if add.input[0] == matmul.output[0] else add.input[0]
+    if other not in g.initializers:
+        return None
+    n = g.shape(matmul.input[1])[1]
+    b = g.weight(other)
+    if b.size != n or (b.ndim and b.shape[-1] != n):
+        return None
+    return add, other
+
+
+def targets(g, places, plan) -> dict[str, list]:
+    """Quantized tensors whose every consumer can absorb a shift: {tensor: consumer nodes}."""
+    out = {}
+    for t, point in places.activations.items():
+        if t not in plan.activations or point.output or t in g.output_names or not point.uses:
+            continue
+        if plan.activations[t].axis is not None:
+            continue
+        cons = g.consumers.get(t, [])
+        if not cons or len({id(c) for c in cons}) != len(cons):
+            continue
+        used = {n for n, _ in point.uses}
+        if not all(c.name in used and _consumer_ok(g, c, t) and c.input[1] in plan.weights for c in cons):
+            continue
+        out[t] = cons
+    return out
+
+
+def _weight_sums(node, w: np.ndarray) -> np.ndarray:
+    """Per output channel, the sum of the weights one input value meets (every input is shifted
+    by the same d): MatMul [K, N] over K; Gemm over K (transB: [N, K]); Conv over C/group x k."""
+    if node.op_type == "MatMul":
+        return w.sum(axis=0)
+    if node.op_type == "Gemm":
+        return w.sum(axis=1) if node_attr(node, "transB", 0) else w.sum(axis=0)
+    return w.reshape(w.shape[0], -1).sum(axis=1)
+
+
+def _absorb(g, node, d: float, wq: np.ndarray) -> tuple[str, np.ndarray]:
+    """Subtract W·d from ``node``'s bias (a new constant; created if the node has none).
+
+    The float graph gets ``b - W d``, exactly its own function. The quantized layer must get
+    ``b - W_q d``, ``W_q`` its dequantized weight: ``W_q x' + b - W d`` would leave
+    ``(W_q - W) d`` behind, weight rounding times the shift, summed over every input (on MiniLM's
+    FFN, cosine 0.05). Returns (bias name, quantized-model value) for ``plan.values``."""
+    w = g.weight(node.input[1]).astype(np.float64)
+    delta, delta_q = d * _weight_sums(node, w), d * _weight_sums(node, wq.astype(np.float64))
+    if node.op_type == "Gemm":   # y = alpha A B + beta C
+        k = float(node_attr(node, "alpha", 1.0)) / float(node_attr(node, "beta", 1.0))
+        delta, delta_q = delta * k, delta_q * k
+    if node.op_type == "MatMul":
+        found = _bias_add(g, node)
+        if found is not None:
+            add, old = found
+            b = g.weight(old).astype(np.float64)
+            name = fresh_name(g, f"{old}_shift")
+            _add_init(g, name, (b - delta.reshape(b.shape)).astype(np.float32))
+            add.input[list(add.input).index(old)] = name
+            return name, (b - delta_q.reshape(b.shape)).astype(np.float32)
+        out = node.output[0]
+        mid = fresh_name(g, f"{out}_noshift")
+        name = fresh_name(g, f"{node.name}_shift_bias")
+        _add_init(g, name, (-delta).astype(np.float32))
+        node.output[0] = mid
+        add = helper.make_node("Add", [mid, name], [out], name=fresh_name(g, f"{node.name}_shift_Add"))
+        g.graph.node.insert(list(g.graph.node).index(node) + 1, add)
+        g.producer[mid] = node
+        g.node_by_name[add.name] = add
+        return name, (-delta_q).astype(np.float32)
+    if len(node.input) >= 3 and node.input[2]:
+        b = g.weight(node.input[2]).astype(np.float64).reshape(-1)
+        b = np.full(delta.shape, b[0]) if b.size == 1 else b    # a broadcast Gemm C: widened to [N]
+        name = fresh_name(g, f"{node.input[2]}_shift")
+    else:
+        b = np.zeros(delta.shape)
+        name = fresh_name(g, f"{node.name}_shift_bias")
+        while len(node.input) < 3:
+            node.input.append("")
+    _add_init(g, name, (b - delta).astype(np.float32))
+    node.input[2] = name
+    return name, (b - delta_q).astype(np.float32)
+
+
+def _add_init(g, name: str, value: np.ndarray) -> None:
+    g.graph.initializer.append(numpy_helper.from_array(value, name))
+    g.initializers[name] = g.graph.initializer[-1]
+
+
+def asymmetric_grid(st, method, rule, threshold: float, percentile: float) -> QParams:
+    """The grid an asymmetric backend with ``rule``'s levels would give this tensor."""
+    asym = dataclasses.replace(rule, symmetric=False)
+    qmin, qmax = levels(asym)
+    lo, hi = method(st, RangeParams(qmax=qmax - qmin, threshold=threshold, percentile=percentile))
+    return make_qparams(lo, hi, asym)
+
+
+def apply(g, places, plan, stats, method, threshold: float, percentile: float) -> list[dict]:
+    """Shift the tensors that gain; edits ``g`` and ``plan`` (the caller re-places). The weight
+    grids must be planned (the quantized biases absorb the shift through them). Returns rows
+    for the report: tensor, shift, consumers, step ratio (symmetric step / asymmetric step)."""
+    rows = []
+    for t, cons in targets(g, places, plan).items():
+        sym = plan.activations[t]
+        rule = plan.rules.get(t)
+        if rule is None or t not in stats or not rule.symmetric:
+            continue
+        mm = stats[t].minmax
+        if not mm.hi > mm.lo:      # constant (e.g. always zero): nothing to gain, a degenerate grid
+            continue
+        asym = asymmetric_grid(stats[t], method, rule, threshold, percentile)
+        ratio = float(sym.scale) / float(asym.scale)
+        if ratio < MIN_RATIO or int(asym.zero_point) == 0:
+            continue
+        s = np.float32(asym.scale)
+        d = float(np.float32(float(asym.zero_point) * float(s)))
+        for node in cons:
+            qp = plan.weights[node.input[1]]
+            wq = dequantize_array(quantize_array(g.weight(node.input[1]), qp), qp)
+            name, value = _absorb(g, node, d, wq)
+            plan.values[name] = value
+            plan.value_owners[name] = node.name
+        shift_name = fresh_name(g, f"{t}_shift_value")
+        _add_init(g, shift_name, np.array(d, np.float32))
+        out = fresh_name(g, f"{t}_shift")
+        add = helper.make_node("Add", [t, shift_name], [out], name=fresh_name(g, f"{t}_shift_Add"))
+        first = min(list(g.graph.node).index(c) for c in cons)
+        g.graph.node.insert(first, add)
+        for node in cons:
+            node.input[0] = out
+        elem, shape = g.types.get(t, (TensorProto.FLOAT, None))
+        g.graph.value_info.append(helper.make_tensor_value_info(out, elem, shape))
+        g.producer[out] = add
+        g.node_by_name[add.name] = add
+        # the clip range a symmetric backend is told: +-qmax * s (TensorRT: amax = 127 s)
+        amax = float(sym.qmax) * float(s)
+        plan.activations[out] = QParams(scale=np.asarray(s, np.float32), zero_point=np.zeros((), sym.zero_point.dtype),
+                                        bits=sym.bits, signed=sym.signed, qmin=sym.qmin, qmax=sym.qmax, axis=None,
+                                        lo=np.asarray(-amax, np.float32), hi=np.asarray(amax, np.float32))
+        plan.rules[out] = rule
+        del plan.activations[t]
+        rows.append({"tensor": t, "shifted": out, "shift": d, "consumers": [c.name for c in cons],
+                     "clip": [float(asym.lo), float(asym.hi)],
+                     "step_ratio": ratio, "noise_reduction_db": float(20 * np.log10(ratio))})
+    if rows:
+        drop_unused_initializers(g.graph)
+        g.refresh()
+        log.info("shift: %d one-sided tensors moved onto the symmetric grid (%s)", len(rows),
+                 ", ".join(f"{r['tensor']} {r['noise_reduction_db']:.1f} dB" for r in rows[:4])
+                 + (" ..." if len(rows) > 4 else ""))
+    return rows
