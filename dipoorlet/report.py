@@ -25,22 +25,26 @@ def worst(rows, k: int = 10):
     return sorted((r for r in rows if not r.is_output), key=lambda r: r.cosine)[:k]
 
 
-def _histograms(nodes, places, stats, plan, bins: int = 64) -> dict:
-    """Activation histograms (folded to ``bins`` bins) of the inputs of ``nodes``."""
+def _histograms(nodes, places, stats, plan, bins: int = 64, shifted=()) -> dict:
+    """Activation histograms (folded to ``bins`` bins) of the inputs of ``nodes``. A shifted
+    tensor (``shifted``: dipoorlet.shift's rows) is shown from its source's statistics moved by
+    the shift, so the histogram and the clip are in the same units."""
+    alias = {r["shifted"]: (r["tensor"], float(r["shift"])) for r in shifted}
     out = {}
     for node in nodes:
         for t, p in places.activations.items():
-            if node not in p.owners or t in out or t not in stats:
+            src, d = alias.get(t, (t, 0.0))
+            if node not in p.owners or t in out or src not in stats:
                 continue
-            st = stats[t]
-            entry = {"node": node, "min": _num(st.minmax.lo), "max": _num(st.minmax.hi)}
+            st = stats[src]
+            entry = {"node": node, "min": _num(st.minmax.lo + d), "max": _num(st.minmax.hi + d)}
             if t in plan.activations:
                 entry["clip"] = [_num(plan.activations[t].lo), _num(plan.activations[t].hi)]
             if st.hist is not None:
                 counts = st.hist.counts
                 k = max(1, counts.size // bins)
                 folded = counts[: counts.size // k * k].reshape(-1, k).sum(axis=1)
-                entry["edges"] = [_num(st.hist.left), _num(st.hist.left + st.hist.width * k * folded.size)]
+                entry["edges"] = [_num(st.hist.left + d), _num(st.hist.left + d + st.hist.width * k * folded.size)]
                 entry["counts"] = folded.astype(int).tolist()
             out[t] = entry
     return out
@@ -110,7 +114,8 @@ def build(rows, places, meta: dict, analysis: dict | None = None, stats=None, pl
                             "after": _score(a.after), "steps": a.steps}
     if stats is not None and plan is not None:
         focus = list(dict.fromkeys(rep["most_sensitive_layers"][:5] + worst_nodes[:5]))
-        rep["activation_histograms"] = _histograms(focus, places, stats, plan)
+        rep["activation_histograms"] = _histograms(focus, places, stats, plan,
+                                                   shifted=analysis.get("shift", ()))
     if output_cosines is not None:
         rep["output_distribution"] = _output_distribution(output_cosines, [o["tensor"] for o in rep["outputs"]])
     return rep

@@ -29,7 +29,7 @@ import logging
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
-from dipoorlet.graph import drop_unused_initializers, fresh_name, node_attr
+from dipoorlet.graph import _subgraph_outer_refs, fresh_name, node_attr
 from dipoorlet.qparams import QParams, dequantize_array, levels, make_qparams, quantize_array
 from dipoorlet.ranges import RangeParams
 
@@ -39,10 +39,13 @@ MIN_RATIO = 1.2
 
 
 def applicable(plat) -> bool:
-    """Symmetric activations without power-of-two scales or shared grids (TensorRT)."""
+    """Symmetric activations without power-of-two scales or shared grids, on a backend that runs
+    an Add of a constant fused in float rather than quantizing it (TensorRT; not STPU, which
+    would quantize the tensor again in front of the shift)."""
     a = plat.activation
+    add_runs_float = "Add" not in plat.quantize_ops or bool(plat.residual_add_producers)
     return bool(a.symmetric and not a.power_of_two and not a.unsigned and not a.unsigned_nonnegative
-                and not plat.share_scale)
+                and not plat.share_scale and add_runs_float)
 
 
 def _consumer_ok(g, node, tensor: str) -> bool:
@@ -158,6 +161,16 @@ def _absorb(g, node, d: float, wq: np.ndarray) -> tuple[str, np.ndarray]:
     return name, (b - delta_q).astype(np.float32)
 
 
+def _drop(g, names: set) -> None:
+    """Remove the replaced biases no node reads any more (one by one: rebuilding the initializer
+    list would copy every weight of the model)."""
+    used = {i for n in g.graph.node for i in [*n.input, *_subgraph_outer_refs(n)]}
+    for k in range(len(g.graph.initializer) - 1, -1, -1):
+        name = g.graph.initializer[k].name
+        if name in names and name not in used and name not in g.output_names:
+            del g.graph.initializer[k]
+
+
 def _add_init(g, name: str, value: np.ndarray) -> None:
     g.graph.initializer.append(numpy_helper.from_array(value, name))
     g.initializers[name] = g.graph.initializer[-1]
@@ -175,7 +188,7 @@ def apply(g, places, plan, stats, method, threshold: float, percentile: float) -
     """Shift the tensors that gain; edits ``g`` and ``plan`` (the caller re-places). The weight
     grids must be planned (the quantized biases absorb the shift through them). Returns rows
     for the report: tensor, shift, consumers, step ratio (symmetric step / asymmetric step)."""
-    rows = []
+    rows, replaced = [], set()
     for t, cons in targets(g, places, plan).items():
         sym = plan.activations[t]
         rule = plan.rules.get(t)
@@ -193,7 +206,12 @@ def apply(g, places, plan, stats, method, threshold: float, percentile: float) -
         for node in cons:
             qp = plan.weights[node.input[1]]
             wq = dequantize_array(quantize_array(g.weight(node.input[1]), qp), qp)
+            old = node.input[2] if node.op_type != "MatMul" and len(node.input) > 2 else None
+            if node.op_type == "MatMul" and _bias_add(g, node) is not None:
+                old = _bias_add(g, node)[1]
             name, value = _absorb(g, node, d, wq)
+            if old:
+                replaced.add(old)
             plan.values[name] = value
             plan.value_owners[name] = node.name
         shift_name = fresh_name(g, f"{t}_shift_value")
@@ -219,7 +237,7 @@ def apply(g, places, plan, stats, method, threshold: float, percentile: float) -
                      "clip": [float(asym.lo), float(asym.hi)],
                      "step_ratio": ratio, "noise_reduction_db": float(20 * np.log10(ratio))})
     if rows:
-        drop_unused_initializers(g.graph)
+        _drop(g, replaced)
         g.refresh()
         log.info("shift: %d one-sided tensors moved onto the symmetric grid (%s)", len(rows),
                  ", ".join(f"{r['tensor']} {r['noise_reduction_db']:.1f} dB" for r in rows[:4])

@@ -130,6 +130,7 @@ def test_shift_keeps_the_float_function_and_biases_absorb_it_through_quantized_w
     rows = shift.apply(g, places, plan, stats, RANGE_METHODS["minmax"], 0.99999, 99.999)
 
     assert {r["tensor"] for r in rows} == {"xa_r", "xb_r", "xc_r", "xd_r"}
+    assert not {"cb", "cc", "bd"} & {t.name for t in g.graph.initializer}   # replaced, dropped
     for r in rows:                                           # ReLU outputs: about twice the levels
         assert r["step_ratio"] == pytest.approx(2.0, rel=0.02)
     for k in range(3):                                       # the float graph: the same function
@@ -169,7 +170,7 @@ def test_shift_keeps_the_float_function_and_biases_absorb_it_through_quantized_w
 
 def test_no_shift_where_the_platform_is_asymmetric_or_the_flag_is_off(tmp_path):
     assert shift.applicable(platform.load("trt"))
-    for name in ("snpe", "qnn", "rk", "ort", "imx"):
+    for name in ("snpe", "qnn", "rk", "ort", "imx", "ti", "stpu", "atlas", "magicmind"):
         assert not shift.applicable(platform.load(name))
     model = _relu_matmul()
     res, _ = quantize_model(tmp_path, model, n=3, act_quant="minmax", skip_prof_layer=True, shift=False)
@@ -191,3 +192,15 @@ def test_cli_no_shift_flag(tmp_path):
         assert main(["-M", str(m), "-I", str(data), "-N", "3", "-D", "trt", "-O", str(out), "-A", "minmax",
                      "--skip_prof_layer", *flag]) == 0
         assert ("shift" in json.loads((out / "report.json").read_text())) is expect
+
+
+def test_report_shows_a_shifted_tensor_histogram_in_shifted_units(tmp_path):
+    model = _relu_matmul()
+    feeds = [{"x": rand((4, 16), 30 + i)} for i in range(4)]
+    res, _ = quantize_model(tmp_path, model, feeds=feeds, act_quant="hist", equalize=False, sens_samples=2)
+    (row,) = res.report["shift"]
+    h = res.report["activation_histograms"][row["shifted"]]
+    r_max = max(float(np.maximum(f["x"], 0).max()) for f in feeds)
+    assert h["min"] == pytest.approx(row["shift"], abs=1e-6)            # ReLU's 0, moved by d
+    assert h["max"] == pytest.approx(r_max + row["shift"], rel=1e-5)
+    assert h["edges"][0] <= h["min"] and h["clip"][0] < 0 < h["clip"][1]
