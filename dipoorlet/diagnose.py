@@ -109,8 +109,11 @@ def _weight_sqnr(g, places, plan, node: str) -> float | None:
 
 
 def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equalize_on=True,
-             equalized=(), smooth=True, k: int = DIAGNOSE_LAYERS) -> list[dict]:
-    """One row per layer among the ``k`` most sensitive that lose more than ``MIN_LOSS``."""
+             equalized=(), smooth=True, k: int = DIAGNOSE_LAYERS, shifted=()) -> list[dict]:
+    """One row per layer among the ``k`` most sensitive that lose more than ``MIN_LOSS``.
+    ``shifted``: dipoorlet.shift's rows; a shifted input is described by its source tensor (its
+    channel ranges and its clip on the asymmetric grid), not by the shifted copy."""
+    source = {r["shifted"]: r for r in shifted}
     from dipoorlet.equalize import channel_stats
 
     worst = [s for s in sorted(isolated, key=lambda s: s.isolated.cosine)[:k]
@@ -127,10 +130,11 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
     for s in worst:
         node = g.node_by_name[s.node]
         for t in inputs.get(s.node, []):
+            m = source[t]["tensor"] if t in source else t
             ch = _channels(g, node, t)
-            if ch is not None and t not in seen:
-                seen.add(t)
-                items.append((t, ch[0], ch[1]))
+            if ch is not None and m not in seen:
+                seen.add(m)
+                items.append((m, ch[0], ch[1]))
     ranges = channel_stats(g, items, data, indices, comm, device, label="diagnosis: channel ranges") if items else {}
     rescaled = {n for r in equalized for n in [r.get("producer"), *r.get("absorbers", [])] if n}
     rows = []
@@ -142,8 +146,12 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
         acts = []
         for t in inputs.get(s.node, []):
             a = {"tensor": t, "amax": float(np.max(plan.activations[t].amax))}
-            if t in ranges:
-                r = ranges[t][0]
+            m = t
+            if t in source:
+                m = a["shifted_from"] = source[t]["tensor"]
+                a["clip"] = [float(v) for v in source[t]["clip"]]
+            if m in ranges:
+                r = ranges[m][0]
                 live = r[r > 0]
                 if live.size:
                     a["channel_max"] = float(live.max())
@@ -190,7 +198,11 @@ def _advice(row: dict) -> str:
         return f"weight rounding dominates{at}: weight reconstruction (AdaRound-style) is the remedy, or {keep}"
     facts = []
     for a in row.get("activations", []):
-        part = [f"input {a['tensor']} clipped at {a['amax']:.4g}"]
+        if "shifted_from" in a:
+            lo, hi = a["clip"]
+            part = [f"input {a['shifted_from']} clipped to [{lo:.4g}, {hi:.4g}] (asymmetric grid, shifted)"]
+        else:
+            part = [f"input {a['tensor']} clipped at {a['amax']:.4g}"]
         if "channel_max" in a:
             part.append(f"largest channel max {a['channel_max']:.4g}, channel ranges "
                         f"{a['channel_spread']:.1f}x apart under one per-tensor scale")

@@ -55,14 +55,24 @@ def _consumer_ok(g, node, tensor: str) -> bool:
         return False
     w_shape = g.shape(node.input[1])
     if node.op_type == "MatMul":
-        return w_shape is not None and len(w_shape) == 2
+        if w_shape is None or len(w_shape) != 2:
+            return False
+        # without a bias Add one is inserted, whose output would replace a network output's
+        # producer (and a platform that quantizes network outputs would lose that Q/DQ)
+        return _bias_add(g, node) is not None or node.output[0] not in g.output_names
     if node.op_type == "Gemm":
         if node_attr(node, "transA", 0) or w_shape is None or len(w_shape) != 2:
             return False
+        if float(node_attr(node, "beta", 1.0)) == 0.0:
+            return False       # C is ignored: no bias to absorb the shift
         if len(node.input) < 3 or not node.input[2]:
             return True
         n = w_shape[0] if node_attr(node, "transB", 0) else w_shape[1]
-        return node.input[2] in g.initializers and g.weight(node.input[2]).size in (1, n)
+        if node.input[2] not in g.initializers:
+            return False
+        c = g.weight(node.input[2])
+        # one value per output column: [N], [1, N] or a scalar ([M, 1] or [M, N] vary per row)
+        return c.size == 1 or (c.shape[-1] == n and c.size == n)
     if node.op_type == "Conv":
         pads = node_attr(node, "pads", None)
         auto = node_attr(node, "auto_pad", "NOTSET")
@@ -142,6 +152,8 @@ def _absorb(g, node, d: float, wq: np.ndarray) -> tuple[str, np.ndarray]:
         name = fresh_name(g, f"{node.name}_shift_bias")
         _add_init(g, name, (-delta).astype(np.float32))
         node.output[0] = mid
+        elem, shape = g.types.get(out, (TensorProto.FLOAT, None))      # profiled as a float tensor
+        g.graph.value_info.append(helper.make_tensor_value_info(mid, elem, shape))
         add = helper.make_node("Add", [mid, name], [out], name=fresh_name(g, f"{node.name}_shift_Add"))
         g.graph.node.insert(list(g.graph.node).index(node) + 1, add)
         g.producer[mid] = node
@@ -162,13 +174,19 @@ def _absorb(g, node, d: float, wq: np.ndarray) -> tuple[str, np.ndarray]:
 
 
 def _drop(g, names: set) -> None:
-    """Remove the replaced biases no node reads any more (one by one: rebuilding the initializer
-    list would copy every weight of the model)."""
+    """Remove the replaced biases no node reads any more, and their graph-input entries (old
+    exporters list initializers as inputs), one by one: rebuilding the initializer list would
+    copy every weight of the model."""
     used = {i for n in g.graph.node for i in [*n.input, *_subgraph_outer_refs(n)]}
+    gone = set()
     for k in range(len(g.graph.initializer) - 1, -1, -1):
         name = g.graph.initializer[k].name
         if name in names and name not in used and name not in g.output_names:
             del g.graph.initializer[k]
+            gone.add(name)
+    for k in range(len(g.graph.input) - 1, -1, -1):
+        if g.graph.input[k].name in gone:
+            del g.graph.input[k]
 
 
 def _add_init(g, name: str, value: np.ndarray) -> None:
@@ -177,8 +195,11 @@ def _add_init(g, name: str, value: np.ndarray) -> None:
 
 
 def asymmetric_grid(st, method, rule, threshold: float, percentile: float) -> QParams:
-    """The grid an asymmetric backend with ``rule``'s levels would give this tensor."""
-    asym = dataclasses.replace(rule, symmetric=False)
+    """The grid an asymmetric backend would give this tensor, on the levels -(2^(b-1)-1) ..
+    2^(b-1)-1: never -2^(b-1), so the shifted tensor stays inside the symmetric clip range
+    +-qmax*s that the side files state (TensorRT's implicit flow clips to it; one level of 255 is
+    0.03 dB)."""
+    asym = dataclasses.replace(rule, symmetric=False, narrow_range=True)
     qmin, qmax = levels(asym)
     lo, hi = method(st, RangeParams(qmax=qmax - qmin, threshold=threshold, percentile=percentile))
     return make_qparams(lo, hi, asym)
@@ -233,6 +254,7 @@ def apply(g, places, plan, stats, method, threshold: float, percentile: float) -
                                         lo=np.asarray(-amax, np.float32), hi=np.asarray(amax, np.float32))
         plan.rules[out] = rule
         del plan.activations[t]
+        plan.rules.pop(t, None)
         rows.append({"tensor": t, "shifted": out, "shift": d, "consumers": [c.name for c in cons],
                      "clip": [float(asym.lo), float(asym.hi)],
                      "step_ratio": ratio, "noise_reduction_db": float(20 * np.log10(ratio))})

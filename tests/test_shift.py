@@ -22,7 +22,7 @@ def _relu_matmul(k=16, n=8):
     return make_model(nodes, [vi("x", [4, k])], [vi("y", [4, n])], inits)
 
 
-def _fq_asym(x, s, zp, qmin=-128, qmax=127):
+def _fq_asym(x, s, zp, qmin=-127, qmax=127):
     return (np.clip(np.rint(x / s) + zp, qmin, qmax) - zp) * s
 
 
@@ -36,8 +36,8 @@ def test_shifted_model_is_the_asymmetric_quantization_of_the_input(tmp_path):
     assert [r["tensor"] for r in res.report["shift"]] == ["r"]
     r_all = np.concatenate([np.maximum(f["x"], 0) for f in feeds])
     lo, hi = 0.0, float(r_all.max())
-    s = np.float32((hi - lo) / 255)
-    zp = float(np.clip(np.round(-128 - lo / s), -128, 127))
+    s = np.float32((hi - lo) / 254)      # the asymmetric grid on levels -127..127 (never -128)
+    zp = float(np.clip(np.round(-127 - lo / s), -127, 127))
     w_f, b = (numpy_helper.to_array(t) for t in model.graph.initializer)
     sw = np.abs(w_f).max(axis=0) / 127                           # per output column (MatMul axis 1)
     w_q = np.clip(np.rint(w_f / sw), -127, 127) * sw
@@ -49,9 +49,9 @@ def test_shifted_model_is_the_asymmetric_quantization_of_the_input(tmp_path):
     # the symmetric grid wastes the negative half: its error is larger
     _, qm_sym = quantize_model(tmp_path / "sym", model, feeds=feeds, act_quant="minmax", equalize=False,
                                skip_prof_layer=True, shift=False)
-    x = rand((4, 16), 7)
-    ref = ort_run(model, {"x": x})[0]
-    err = lambda q: float(np.mean((ort_run(q, {"x": x})[0] - ref) ** 2))  # noqa: E731
+    xs = [np.clip(rand((4, 16), 200 + k), -hi, 0.95 * hi) for k in range(40)]   # inside the range: rounding only
+    refs = [ort_run(model, {"x": x})[0] for x in xs]
+    err = lambda q: sum(float(np.mean((ort_run(q, {"x": x})[0] - r) ** 2)) for x, r in zip(xs, refs))  # noqa: E731
     assert err(qm) < 0.7 * err(qm_sym)   # the weights' share of the error is the same in both
     # side files describe the shifted tensor on the symmetric grid TensorRT is told about
     blob = json.loads((tmp_path / "out" / "trt_clip_val.json").read_text())["blob_range"]
@@ -70,7 +70,8 @@ def _zoo():
 
     a = relu("xa", [4, 16])                                  # MatMul without a bias
     i["wa"] = rand((16, 8), 1, 0.3)
-    nodes.append(helper.make_node("MatMul", [a, "wa"], ["ya"], name="mm_a"))
+    nodes.append(helper.make_node("MatMul", [a, "wa"], ["ma"], name="mm_a"))
+    nodes.append(helper.make_node("Sigmoid", ["ma"], ["ya"], name="sig_a"))
     b = relu("xb", [4, 16])                                  # Gemm transB with a [N] C
     i["wb"], i["cb"] = rand((8, 16), 2, 0.3), rand((8,), 3, 0.1)
     nodes.append(helper.make_node("Gemm", [b, "wb", "cb"], ["yb"], name="gemm_b", transB=1, alpha=0.5, beta=2.0))
@@ -88,12 +89,18 @@ def _zoo():
     i["wg"] = rand((16, 8), 9, 0.3)
     nodes.append(helper.make_node("MatMul", [g, "wg"], ["yg"], name="mm_g"))
     nodes.append(helper.make_node("Sigmoid", [g], ["sg"], name="sig_g"))
+    i_ = relu("xi", [4, 16])                                 # Gemm with a per-row C [M, 1]: left alone
+    i["wi"], i["ci"] = rand((16, 4), 11, 0.3), rand((4, 1), 12, 0.1)
+    nodes.append(helper.make_node("Gemm", [i_, "wi", "ci"], ["yi"], name="gemm_i"))
+    j = relu("xj", [4, 16])                                  # Gemm with beta = 0: no bias, left alone
+    i["wj"] = rand((16, 8), 13, 0.3)
+    nodes.append(helper.make_node("Gemm", [j, "wj"], ["yj"], name="gemm_j", beta=0.0))
     inputs.append(vi("xh", [4, 16]))                         # symmetric: nothing to gain
     i["wh"] = rand((16, 8), 10, 0.3)
     nodes.append(helper.make_node("MatMul", ["xh", "wh"], ["yh"], name="mm_h"))
     for name, shape in [("ya", [4, 8]), ("yb", [4, 8]), ("yc", [4, 8]), ("yd", [1, 6, 5, 5]),
                         ("ye", [1, 4, 3, 3]), ("yf", [1, 4, 5, 5]), ("yg", [4, 8]), ("sg", [4, 16]),
-                        ("yh", [4, 8])]:
+                        ("yh", [4, 8]), ("yi", [4, 4]), ("yj", [4, 8])]:
         outputs.append(vi(name, shape))
     return make_model(nodes, inputs, outputs, i)
 
@@ -131,7 +138,7 @@ def test_shift_keeps_the_float_function_and_biases_absorb_it_through_quantized_w
 
     assert {r["tensor"] for r in rows} == {"xa_r", "xb_r", "xc_r", "xd_r"}
     assert not {"cb", "cc", "bd"} & {t.name for t in g.graph.initializer}   # replaced, dropped
-    for r in rows:                                           # ReLU outputs: about twice the levels
+    for r in rows:                                           # ReLU outputs: twice the levels
         assert r["step_ratio"] == pytest.approx(2.0, rel=0.02)
     for k in range(3):                                       # the float graph: the same function
         f = _feed(model, 200 + 10 * k)
@@ -204,3 +211,36 @@ def test_report_shows_a_shifted_tensor_histogram_in_shifted_units(tmp_path):
     assert h["min"] == pytest.approx(row["shift"], abs=1e-6)            # ReLU's 0, moved by d
     assert h["max"] == pytest.approx(r_max + row["shift"], rel=1e-5)
     assert h["edges"][0] <= h["min"] and h["clip"][0] < 0 < h["clip"][1]
+
+
+def test_initializers_listed_as_graph_inputs_and_a_bias_free_matmul(tmp_path):
+    """Old exporters list initializers as graph inputs: a replaced bias must leave both lists. A
+    MatMul without a bias gets an Add, and its output is still profiled as a layer."""
+    model = _relu_matmul()
+    model.graph.input.extend([vi("w", [16, 8]), vi("b", [8])])
+    res, qm = quantize_model(tmp_path, model, n=4, act_quant="minmax", equalize=False, sens_samples=2)
+    assert [r["tensor"] for r in res.report["shift"]] == ["r"]
+    assert "b" not in {i.name for i in qm.graph.input}
+    x = rand((4, 16), 5)
+    np.testing.assert_allclose(ort_run(qm, {"x": x})[0], ort_run(model, {"x": x})[0], atol=0.05)
+
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("MatMul", ["r", "w"], ["m"], name="mm"),
+             helper.make_node("Relu", ["m"], ["r2"], name="relu2"),
+             helper.make_node("MatMul", ["r2", "w2"], ["m2"], name="mm2"),
+             helper.make_node("Sigmoid", ["m2"], ["y"], name="sig")]
+    model = make_model(nodes, [vi("x", [4, 16])], [vi("y", [4, 4])],
+                       {"w": rand((16, 8), 1, 0.3), "w2": rand((8, 4), 2, 0.3)})
+    res, _ = quantize_model(tmp_path / "nb", model, n=4, act_quant="minmax", equalize=False, sens_samples=2)
+    assert {r["tensor"] for r in res.report["shift"]} == {"r", "r2"}
+    assert {l["node"] for l in res.report["layers"]} == {"mm", "mm2"}
+
+
+def test_diagnosis_describes_a_shifted_input_by_its_source():
+    from dipoorlet.diagnose import _advice
+
+    row = {"node": "mm", "cause": "activations",
+           "activations": [{"tensor": "r_shift", "amax": 11.3, "shifted_from": "r", "clip": [0.0, 22.5],
+                            "channel_max": 22.5, "channel_spread": 34.1, "equalization": "off"}]}
+    text = _advice(row)
+    assert "input r clipped to [0, 22.5]" in text and "r_shift" not in text
