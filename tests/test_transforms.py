@@ -806,3 +806,38 @@ def test_conv_input_smoothing_leaves_pad_fed_and_skipped_convs_alone():
     g = Graph(base)   # the control: the same block without Pad or skip is smoothed
     prepare.prepare(g)
     assert any("convs" in r for r in equalize.equalize(g, _Data(feeds), range(4), SingleProcess()))
+
+
+def test_smoothing_and_shift_together_on_trt(tmp_path):
+    """Defaults on trt: Conv input smoothing, then the shift of the smoothed one-sided tensor. The
+    side files name tensors of transformed_model.onnx, whose biases are the quantized model's:
+    it differs from the input model only by a per-channel constant, the weight rounding times
+    the shift, (W - W_q) d."""
+    import json
+    import onnx
+    import dipoorlet
+    from conftest import write_samples
+
+    model = _hardswish_block()
+    feeds = _feeds(6)
+    onnx.save(model, tmp_path / "m.onnx")
+    res = dipoorlet.quantize(model=tmp_path / "m.onnx", input_dir=write_samples(tmp_path / "d", feeds),
+                             data_num=6, deploy="trt", output_dir=tmp_path / "o", skip_prof_layer=True)
+    assert [r["tensor"] for r in res.report["shift"]] == ["h_smooth"]
+    assert any(r.get("convs") == ["B"] for r in res.report["equalization"])
+    tm = onnx.load(str(tmp_path / "o" / "transformed_model.onnx"))
+    qm = onnx.load(str(tmp_path / "o" / "quant_model.onnx"))
+    names = {o for n in tm.graph.node for o in n.output} | {i.name for i in tm.graph.input}
+    ranges = json.loads((tmp_path / "o" / "trt_clip_val.json").read_text())["blob_range"]
+    assert "h_smooth_shift" in ranges and set(ranges) <= names
+    b_name = next(n for n in tm.graph.node if n.name == "B").input[2]
+    t_init = {t.name: onnx.numpy_helper.to_array(t) for t in tm.graph.initializer}
+    q_init = {t.name: onnx.numpy_helper.to_array(t) for t in qm.graph.initializer}
+    np.testing.assert_array_equal(t_init[b_name], q_init[b_name])
+    for m in (tm, model):
+        m.graph.output.append(helper.make_tensor_value_info("y0", onnx.TensorProto.FLOAT, None))
+    for f in feeds[:3]:
+        diff = ort_run(tm, f)[1] - ort_run(model, f)[1]              # [1, C, 8, 8]
+        per_channel = diff.mean(axis=(2, 3), keepdims=True)
+        np.testing.assert_allclose(diff, np.broadcast_to(per_channel, diff.shape), atol=2e-5)
+        assert np.abs(per_channel).max() > 0                          # W_q, not W
