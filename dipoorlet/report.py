@@ -142,6 +142,7 @@ def markdown(report: dict) -> str:
            table(["output", "mean cosine", "min cosine", "SQNR dB", "max |err|"],
                  [[o["tensor"], o["cosine"], o["min_cosine"], o["sqnr_db"], o["max_abs_err"]]
                   for o in report["outputs"]])]
+    out += _transforms(report)
     layers = {l["node"]: l for l in report["layers"]}
     if report["worst_layers"]:
         out += ["", "## 10 worst layers (cumulative: everything upstream quantized)", "",
@@ -179,6 +180,32 @@ def markdown(report: dict) -> str:
         out += ["", "## Nodes kept in float, and why", "",
                 table(["node", "op", "reason"], [[d["node"], d["op_type"], d["reason"]] for d in skipped[:50]])]
     return "\n".join(out) + "\n"
+
+
+def _transforms(report: dict) -> list[str]:
+    """What the weight transforms changed (the float graph they give is transformed_model.onnx)."""
+    lines = []
+    eq = report.get("equalization") or []
+    pairs = [r for r in eq if "producer" in r]
+    smooth = [r for r in eq if "producer" not in r]
+    if pairs:
+        lines.append(f"- equalization: {len(pairs)} Conv pairs rescaled ("
+                     + ", ".join(f"{r['producer']} → {', '.join(r['absorbers'])}" for r in pairs[:5])
+                     + (" …" if len(pairs) > 5 else "") + ")")
+    if smooth:
+        lines.append(f"- input smoothing: {len(smooth)} MatMul/Conv inputs ("
+                     + ", ".join(r["tensor"] for r in smooth[:5]) + (" …" if len(smooth) > 5 else "") + ")")
+    shift = report.get("shift") or []
+    if shift:
+        lines.append(f"- activation shift onto the asymmetric grid: {len(shift)} tensor{'s' * (len(shift) != 1)} ("
+                     + ", ".join(f"{r['tensor']} {r['step_ratio']:.2f}x finer" for r in shift[:5])
+                     + (" …" if len(shift) > 5 else "") + "; `--no_shift` turns it off)")
+    bc = report.get("bias_correction")
+    if bc:
+        lines.append(f"- bias correction: {bc['layers']} layers over {bc['samples']} samples")
+    if not lines:
+        return []
+    return ["", "## Transforms applied (their float graph: transformed_model.onnx)", "", *lines]
 
 
 def write(folder, report: dict) -> list:

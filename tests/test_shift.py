@@ -244,3 +244,12 @@ def test_diagnosis_describes_a_shifted_input_by_its_source():
                             "channel_max": 22.5, "channel_spread": 34.1, "equalization": "off"}]}
     text = _advice(row)
     assert "input r clipped to [0, 22.5]" in text and "r_shift" not in text
+
+
+def test_report_md_lists_the_transforms(tmp_path):
+    res, _ = quantize_model(tmp_path, _relu_matmul(), n=4, act_quant="minmax", skip_prof_layer=True,
+                            bias_correction=True)
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "## Transforms applied" in md
+    assert "activation shift onto the asymmetric grid: 1 tensor (r 2.00x finer" in md
+    assert f"bias correction: {res.report['bias_correction']['layers']} layers" in md
