@@ -191,7 +191,9 @@ class Switchboard:
       output quantized in place becomes ``Where(on_<producer>, t_dq, t_float)`` under its name.
     - Weights and the constants of weight transforms (``plan.values``) become graph inputs, one
       per quantized use, fed the float or the fake-quantized (dequantized) array per run: no
-      per-run Q/DQ of weights, no copies (onnxruntime reads numpy inputs in place).
+      per-run Q/DQ of weights, no copies (onnxruntime reads numpy inputs in place on CPU; for a
+      GPU session :meth:`place_on` keeps them resident on the device). The arrays are cached: a
+      float and a fake-quantized copy of each quantized weight while the analysis runs.
 
     :meth:`feed` gives the inputs of the variant in which the nodes in ``acts`` have their
     activations quantized and those in ``weights`` their weights, exactly what
@@ -309,12 +311,29 @@ class Switchboard:
         """Every node some switch belongs to (all of them on = the full placement)."""
         return set(self.act_owners) | set(self.weight_nodes)
 
-    def feed(self, acts=(), weights=()) -> dict[str, np.ndarray]:
+    def place_on(self, device: str) -> None:
+        """Feed weights as onnxruntime values resident on ``device`` ("cuda"), each copied there
+        once, instead of numpy arrays that a GPU session would copy on every run."""
+        self._device = device
+        self._resident: dict[int, object] = {}
+
+    def _resident_value(self, arr: np.ndarray):
+        device = getattr(self, "_device", None)
+        if device is None:
+            return arr
+        key = id(arr)      # every array fed is held in self._cache, so its id stays its own
+        if key not in self._resident:
+            from dipoorlet.runtime import _ort
+
+            self._resident[key] = _ort().OrtValue.ortvalue_from_numpy(arr, device, 0)
+        return self._resident[key]
+
+    def feed(self, acts=(), weights=()) -> dict:
         acts, weights = set(acts), set(weights) & self.weight_nodes
         feed = {name: np.array(owner in acts) for owner, name in self.masks.items()}
         for name, node, tensor in self.weight_inputs:
             which, value = self._value(tensor, weights)
-            feed[name] = self._fake_quant(tensor, which, value) if node in weights else value
+            feed[name] = self._resident_value(self._fake_quant(tensor, which, value) if node in weights else value)
         for name, tensor in self.value_inputs:
-            feed[name] = self._value(tensor, weights)[1]
+            feed[name] = self._resident_value(self._value(tensor, weights)[1])
         return feed

@@ -140,7 +140,7 @@ class Runner:
             values = self.session.run(fetch, {k: feed[k] for k in self.input_names})
         except Exception as exc:
             msg = ort_message(exc)
-            shapes = {k: tuple(v.shape) for k, v in feed.items()}
+            shapes = {k: tuple(v.shape() if callable(v.shape) else v.shape) for k, v in feed.items()}
             raise ModelError(f"onnxruntime failed to run the model on inputs {shapes}: {msg}; "
                              "check the calibration data's shapes and dtypes") from exc
         n = len(out_names)

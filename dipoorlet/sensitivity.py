@@ -88,6 +88,8 @@ class Scorer:
         """One session holding every variant of ``places`` (see :class:`~dipoorlet.qdq.Switchboard`)."""
         if self._board is None or self._board[0] is not places or self._board[1] is not plan:
             sb = Switchboard(self.graph, places, plan)
+            if self.device == "cuda":
+                sb.place_on("cuda")
             runner = Runner(sb.model, self.outputs, types=self.graph.types, optimize=False, device=self.device)
             self._board = (places, plan, sb, runner)
         return self._board[2], self._board[3]

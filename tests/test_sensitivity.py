@@ -268,3 +268,30 @@ def test_switchboard_variants_equal_separately_built_models(tmp_path, monkeypatc
     assert any(c < 0.999999 for *_, c in seen)                             # the variants differ from float
     if "auto_skip" in extra:
         assert any(a == w >= 2 for a, w, _ in seen)                        # whole-model variants
+
+
+def test_switchboard_fed_with_resident_values_scores_the_same(tmp_path, monkeypatch):
+    """The GPU path (weights as onnxruntime values resident on the device), exercised on the CPU
+    device: the same sensitivity scores as numpy feeds."""
+    from dipoorlet import sensitivity
+
+    model = tiny_cnn(seed=4)
+    feeds = input_feeds(model, 4, seed=9)
+    plain, _ = quantize_model(tmp_path / "a", model, feeds=feeds, sens_samples=3)
+
+    made = []
+
+    class OnCpu(sensitivity.Switchboard):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.place_on("cpu")
+            made.append(self)
+
+    monkeypatch.setattr(sensitivity, "Switchboard", OnCpu)
+    resident, _ = quantize_model(tmp_path / "b", model, feeds=feeds, sens_samples=3)
+    a = {s["node"]: s["isolated"] for s in plain.report["sensitivity"]}
+    b = {s["node"]: s["isolated"] for s in resident.report["sensitivity"]}
+    assert made and made[0]._resident           # weights went in as onnxruntime values
+    assert a.keys() == b.keys() and len(a) >= 3
+    for k in a:
+        assert b[k]["cosine"] == pytest.approx(a[k]["cosine"], abs=1e-7)
