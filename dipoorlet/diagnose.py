@@ -58,7 +58,7 @@ def _blocker(g, tensor: str, depth: int = 8):
             return "reachable", prod
         if prod.op_type == "Mul" and prod.name.endswith("_smooth_Mul"):
             return "smoothed", prod
-        if prod.op_type == "Add" and prod.name.endswith("_shift_Add"):    # dipoorlet.shift
+        if prod.op_type == "Add" and "_shift_Add" in prod.name:          # dipoorlet.shift (or _shift_Add_1…)
             t = prod.input[0]
             continue
         if prod.op_type in PASS_THROUGH or prod.op_type == "Pad" or _by_positive_scalar(g, prod):

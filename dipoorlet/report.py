@@ -189,7 +189,7 @@ def _transforms(report: dict) -> list[str]:
     pairs = [r for r in eq if "producer" in r]
     smooth = [r for r in eq if "producer" not in r]
     if pairs:
-        lines.append(f"- equalization: {len(pairs)} Conv pairs rescaled ("
+        lines.append(f"- equalization: {len(pairs)} producer/consumer pairs rescaled ("
                      + ", ".join(f"{r['producer']} → {', '.join(r['absorbers'])}" for r in pairs[:5])
                      + (" …" if len(pairs) > 5 else "") + ")")
     if smooth:
@@ -200,9 +200,9 @@ def _transforms(report: dict) -> list[str]:
         lines.append(f"- activation shift onto the asymmetric grid: {len(shift)} tensor{'s' * (len(shift) != 1)} ("
                      + ", ".join(f"{r['tensor']} {r['step_ratio']:.2f}x finer" for r in shift[:5])
                      + (" …" if len(shift) > 5 else "") + "; `--no_shift` turns it off)")
-    bc = report.get("bias_correction")
-    if bc:
-        lines.append(f"- bias correction: {bc['layers']} layers over {bc['samples']} samples")
+    bc = report.get("bias_correction") or {}
+    if bc.get("layers"):
+        lines.append(f"- bias correction: {bc['layers']} layers over {bc.get('samples', '?')} samples")
     if not lines:
         return []
     return ["", "## Transforms applied (their float graph: transformed_model.onnx)", "", *lines]

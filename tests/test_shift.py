@@ -253,3 +253,14 @@ def test_report_md_lists_the_transforms(tmp_path):
     assert "## Transforms applied" in md
     assert "activation shift onto the asymmetric grid: 1 tensor (r 2.00x finer" in md
     assert f"bias correction: {res.report['bias_correction']['layers']} layers" in md
+
+
+def test_report_md_when_bias_correction_finds_nothing(tmp_path):
+    """A bias-free MatMul: bias correction has no site and returns only a zero count."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"], name="mm"),
+             helper.make_node("Sigmoid", ["m"], ["y"], name="sig")]
+    model = make_model(nodes, [vi("x", [4, 16])], [vi("y", [4, 8])], {"w": rand((16, 8), 1, 0.3)})
+    res, _ = quantize_model(tmp_path, model, n=3, act_quant="minmax", skip_prof_layer=True,
+                            bias_correction=True, shift=False)
+    assert res.report["bias_correction"]["layers"] == 0
+    assert "bias correction" not in (tmp_path / "out" / "report.md").read_text()
