@@ -115,6 +115,12 @@ def html(rep: dict) -> str:
         e = d["edges"]
         out.append(bar_plot(d["counts"], e[0], e[-1], f"per-sample output cosine: {name} ({d['samples']} samples)",
                             width=W, height=150))
+    from dipoorlet.report import _transforms
+
+    transforms = _transforms(rep)
+    if transforms:
+        out += ["<h2>Transforms applied</h2><p class=muted>their float graph: transformed_model.onnx</p><ul>",
+                *[f"<li>{esc(line[2:])}</li>" for line in transforms if line.startswith("- ")], "</ul>"]
     a = rep.get("auto_skip")
     if a:
         status = '<span class=ok>met</span>' if a["met"] else '<span class=bad>not met</span>'

@@ -253,6 +253,8 @@ def test_report_md_lists_the_transforms(tmp_path):
     assert "## Transforms applied" in md
     assert "activation shift onto the asymmetric grid: 1 tensor (r 2.00x finer" in md
     assert f"bias correction: {res.report['bias_correction']['layers']} layers" in md
+    page = (tmp_path / "out" / "report.html").read_text()
+    assert "<h2>Transforms applied</h2>" in page and "r 2.00x finer" in page
 
 
 def test_report_md_when_bias_correction_finds_nothing(tmp_path):
