@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
-from dipoorlet.graph import drop_unused_initializers, fresh_name, node_attr
+from dipoorlet.graph import add_initializer, drop_unused_initializers, fresh_name, insert_before, node_attr
 from dipoorlet.progress import progress
 from dipoorlet.runtime import Runner
 
@@ -358,11 +358,8 @@ def _scale_affine(g, ch: Chain, s: np.ndarray) -> None:
         i = next(k for k, x in enumerate(node.input) if g.is_constant(x))
         v = np.asarray(g.weight(node.input[i]), np.float64).reshape(-1)
         per_channel = (v if v.size == s.size else np.full(s.size, v[0])) / s
-        new = fresh_name(g, f"{node.input[i]}_equalized")
-        g.graph.initializer.append(numpy_helper.from_array(
-            per_channel.astype(np.float32).reshape((-1,) + (1,) * (rank - 2)), new))
-        g.initializers[new] = g.graph.initializer[-1]
-        node.input[i] = new
+        node.input[i] = add_initializer(g, fresh_name(g, f"{node.input[i]}_equalized"),
+                                        per_channel.astype(np.float32).reshape((-1,) + (1,) * (rank - 2)))
 
 
 def _scale_inputs(w: np.ndarray, node, s: np.ndarray) -> np.ndarray:
@@ -595,23 +592,10 @@ def smooth_inputs(g, data, indices, comm, device="cpu", targets=None, stats=None
             continue
         for (w, group), n, w0 in zip(layers, nodes, weights):
             _set(g, n.input[1], _scale_weight(w0, group, s) if conv else w0 * s[:, None])
-        scale_name = fresh_name(g, f"{x}_smooth_factor")
-        out_name = fresh_name(g, f"{x}_smooth")
         factor = (1.0 / s).astype(np.float32)
         if conv:
             factor = factor.reshape((-1,) + (1,) * (len(weights[0].shape) - 2))
-        g.graph.initializer.append(numpy_helper.from_array(factor, scale_name))
-        g.initializers[scale_name] = g.graph.initializer[-1]
-        mul = helper.make_node("Mul", [x, scale_name], [out_name], name=fresh_name(g, f"{x}_smooth_Mul"))
-        first = min(list(g.graph.node).index(c) for c in nodes)
-        g.graph.node.insert(first, mul)
-        for c in nodes:
-            c.input[0] = out_name
-        # declared, so shape inference, refresh() and placement all see a float tensor
-        elem, shape = g.types.get(x, (TensorProto.FLOAT, None))
-        g.graph.value_info.append(helper.make_tensor_value_info(out_name, elem, shape))
-        g.producer[out_name] = mul          # for fresh_name; one refresh() after the loop
-        g.node_by_name[mul.name] = mul
+        insert_before(g, "Mul", x, factor, "smooth", "factor", nodes)   # one refresh() after the loop
         positive = r[r > 0]
         rows.append({"tensor": x, "matmuls" if not conv else "convs": list(names), "alpha": alpha,
                      "max_gain": float(1.0 / s.min()),

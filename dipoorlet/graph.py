@@ -203,6 +203,33 @@ def node_attr(node: onnx.NodeProto, name: str, default=None):
     return default
 
 
+def add_initializer(g: "Graph", name: str, value: np.ndarray) -> str:
+    """Append a constant to the graph and to ``g.initializers``; returns ``name``."""
+    g.graph.initializer.append(numpy_helper.from_array(np.asarray(value), name))
+    g.initializers[name] = g.graph.initializer[-1]
+    return name
+
+
+def insert_before(g: "Graph", op: str, x: str, value: np.ndarray, tag: str, const_tag: str, consumers) -> str:
+    """Put ``op(x, value)`` (``value`` a new constant ``<x>_<tag>_<const_tag>``) in front of
+    ``consumers``, which then read its output ``<x>_<tag>`` at input 0; returns that name.
+
+    The output is declared with ``x``'s type and shape, so shape inference and placement see a
+    float tensor; ``g.producer``/``g.node_by_name`` are updated for :func:`fresh_name`, the
+    consumer maps are not (call ``g.refresh()`` after a batch of edits)."""
+    const = add_initializer(g, fresh_name(g, f"{x}_{tag}_{const_tag}"), value)
+    out = fresh_name(g, f"{x}_{tag}")
+    node = helper.make_node(op, [x, const], [out], name=fresh_name(g, f"{x}_{tag}_{op}"))
+    g.graph.node.insert(min(list(g.graph.node).index(c) for c in consumers), node)
+    for c in consumers:
+        c.input[0] = out
+    elem, shape = g.types.get(x, (onnx.TensorProto.FLOAT, None))
+    g.graph.value_info.append(helper.make_tensor_value_info(out, elem, shape))
+    g.producer[out] = node
+    g.node_by_name[node.name] = node
+    return out
+
+
 def fresh_name(g: "Graph", name: str) -> str:
     """``name``, or ``name_1``, ``name_2``… if a tensor, node or graph input already has it."""
     taken = set(g.initializers) | set(g.producer) | set(g.node_by_name) | {i.name for i in g.graph.input}

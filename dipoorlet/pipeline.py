@@ -198,9 +198,8 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
     if cfg.shift and shift_mod.applicable(plat):
         shifted = shift_mod.apply(g, places, plan, stats, RANGE_METHODS[cfg.act_quant], cfg.threshold,
                                   cfg.percentile)
-        if shifted:
+        if shifted:   # same weights, new tensor names: the weight grids stay as planned
             places = placement_mod.place(g, plat, cfg.skip_layers)
-            plan_weights(g, places, plan, plat, cfg)
     corrections = None
     if cfg.bias_correction:
         from dipoorlet import bias_correction

@@ -29,9 +29,9 @@ import dataclasses
 import logging
 
 import numpy as np
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
-from dipoorlet.graph import _subgraph_outer_refs, fresh_name, node_attr
+from dipoorlet.graph import _subgraph_outer_refs, add_initializer, fresh_name, insert_before, node_attr
 from dipoorlet.qparams import QParams, dequantize_array, levels, make_qparams, quantize_array
 from dipoorlet.ranges import RangeParams
 
@@ -128,13 +128,14 @@ def _weight_sums(node, w: np.ndarray) -> np.ndarray:
     return w.reshape(w.shape[0], -1).sum(axis=1)
 
 
-def _absorb(g, node, d: float, wq: np.ndarray) -> tuple[str, np.ndarray]:
+def _absorb(g, node, d: float, wq: np.ndarray) -> tuple[str, np.ndarray, str | None]:
     """Subtract W·d from ``node``'s bias (a new constant; created if the node has none).
 
     The float graph gets ``b - W d``, exactly its own function. The quantized layer must get
     ``b - W_q d``, ``W_q`` its dequantized weight: ``W_q x' + b - W d`` would leave
     ``(W_q - W) d`` behind, weight rounding times the shift, summed over every input (on MiniLM's
-    FFN, cosine 0.05). Returns (bias name, quantized-model value) for ``plan.values``."""
+    FFN, cosine 0.05). Returns (bias name, quantized-model value) for ``plan.values`` and the
+    bias it replaced (None where there was none)."""
     w = g.weight(node.input[1]).astype(np.float64)
     delta, delta_q = d * _weight_sums(node, w), d * _weight_sums(node, wq.astype(np.float64))
     if node.op_type == "Gemm":   # y = alpha A B + beta C
@@ -145,14 +146,12 @@ def _absorb(g, node, d: float, wq: np.ndarray) -> tuple[str, np.ndarray]:
         if found is not None:
             add, old = found
             b = g.weight(old).astype(np.float64)
-            name = fresh_name(g, f"{old}_shift")
-            _add_init(g, name, (b - delta.reshape(b.shape)).astype(np.float32))
+            name = add_initializer(g, fresh_name(g, f"{old}_shift"), (b - delta.reshape(b.shape)).astype(np.float32))
             add.input[list(add.input).index(old)] = name
-            return name, (b - delta_q.reshape(b.shape)).astype(np.float32)
+            return name, (b - delta_q.reshape(b.shape)).astype(np.float32), old
         out = node.output[0]
         mid = fresh_name(g, f"{out}_noshift")
-        name = fresh_name(g, f"{node.name}_shift_bias")
-        _add_init(g, name, (-delta).astype(np.float32))
+        name = add_initializer(g, fresh_name(g, f"{node.name}_shift_bias"), (-delta).astype(np.float32))
         node.output[0] = mid
         elem, shape = g.types.get(out, (TensorProto.FLOAT, None))      # profiled as a float tensor
         g.graph.value_info.append(helper.make_tensor_value_info(mid, elem, shape))
@@ -160,8 +159,9 @@ def _absorb(g, node, d: float, wq: np.ndarray) -> tuple[str, np.ndarray]:
         g.graph.node.insert(list(g.graph.node).index(node) + 1, add)
         g.producer[mid] = node
         g.node_by_name[add.name] = add
-        return name, (-delta_q).astype(np.float32)
-    if len(node.input) >= 3 and node.input[2]:
+        return name, (-delta_q).astype(np.float32), None
+    old = node.input[2] if len(node.input) >= 3 and node.input[2] else None
+    if old:
         b = g.weight(node.input[2]).astype(np.float64).reshape(-1)
         b = np.full(delta.shape, b[0]) if b.size == 1 else b    # a broadcast Gemm C: widened to [N]
         name = fresh_name(g, f"{node.input[2]}_shift")
@@ -170,9 +170,8 @@ def _absorb(g, node, d: float, wq: np.ndarray) -> tuple[str, np.ndarray]:
         name = fresh_name(g, f"{node.name}_shift_bias")
         while len(node.input) < 3:
             node.input.append("")
-    _add_init(g, name, (b - delta).astype(np.float32))
-    node.input[2] = name
-    return name, (b - delta_q).astype(np.float32)
+    node.input[2] = add_initializer(g, name, (b - delta).astype(np.float32))
+    return name, (b - delta_q).astype(np.float32), old
 
 
 def _drop(g, names: set) -> None:
@@ -189,11 +188,6 @@ def _drop(g, names: set) -> None:
     for k in range(len(g.graph.input) - 1, -1, -1):
         if g.graph.input[k].name in gone:
             del g.graph.input[k]
-
-
-def _add_init(g, name: str, value: np.ndarray) -> None:
-    g.graph.initializer.append(numpy_helper.from_array(value, name))
-    g.initializers[name] = g.graph.initializer[-1]
 
 
 def asymmetric_grid(st, method, rule, threshold: float, percentile: float) -> QParams:
@@ -229,26 +223,12 @@ def apply(g, places, plan, stats, method, threshold: float, percentile: float) -
         for node in cons:
             qp = plan.weights[node.input[1]]
             wq = dequantize_array(quantize_array(g.weight(node.input[1]), qp), qp)
-            old = node.input[2] if node.op_type != "MatMul" and len(node.input) > 2 else None
-            if node.op_type == "MatMul" and _bias_add(g, node) is not None:
-                old = _bias_add(g, node)[1]
-            name, value = _absorb(g, node, d, wq)
+            name, value, old = _absorb(g, node, d, wq)
             if old:
                 replaced.add(old)
             plan.values[name] = value
             plan.value_owners[name] = node.name
-        shift_name = fresh_name(g, f"{t}_shift_value")
-        _add_init(g, shift_name, np.array(d, np.float32))
-        out = fresh_name(g, f"{t}_shift")
-        add = helper.make_node("Add", [t, shift_name], [out], name=fresh_name(g, f"{t}_shift_Add"))
-        first = min(list(g.graph.node).index(c) for c in cons)
-        g.graph.node.insert(first, add)
-        for node in cons:
-            node.input[0] = out
-        elem, shape = g.types.get(t, (TensorProto.FLOAT, None))
-        g.graph.value_info.append(helper.make_tensor_value_info(out, elem, shape))
-        g.producer[out] = add
-        g.node_by_name[add.name] = add
+        out = insert_before(g, "Add", t, np.array(d, np.float32), "shift", "value", cons)
         # the clip range a symmetric backend is told: +-qmax * s (TensorRT: amax = 127 s)
         amax = float(sym.qmax) * float(s)
         plan.activations[out] = QParams(scale=np.asarray(s, np.float32), zero_point=np.zeros((), sym.zero_point.dtype),
