@@ -64,6 +64,9 @@ class QuantConfig:
         if self.equalize_samples is not None and (isinstance(self.equalize_samples, bool) or not isinstance(
                 self.equalize_samples, int) or self.equalize_samples < 1):
             raise ConfigError(f"--eq_samples must be a positive integer, got {self.equalize_samples!r}")
+        for flag in ("savefp", "skip_prof_layer", "stpu_wg", "bias_correction", "equalize", "shift", "debug"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if not isinstance(self.max_float_layers, int) or self.max_float_layers < 1:
             raise ConfigError(f"--max_float_layers must be a positive integer, got {self.max_float_layers!r}")
         if self.auto_skip is not None:

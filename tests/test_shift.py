@@ -266,3 +266,11 @@ def test_report_md_when_bias_correction_finds_nothing(tmp_path):
                             bias_correction=True, shift=False)
     assert res.report["bias_correction"]["layers"] == 0
     assert "bias correction" not in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_shift_option_must_be_a_bool(tmp_path):
+    from dipoorlet.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="shift must be True or False, got 'no'"):
+        quantize_model(tmp_path, _relu_matmul(), n=2, shift="no")
+    assert not (tmp_path / "out").exists()
