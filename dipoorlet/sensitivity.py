@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -130,13 +131,27 @@ class LayerSensitivity:
 
 def isolated(graph, places, plan, scorer: Scorer, criterion="cosine", split_worst=10) -> list[LayerSensitivity]:
     ops = {d.node: d.op_type for d in places.decisions}
+    nodes = list(places.quantized_nodes)
     rows = []
-    for node in progress(places.quantized_nodes, "sensitivity: isolated layers", scorer.comm):
+    t0 = time.perf_counter()
+    for k, node in enumerate(progress(nodes, "sensitivity: isolated layers", scorer.comm)):
         rows.append(LayerSensitivity(node, ops[node], scorer.score_variant(places, plan, {node}, {node})))
+        if k == 0:
+            _announce(time.perf_counter() - t0, len(nodes) + 2 * min(split_worst, len(nodes)), len(scorer.indices))
     for row in sorted(rows, key=lambda r: r.isolated.value(criterion))[:split_worst]:
         row.weight_only = scorer.score_variant(places, plan, (), {row.node})
         row.activation_only = scorer.score_variant(places, plan, {row.node}, ())
     return rows
+
+
+def _announce(first_s: float, variants: int, samples: int) -> None:
+    """Say up front what the analysis will cost when it is long (every variant runs the whole
+    model on every sensitivity sample: a 104-layer detector at 800x608 takes minutes)."""
+    eta = first_s * (variants - 1)
+    if eta > 30:
+        log.info("sensitivity: %d variants x %d samples of the whole model, about %.0f s more; "
+                 "--sens_samples 2 cuts it by %dx, --skip_prof_layer skips it (and the per-layer profile)",
+                 variants, samples, eta, max(1, samples // 2))
 
 
 @dataclass
