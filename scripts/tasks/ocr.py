@@ -526,10 +526,11 @@ def _det_augment(img: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return det_input(img[y:y + ch, x:x + cw], int(rng.integers(10, 21)) * 32, upscale=True)
 
 
-def prepare_det(work: Path, n_calib: int, shared: Path | None) -> Task:
+def prepare_det(work: Path, n_calib: int, shared: Path | None, model: Path | None = None) -> Task:
+    """``model``: another DB text detector on the same inputs (held-out PP-OCRv5)."""
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
-    model = model_path("det")
+    model = model or model_path("det")
     rng = np.random.default_rng(SEED + 1)
     imgs = [img for _, img in load_images(shared, min_side=16)]
     source = "real"
@@ -600,10 +601,11 @@ def _seq_metrics(ref: list, out: list) -> tuple[float, float]:
     return exact, errs / max(1, sum(len(a) for a in ref))
 
 
-def prepare_rec(work: Path, n_calib: int, shared: Path | None) -> Task:
+def prepare_rec(work: Path, n_calib: int, shared: Path | None, model: Path | None = None) -> Task:
+    """``model``: another CTC recognizer on the same inputs (held-out PP-OCRv5)."""
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
-    model = model_path("rec")
+    model = model or model_path("rec")
     rng = np.random.default_rng(SEED + 2)
     crops = real_crops(work, shared)
     truth = None
