@@ -34,6 +34,11 @@ class InputSpec:
     name: str
     dtype: np.dtype
     shape: tuple  # ints, None for dynamic dims; () when unknown rank
+    file_dtype: np.dtype | None = None   # raw .bin files hold this dtype (default: dtype)
+
+    @property
+    def raw_dtype(self) -> np.dtype:
+        return self.file_dtype if self.file_dtype is not None else self.dtype
 
 
 def input_specs(graph) -> list[InputSpec]:
@@ -43,7 +48,7 @@ def input_specs(graph) -> list[InputSpec]:
         dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type)) if tt.elem_type else np.dtype(np.float32)
         shape = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
                       for d in tt.shape.dim) if tt.HasField("shape") else None
-        specs.append(InputSpec(vi.name, dtype, shape))
+        specs.append(InputSpec(vi.name, dtype, shape, graph.file_dtypes.get(vi.name)))
     return specs
 
 
@@ -173,11 +178,12 @@ class DataSource:
             if path.suffix == ".npy":
                 return np.load(path, allow_pickle=False)
             size = path.stat().st_size
-            if size % spec.dtype.itemsize:
-                raise DataError(f"{path} is {size} bytes, not a whole number of {spec.dtype} values "
-                                f"({spec.dtype.itemsize} bytes each); the file is truncated or of "
+            dtype = spec.raw_dtype
+            if size % dtype.itemsize:
+                raise DataError(f"{path} is {size} bytes, not a whole number of {dtype} values "
+                                f"({dtype.itemsize} bytes each); the file is truncated or of "
                                 "another dtype")
-            raw = np.fromfile(path, dtype=spec.dtype)
+            raw = np.fromfile(path, dtype=dtype)
         except DataError:
             raise
         except Exception as exc:
@@ -193,7 +199,7 @@ class DataSource:
         elif spec.shape is not None and sum(d is None for d in spec.shape) == 1:
             known = int(np.prod([d for d in spec.shape if d is not None]))
             if known == 0 or size % known:
-                raise DataError(f"{path} holds {size} {spec.dtype} values, which do not fill input "
+                raise DataError(f"{path} holds {size} {spec.raw_dtype} values, which do not fill input "
                                 f"{spec.name!r} of shape {_fmt(spec.shape)}; check the file or "
                                 "pass --input_shape")
             shape = tuple(size // known if d is None else d for d in spec.shape)
@@ -202,7 +208,7 @@ class DataSource:
                             f"dims, so {path.name} (raw .bin) is ambiguous; pass --input_shape "
                             f"{spec.name}:1,3,H,W or store samples as .npy")
         if int(np.prod(shape)) != size:
-            raise DataError(f"{path} holds {size} {spec.dtype} values but input {spec.name!r} needs "
+            raise DataError(f"{path} holds {size} {spec.raw_dtype} values but input {spec.name!r} needs "
                             f"shape {_fmt(shape)} = {int(np.prod(shape))} values; check the file or "
                             "--input_shape")
         return shape

@@ -77,6 +77,7 @@ class Graph:
     def __init__(self, model: onnx.ModelProto, path: Path | None = None):
         self.model = model
         self.path = path
+        self.file_dtypes: dict = {}    # input -> dtype its raw .bin files hold, where the model's was widened
         self.refresh()
 
     # ---- construction -------------------------------------------------------------------

@@ -64,6 +64,11 @@ def load_graph(cfg: QuantConfig) -> Graph:
              "%d constant subexpressions folded, %d BatchNormalization folded into Conv", cfg.model, g.opset,
              done["opset_from"], len(g.graph.node), done["constants_to_initializers"], done["constants_folded"],
              done["batchnorms_folded"])
+    if done["float16_widened"]:
+        log.warning("model %s is float16: calibrated and written in float32 (%d weights, types and Casts "
+                    "widened; inputs %s now float32); the backends build float32 Q/DQ models and run "
+                    "the layers left float in FP16 when asked (e.g. TensorRT --fp16)", cfg.model,
+                    done["float16_widened"], sorted(g.file_dtypes) or "none")
     missing = (set(cfg.skip_layers) | set(cfg.layer_bits)) - set(g.node_by_name)
     if missing:
         sample = ", ".join(sorted(g.node_by_name)[:5])

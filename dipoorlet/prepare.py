@@ -11,6 +11,11 @@
   then quantized as the backend will hold them, and the Conv output the quantizer sees is the one
   the chip computes.
 
+- ``widen_float16``: a float16 (or bfloat16) model is calibrated and written in float32: its
+  weights, constants, Casts and declared types become float32. The backends take float32 Q/DQ
+  models and run the layers left float in FP16 when asked (TensorRT's ``--fp16``); calibration
+  in float16 itself would only add float16 rounding to the ranges.
+
 Each pass returns the number of things it changed, for the log.
 """
 from __future__ import annotations
@@ -27,6 +32,54 @@ from dipoorlet.graph import (MAX_OPSET, MIN_OPSET, QDQ_OPSET, Graph, _subgraph_o
                              drop_unused_initializers, fresh_name, infer_shapes, node_attr)
 
 log = logging.getLogger(__name__)
+
+
+_HALF = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+
+
+def _widen_tensor(t: onnx.TensorProto) -> bool:
+    if t.data_type not in _HALF:
+        return False
+    value = numpy_helper.to_array(t).astype(np.float32)
+    t.CopyFrom(numpy_helper.from_array(value, t.name))
+    return True
+
+
+def _widen_graph(graph: onnx.GraphProto) -> int:
+    n = sum(_widen_tensor(t) for t in graph.initializer)
+    for vi in [*graph.input, *graph.output, *graph.value_info]:
+        tt = vi.type.tensor_type
+        if vi.type.HasField("tensor_type") and tt.elem_type in _HALF:
+            tt.elem_type = onnx.TensorProto.FLOAT
+            n += 1
+    for node in graph.node:
+        for a in node.attribute:
+            if a.type == onnx.AttributeProto.TENSOR:
+                n += _widen_tensor(a.t)
+            elif a.type == onnx.AttributeProto.TENSORS:
+                n += sum(_widen_tensor(t) for t in a.tensors)
+            elif a.type == onnx.AttributeProto.GRAPH:
+                n += _widen_graph(a.g)
+            elif a.type == onnx.AttributeProto.GRAPHS:
+                n += sum(_widen_graph(sub) for sub in a.graphs)
+            elif a.type == onnx.AttributeProto.INT and a.name in ("to", "dtype") and a.i in _HALF:
+                a.i = onnx.TensorProto.FLOAT     # Cast(to=float16), EyeLike/Random*(dtype=...)
+                n += 1
+    return n
+
+
+def widen_float16(g: Graph) -> int:
+    """float16/bfloat16 weights, constants, Casts and declared types -> float32 (whole model,
+    subgraphs included). The inputs' original dtypes stay in ``g.file_dtypes``: raw ``.bin``
+    calibration files are read in them."""
+    half_inputs = {vi.name: np.dtype(helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type))
+                   for vi in g.graph.input
+                   if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type in _HALF}
+    n = _widen_graph(g.graph)
+    if n:
+        g.file_dtypes.update(half_inputs)
+        g.refresh()
+    return n
 
 
 def constants_to_initializers(g: Graph) -> int:
@@ -267,7 +320,8 @@ def prepare(g: Graph) -> dict:
         del g.graph.node[:]
         g.graph.node.extend(sorted_nodes)
         g.refresh()
-    done = {"ir_version_from": lower_ir_version(g), "opset_from": ensure_opset(g)}
+    done = {"float16_widened": widen_float16(g)}
+    done.update(ir_version_from=lower_ir_version(g), opset_from=ensure_opset(g))
     # after the version converter, which adds nodes of its own (unnamed Constants for axes)
     done["nodes_named"] = name_nodes(g)
     done["constants_to_initializers"] = constants_to_initializers(g)

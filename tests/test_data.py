@@ -207,3 +207,76 @@ def test_shard_covers_every_index_exactly_once(n, world):
 def test_shard_is_a_contiguous_partition(n, world):
     flat = [i for r in range(world) for i in shard(n, r, world)]
     assert flat == list(range(n))
+
+
+def _fp16_model():
+    """Conv -> Relu -> Conv in float16, a float16 Constant added, and the keep-io-types pattern
+    (float32 input Cast to float16, output Cast back)."""
+    from onnx import TensorProto, helper
+
+    from conftest import make_model, rand, vi
+
+    inits = {"w1": rand((4, 3, 3, 3), 1, 0.4).astype(np.float16), "b1": rand((4,), 2, 0.1).astype(np.float16),
+             "w2": rand((4, 4, 1, 1), 3, 0.5).astype(np.float16)}
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu"),
+        helper.make_node("Constant", [], ["k"], name="k",
+                         value=helper.make_tensor("k", TensorProto.FLOAT16, [1], [0.5])),
+        helper.make_node("Add", ["r1", "k"], ["a1"], name="add"),
+        helper.make_node("Conv", ["a1", "w2"], ["y"], name="conv2"),
+    ]
+    half = make_model(nodes, [vi("x", [1, 3, 8, 8], TensorProto.FLOAT16)],
+                      [vi("y", [1, 4, 8, 8], TensorProto.FLOAT16)], inits)
+    io32 = make_model([helper.make_node("Cast", ["x32"], ["x"], name="cast_in", to=TensorProto.FLOAT16)] + nodes
+                      + [helper.make_node("Cast", ["y"], ["y32"], name="cast_out", to=TensorProto.FLOAT)],
+                      [vi("x32", [1, 3, 8, 8])], [vi("y32", [1, 4, 8, 8])], inits)
+    return half, io32
+
+
+@pytest.mark.parametrize("fmt", ["npy", "bin"])
+def test_float16_model_is_calibrated_and_written_in_float32(tmp_path, fmt, caplog):
+    import onnx
+
+    import dipoorlet
+    from conftest import ort_run, save
+
+    half, _ = _fp16_model()
+    feeds = [{"x": np.random.default_rng(i).standard_normal((1, 3, 8, 8)).astype(np.float16)} for i in range(4)]
+    d = tmp_path / "data" / "x"
+    d.mkdir(parents=True)
+    for i, f in enumerate(feeds):
+        if fmt == "npy":
+            np.save(d / f"{i}.npy", f["x"])
+        else:
+            f["x"].tofile(d / f"{i}.bin")      # raw data of the input's own dtype: float16
+    out = tmp_path / "out"
+    dipoorlet.quantize(model=save(half, tmp_path / "m.onnx"), input_dir=tmp_path / "data", data_num=4,
+                       deploy="trt", output_dir=out, act_quant="minmax")
+    assert "is float16: calibrated and written in float32" in caplog.text
+    qm = onnx.load(str(out / "quant_model.onnx"))
+    onnx.checker.check_model(qm)
+    assert qm.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    assert all(t.data_type != onnx.TensorProto.FLOAT16 for t in qm.graph.initializer)
+    for f in feeds:
+        ref = ort_run(half, f)[0].astype(np.float32)
+        got = ort_run(qm, {"x": f["x"].astype(np.float32)})[0]
+        cos = float((ref * got).sum() / np.linalg.norm(ref) / np.linalg.norm(got))
+        assert cos > 0.999
+
+
+def test_float16_model_with_float32_io_casts(tmp_path):
+    import onnx
+
+    from conftest import input_feeds, ort_run, quantize_model
+
+    _, io32 = _fp16_model()
+    feeds = input_feeds(io32, 4)
+    _, qm = quantize_model(tmp_path, io32, feeds=feeds)
+    casts = [n for n in qm.graph.node if n.op_type == "Cast"]
+    assert casts and all(n.attribute[0].i == onnx.TensorProto.FLOAT for n in casts)
+    assert any(n.op_type == "QuantizeLinear" for n in qm.graph.node)
+    for f in feeds:
+        ref = ort_run(io32, f)[0]
+        got = ort_run(qm, f)[0]
+        assert float((ref * got).sum() / np.linalg.norm(ref) / np.linalg.norm(got)) > 0.999
