@@ -81,6 +81,8 @@ class Chain:
     # constant] (PP-LCNetV3's learnable affine block after HardSwish); both constants take 1/s
     affine: list[str] = field(default_factory=list)
     channels: int = 0
+    scaled: list[str] = field(default_factory=list)   # tensors the rescaling divides by s on axis 1
+    scale: np.ndarray | None = None                   # s, once applied
 
 
 def _fp32(g, *names: str) -> bool:
@@ -177,6 +179,8 @@ def _affine_chain(g, mul) -> Chain | None:
         return None
     chain.affine = [n.name for n in nodes]
     chain.channels = channels
+    if len(nodes) > 1:
+        chain.scaled = sorted(set(chain.scaled) | {mul.output[0]})   # between the Mul and the Add
     return chain
 
 
@@ -217,6 +221,7 @@ def _walk(g, a, channels: int) -> Chain | None:
                     chain.measure, measured = out, True
     if not chain.absorbers:
         return None
+    chain.scaled = sorted(scaled)
     return chain
 
 
@@ -229,10 +234,15 @@ def _gate_ok(g, tensor: str, channels: int) -> bool:
 
 
 def channel_stats(g, items: list[tuple[str, list[int] | None, int]], data, indices, comm, device="cpu",
-                  label="equalization: channel ranges") -> dict[str, tuple]:
+                  label="equalization: channel ranges", tensors=(), extra: dict | None = None) -> dict[str, tuple]:
     """Per-channel ``(max |x|, peak per-sample mean of x^2)`` of each ``(tensor, reduced axes,
     channels)`` over the calibration samples, reduced inside the graph; both merge across
-    processes with an exact MAX. ``axes=None``: the channels are the last axis, whatever the rank."""
+    processes with an exact MAX. ``axes=None``: the channels are the last axis, whatever the rank.
+
+    With ``extra`` (a dict), the same pass also fills ``extra["channel_minmax"][t] = (lo, hi)``
+    per channel of every item and ``extra["tensors"][t]`` (a :class:`~dipoorlet.stats.TensorStats`
+    range, merged across processes) for every tensor in ``tensors``: calibration ranges, for the
+    one-pass ``-A minmax`` (:func:`equalize_and_calibrate`)."""
     model = g.model
     outputs = []
     types = dict(g.types)
@@ -268,24 +278,41 @@ def channel_stats(g, items: list[tuple[str, list[int] | None, int]], data, indic
             model.graph.node.append(helper.make_node("Size", [src], [size], name=size))
             outputs.append(size)
             types[size] = (TensorProto.INT64, [])
-        runner = Runner(model, [o for o in outputs if o is not None], types=types, device=device, spin=True)
+        runner = Runner(model, [o for o in outputs if o is not None], reduce_minmax=list(tensors), types=types,
+                        device=device, spin=True)
     finally:
         del model.graph.node[n_nodes:]
         del model.graph.initializer[n_inits:]
+    from dipoorlet.stats import TensorStats
+
     acc = [np.zeros(n) for _, _, n in items for _ in range(2)]
+    # signed per-channel ranges: max of hi and max of -lo (so that one MAX merges both)
+    signed = [np.full(n, -np.inf) for _, _, n in items for _ in range(2)] if extra is not None else []
+    per_tensor = {t: TensorStats() for t in tensors}
     for i in progress(indices, label, comm):
-        got, _ = runner.run(data.sample(i), ranges=False)
+        got, ranges = runner.run(data.sample(i), ranges=bool(per_tensor))
+        for t, (lo, hi) in ranges.items():
+            per_tensor[t].minmax.update(lo, hi)
         for k, (_, _, n) in enumerate(items):
             hi, lo, ss, size = (np.asarray(got[o], dtype=np.float64).reshape(-1) if o is not None
                                 else np.zeros(1) for o in outputs[4 * k:4 * k + 4])
             per_channel = max(float(size[0]) / n, 1.0)
             acc[2 * k] = np.maximum(acc[2 * k], np.maximum(hi, -lo))
             acc[2 * k + 1] = np.maximum(acc[2 * k + 1], ss / per_channel)
-    flat = comm.allreduce_max(np.concatenate(acc)) if acc else np.zeros(0)
+            if signed:
+                signed[2 * k] = np.maximum(signed[2 * k], hi)
+                signed[2 * k + 1] = np.maximum(signed[2 * k + 1], -lo)
+    flat = comm.allreduce_max(np.concatenate(acc + signed)) if acc else np.zeros(0)
     result, offset = {}, 0
     for t, _, n in items:
         result[t] = (flat[offset:offset + n], flat[offset + n:offset + 2 * n])
         offset += 2 * n
+    if extra is not None:
+        extra["channel_minmax"] = {}
+        for t, _, n in items:
+            extra["channel_minmax"][t] = (-flat[offset + n:offset + 2 * n], flat[offset:offset + n])
+            offset += 2 * n
+        extra["tensors"] = comm.merge_stats(per_tensor) if per_tensor else {}
     return result
 
 
@@ -328,6 +355,7 @@ def apply(g, chains: list[Chain], stats: dict[str, tuple]) -> list[dict]:
         s, alpha, gain = choose_scales(g, ch, r, ms)
         if s is None:
             continue
+        ch.scale = s
         if ch.affine:
             _scale_affine(g, ch, s)
         else:
@@ -457,14 +485,8 @@ def _set(g, name: str, value: np.ndarray) -> None:
     t.CopyFrom(numpy_helper.from_array(value.astype(np.float32), name))
 
 
-def equalize(g, data, indices, comm, device="cpu", smooth: bool = True, skip=()) -> list[dict]:
-    """Find, measure and apply; returns the summary rows (empty when nothing qualifies).
-    ``smooth``: also rescale MatMul inputs, which inserts a Mul (for backends that do not
-    quantize a Mul's own inputs, where it runs fused in float).
-
-    One statistics pass serves both: a pair's scaled tensors reach no MatMul and no Conv but its
-    own absorbers (the walk refuses the pair otherwise, and absorbers are never smoothed), so
-    rescaling the pairs leaves every smoothing target's statistics as measured."""
+def _plan(g, smooth: bool, skip) -> tuple[list[Chain], dict[str, list[str]], list]:
+    """The pairs, the smoothing targets and the channel_stats items measuring them."""
     found = find_chains(g, affine=smooth)
     chains = [c for c in found if all(n in g.initializers for n in _weights(g, c))]
     # Conv inputs equalization cannot reach (a HardSwish, an Add, a Concat in between) are
@@ -474,10 +496,10 @@ def equalize(g, data, indices, comm, device="cpu", smooth: bool = True, skip=())
     chain_items = _chain_items(g, chains)
     measured = {t for t, _, _ in chain_items}
     targets = {x: m for x, m in targets.items() if x not in measured}
-    items = chain_items + _smooth_items(g, targets)
-    if not items:
-        return []
-    stats = channel_stats(g, items, data, indices, comm, device)
+    return chains, targets, chain_items + _smooth_items(g, targets)
+
+
+def _apply_all(g, chains, targets, stats, data, indices, comm, device) -> list[dict]:
     rows = apply(g, chains, stats) if chains else []
     if rows:
         log.info("equalization: %d Conv pairs rescaled (%s)", len(rows),
@@ -486,6 +508,90 @@ def equalize(g, data, indices, comm, device="cpu", smooth: bool = True, skip=())
     if targets:
         rows += smooth_inputs(g, data, indices, comm, device, targets=targets, stats=stats)
     return rows
+
+
+def equalize(g, data, indices, comm, device="cpu", smooth: bool = True, skip=()) -> list[dict]:
+    """Find, measure and apply; returns the summary rows (empty when nothing qualifies).
+    ``smooth``: also rescale MatMul inputs, which inserts a Mul (for backends that do not
+    quantize a Mul's own inputs, where it runs fused in float).
+
+    One statistics pass serves both: a pair's scaled tensors reach no MatMul and no Conv but its
+    own absorbers (the walk refuses the pair otherwise, and absorbers are never smoothed), so
+    rescaling the pairs leaves every smoothing target's statistics as measured."""
+    chains, targets, items = _plan(g, smooth, skip)
+    if not items:
+        return []
+    stats = channel_stats(g, items, data, indices, comm, device)
+    return _apply_all(g, chains, targets, stats, data, indices, comm, device)
+
+
+def equalize_and_calibrate(g, data, indices, comm, device="cpu", smooth: bool = True, skip=(),
+                           candidates=()) -> tuple[list[dict], dict]:
+    """:func:`equalize` and the min/max calibration in one pass over ``indices`` (all N samples).
+
+    ``candidates``: tensors the platform may quantize, as placed on the graph before the
+    transforms. The pass measures every equalization item per channel (signed range too), every
+    candidate a pair rescales per channel, and every other candidate per tensor. After the
+    transforms, a rescaled tensor ``t / s`` (a pair's, along axis 1) or a smoothed copy ``x * f``
+    (the Mul smoothing inserts) has the range ``[min_c lo_c / s_c, max_c hi_c / s_c]``: exact, as
+    ``s > 0`` per channel. Returns the rows and ``{tensor: TensorStats}`` for the transformed
+    graph: every candidate, rescaled or not, and every smoothed copy. A tensor a later placement
+    needs that is not among them is measured by the caller.
+
+    Saves the calibration pass for ``-A minmax`` (the histogram methods need each channel's
+    distribution, which per-tensor histograms of the untransformed tensor do not give). The
+    equalization statistics then come from all N samples instead of the first 64.
+    """
+    from dipoorlet.stats import TensorStats
+
+    chains, targets, items = _plan(g, smooth, skip)
+    itemized = {t for t, _, _ in items}
+    candidates = [t for t in dict.fromkeys(candidates)]
+    on_chain = {t: ch for ch in chains for t in ch.scaled}
+    extra_items, per_tensor = [], []
+    for t in candidates:
+        if t in itemized:
+            continue
+        ch = on_chain.get(t)
+        shape = g.shape(t)
+        if ch is not None and shape is not None and len(shape) >= 2:
+            extra_items.append((t, [0] + list(range(2, len(shape))), ch.channels or _chain_items(g, [ch])[0][2]))
+        else:
+            per_tensor.append(t)
+    if not items and not extra_items and not per_tensor:
+        return [], {}
+    extra: dict = {}
+    stats = channel_stats(g, items + extra_items, data, indices, comm, device,
+                          label="equalization and calibration (one pass)", tensors=per_tensor, extra=extra)
+    eq_stats = {t: stats[t] for t, _, _ in items}
+    before = {n.output[0] for n in g.graph.node if n.op_type == "Mul"}
+    rows = _apply_all(g, chains, targets, eq_stats, data, indices, comm, device) if items else []
+    ch_minmax = extra["channel_minmax"]
+    # a rescaled tensor measured only per tensor (rank unknown) is left to the caller
+    out = {t: st for t, st in extra["tensors"].items()
+           if t not in on_chain or on_chain[t].scale is None}
+    n = int(comm.allreduce_sum(np.array([float(len(indices))]))[0])
+
+    def ranged(lo, hi) -> TensorStats:
+        st = TensorStats()
+        st.minmax.update(float(np.min(lo)), float(np.max(hi)), n)
+        return st
+
+    for t in candidates:
+        if t in ch_minmax:
+            lo, hi = ch_minmax[t]
+            ch = on_chain.get(t)
+            if ch is not None and ch.scale is not None:
+                lo, hi = lo / ch.scale, hi / ch.scale
+            out[t] = ranged(lo, hi)
+    # the Muls smoothing inserted: x_smooth = x * f, per channel (f > 0)
+    for node in g.graph.node:
+        if node.op_type != "Mul" or node.output[0] in before or node.input[0] not in ch_minmax:
+            continue
+        f = np.asarray(g.weight(node.input[1]), np.float32).reshape(-1)
+        lo, hi = (np.asarray(v, np.float32) for v in ch_minmax[node.input[0]])
+        out[node.output[0]] = ranged(lo * f, hi * f)
+    return rows, out
 
 
 def _weights(g, chain: Chain) -> list[str]:

@@ -77,6 +77,12 @@ def load_graph(cfg: QuantConfig) -> Graph:
     return g
 
 
+def one_pass_minmax(cfg: QuantConfig) -> bool:
+    """Equalization statistics and -A minmax ranges from one pass (:func:`equalize.equalize_and_calibrate`),
+    unless --eq_samples asks the statistics to come from fewer samples than the calibration."""
+    return cfg.act_quant == "minmax" and (cfg.equalize_samples is None or cfg.equalize_samples >= cfg.data_num)
+
+
 def rule_for(base, bits: int | None):
     """The platform's rule with another bit width (per-layer overrides, --a_bits/--w_bits)."""
     return base if bits is None or bits == base.bits else dataclasses.replace(base, bits=bits)
@@ -165,6 +171,7 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
     indices = shard(cfg.data_num, comm.rank, comm.world)
 
     equalized = []
+    stats = None
     # Per-channel weights: rescaling channels costs the producer's weights nothing. Not with
     # power-of-two scales: the noise estimate that picks the scales does not model that rounding
     # (on imx it cost the VAD 4 points).
@@ -177,10 +184,17 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         t = time.perf_counter()
         # Channel statistics from the first K samples: they choose scales, the calibration that
         # follows still sees all N.
-        k = min(cfg.data_num, cfg.equalize_samples or equalize.default_samples(cfg.data_num))
-        eq_indices = shard(k, comm.rank, comm.world)
-        equalized = equalize.equalize(g, data, eq_indices, comm, cfg.device, smooth="Mul" not in plat.quantize_ops,
-                                       skip=cfg.skip_layers)
+        smooth = "Mul" not in plat.quantize_ops
+        if one_pass_minmax(cfg):
+            # -A minmax: the ranges of the transformed tensors follow from per-channel ranges of
+            # the untransformed ones, so one pass over all N samples serves both stages
+            candidates = list(placement_mod.place(g, plat, cfg.skip_layers).activations)
+            equalized, stats = equalize.equalize_and_calibrate(g, data, indices, comm, cfg.device, smooth,
+                                                               cfg.skip_layers, candidates)
+        else:
+            k = min(cfg.data_num, cfg.equalize_samples or equalize.default_samples(cfg.data_num))
+            eq_indices = shard(k, comm.rank, comm.world)
+            equalized = equalize.equalize(g, data, eq_indices, comm, cfg.device, smooth=smooth, skip=cfg.skip_layers)
         timings["equalize_s"] = time.perf_counter() - t
     places = placement_mod.place(g, plat, cfg.skip_layers)
     targets = list(places.activations)
@@ -192,8 +206,16 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
                          "check the platform or the --skip_layers list")
 
     t = time.perf_counter()
-    stats = calibrate.collect(g, data, indices, targets, comm, cfg.act_quant in NEEDS_HISTOGRAM,
-                              cfg.bins, cfg.device)
+    if stats is not None:
+        missing = [x for x in targets if x not in stats]
+        if missing:   # a tensor the transforms made that the one pass could not derive
+            stats.update(calibrate.collect(g, data, indices, missing, comm, False, cfg.bins, cfg.device))
+        stats = {x: stats[x] for x in targets}
+        log.info("calibration: ranges from the equalization pass (one pass over the data; %d of %d tensors "
+                 "measured again)", len(missing), len(targets))
+    else:
+        stats = calibrate.collect(g, data, indices, targets, comm, cfg.act_quant in NEEDS_HISTOGRAM,
+                                  cfg.bins, cfg.device)
     timings["calibration_s"] = time.perf_counter() - t
     plan = plan_activations(stats, cfg, plat, places)
     if plat.share_scale:

@@ -841,3 +841,47 @@ def test_smoothing_and_shift_together_on_trt(tmp_path):
         per_channel = diff.mean(axis=(2, 3), keepdims=True)
         np.testing.assert_allclose(diff, np.broadcast_to(per_channel, diff.shape), atol=2e-5)
         assert np.abs(per_channel).max() > 0                          # W_q, not W
+
+
+@pytest.mark.parametrize("block", ["se", "lab", "hardswish", "outlier"])
+def test_one_pass_minmax_equals_equalization_pass_then_calibration_pass(tmp_path, monkeypatch, block, caplog):
+    """-A minmax derives the transformed tensors' ranges from per-channel ranges measured in the
+    equalization pass: the same ranges (float32 rounding apart) and the same transforms as the two
+    passes it replaces, on pairs with an SE gate, affine pairs, Conv input and MatMul smoothing."""
+    import json
+
+    import dipoorlet
+    from dipoorlet import pipeline
+    from conftest import save, write_samples
+
+    model = {"se": _se_block, "lab": _lab_block, "hardswish": _hardswish_block, "outlier": _outlier_block}[block]()
+    shape = [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]
+    feeds = _feeds(6, tuple(shape), seed=5)
+    path, data = save(model, tmp_path / "m.onnx"), write_samples(tmp_path / "d", feeds)
+
+    def run(tag):
+        return dipoorlet.quantize(model=path, input_dir=data, data_num=6, deploy="trt", act_quant="minmax",
+                                  output_dir=tmp_path / tag, skip_prof_layer=True)
+
+    caplog.set_level("INFO")
+    one = run("one")
+    assert "ranges from the equalization pass" in caplog.text
+    monkeypatch.setattr(pipeline, "one_pass_minmax", lambda cfg: False)
+    two = run("two")
+    assert one.report["equalization"] and one.report["equalization"] == two.report["equalization"]
+    a = json.loads((tmp_path / "one" / "act_clip_val.json").read_text())
+    b = json.loads((tmp_path / "two" / "act_clip_val.json").read_text())
+    assert set(a) == set(b) and a
+    for t in a:
+        assert a[t] == pytest.approx(b[t], rel=1e-5, abs=1e-7), t
+
+
+def test_eq_samples_below_n_keeps_two_passes_for_minmax(tmp_path, monkeypatch):
+    from dipoorlet import pipeline
+    from dipoorlet.config import QuantConfig
+
+    cfg = lambda **k: QuantConfig(model=tmp_path / "m.onnx", input_dir=tmp_path, data_num=8, **k)  # noqa: E731
+    assert pipeline.one_pass_minmax(cfg(act_quant="minmax"))
+    assert pipeline.one_pass_minmax(cfg(act_quant="minmax", equalize_samples=8))
+    assert not pipeline.one_pass_minmax(cfg(act_quant="minmax", equalize_samples=3))
+    assert not pipeline.one_pass_minmax(cfg(act_quant="mse"))
