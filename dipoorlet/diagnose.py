@@ -109,7 +109,7 @@ def _weight_sqnr(g, places, plan, node: str) -> float | None:
 
 
 def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equalize_on=True,
-             equalized=(), smooth=True, k: int = DIAGNOSE_LAYERS, shifted=()) -> list[dict]:
+             equalized=(), smooth=True, k: int = DIAGNOSE_LAYERS, shifted=(), platform: str = "trt") -> list[dict]:
     """One row per layer among the ``k`` most sensitive that lose more than ``MIN_LOSS``.
     ``shifted``: dipoorlet.shift's rows; a shifted input is described by its source tensor (its
     channel ranges and its clip on the asymmetric grid), not by the shifted copy."""
@@ -161,7 +161,10 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
             conv_input = node.op_type == "Conv" and node.input[0] == t and g.is_constant(node.input[1])
             matmul_input = (node.op_type == "MatMul" and node.input[0] == t and g.is_constant(node.input[1])
                             and len(g.weight(node.input[1]).shape) == 2)
-            if not equalize_on:
+            if not equalize_on and any(r.get("method") == "weight ranges (data-free)" for r in equalized):
+                a["equalization"] = ("activation ranges are not equalized on per-tensor-weight platforms "
+                                     "(the weights' channel ranges were equalized instead)")
+            elif not equalize_on:
                 a["equalization"] = "off for this platform or by --no_equalize"
             elif kind == "smoothed":
                 a["equalization"] = "already smoothed (a per-channel input scale moved into the weights)"
@@ -184,14 +187,15 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
         wsq = _weight_sqnr(g, places, plan, s.node)
         if wsq is not None:
             row["weight_sqnr_db"] = wsq
-        row["advice"] = _advice(row)
+        row["advice"] = _advice(row, platform)
         rows.append(row)
     return rows
 
 
-def _advice(row: dict) -> str:
+def _advice(row: dict, platform: str = "trt") -> str:
     node = row["node"]
-    keep = f"keep it float with --skip_layers {node} (TensorRT runs it in FP16)"
+    runs = "TensorRT runs it in FP16" if platform == "trt" else f"if {platform} can run it in float or FP16"
+    keep = f"keep it float with --skip_layers {node} ({runs})"
     if row.get("cause") == "weights":
         w = row.get("weight_sqnr_db")
         at = f" (its int8 weights are at {w:.1f} dB)" if w is not None and math.isfinite(w) else ""

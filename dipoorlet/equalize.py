@@ -37,6 +37,9 @@ block: ``x * HardSigmoid(Conv(GAP(x)))``). Every path from A must end in a Conv 
 the scale (its weight used by it alone); a path into anything else (an Add, a Concat, HardSwish,
 a network output) leaves the pair untouched.
 
+Where the platform quantizes weights per tensor (snpe, rv, stpu, ti), the same pairs are rescaled
+by :func:`equalize_weights` instead: the weights' own channel ranges, data-free, as DFQ does.
+
 Used where the platform quantizes weights per channel; the ranges come from one extra pass over
 the first :func:`default_samples` (or ``--eq_samples``) calibration samples (per-channel max of
 |x| and mean of x^2, reduced inside the graph, merged across MPI processes with an exact MAX).
@@ -592,6 +595,88 @@ def equalize_and_calibrate(g, data, indices, comm, device="cpu", smooth: bool = 
         lo, hi = (np.asarray(v, np.float32) for v in ch_minmax[node.input[0]])
         out[node.output[0]] = ranged(lo * f, hi * f)
     return rows, out
+
+
+def _input_ranges(w: np.ndarray, group: int, channels: int) -> np.ndarray:
+    """max |w| over everything that meets each input channel of a Conv weight [O, C/group, k...]."""
+    cin_g, per_group = w.shape[1], w.shape[0] // group
+    out = np.zeros(channels)
+    for gi in range(group):
+        block = np.abs(w[gi * per_group:(gi + 1) * per_group]).reshape(per_group, cin_g, -1)
+        out[gi * cin_g:(gi + 1) * cin_g] = block.max(axis=(0, 2))
+    return out
+
+
+WEIGHT_ITERATIONS = 20
+
+
+def equalize_weights(g, skip=()) -> list[dict]:
+    """Data-free cross-layer equalization of weight ranges (Nagel et al., "Data-Free Quantization
+    Through Weight Equalization and Bias Correction", ICCV 2019), for backends that quantize
+    weights per tensor (snpe, rv, stpu, ti).
+
+    One grid per weight tensor serves every channel: where a Conv's output channels (or the next
+    Conv's input channels, a depthwise Conv's above all) span ranges 100x apart, most channels
+    keep a few levels. For each Conv pair (the same walk as :func:`find_chains`: ReLU, pooling,
+    zero Pad and SE gates in between) the scale ``s_c = sqrt(r1_c / r2_c)``, ``r1_c`` the
+    producer's range on output channel c and ``r2_c`` the consumers' on input channel c, gives
+    both the range ``sqrt(r1_c r2_c)``: the product of the two layers' precisions is the best one
+    scale can do. A Conv that closes one pair and opens the next (MobileNet's depthwise) takes
+    part in both, so the pairs are equalized in turns until the scales settle (at most
+    ``WEIGHT_ITERATIONS`` sweeps). Scales stay within [1/MAX_GAIN, MAX_GAIN]. No data: the
+    calibration that follows measures the rescaled activations."""
+    chains = [c for c in find_chains(g, affine=False)
+              if all(n in g.initializers for n in _weights(g, c))
+              and c.producer not in skip and not set(c.absorbers) & set(skip)]
+    if not chains:
+        return []
+    total = {id(c): None for c in chains}
+    spread0 = {}
+    for _ in range(WEIGHT_ITERATIONS):
+        moved = 0.0
+        for ch in chains:
+            a = g.node_by_name[ch.producer]
+            wa = g.weight(a.input[1]).astype(np.float64)
+            r1 = np.abs(wa).reshape(wa.shape[0], -1).max(axis=1)
+            r2 = np.zeros_like(r1)
+            for name in ch.absorbers:
+                node = g.node_by_name[name]
+                r2 = np.maximum(r2, _input_ranges(g.weight(node.input[1]).astype(np.float64),
+                                                  int(node_attr(node, "group", 1)), r1.size))
+            if id(ch) not in spread0:
+                prod = r1 * r2
+                spread0[id(ch)] = float(prod.max() / prod[prod > 0].min()) if (prod > 0).any() else 1.0
+            s = np.ones_like(r1)
+            ok = (r1 > 0) & (r2 > 0)
+            s[ok] = np.sqrt(r1[ok] / r2[ok])
+            s = np.clip(s, 1.0 / MAX_GAIN, MAX_GAIN)
+            if np.allclose(s, 1.0, rtol=1e-4):
+                continue
+            moved = max(moved, float(np.abs(np.log(s)).max()))
+            b = g.weight(a.input[2]).astype(np.float64)
+            _set(g, a.input[1], wa / s.reshape((-1,) + (1,) * (wa.ndim - 1)))
+            _set(g, a.input[2], b / s)
+            for name in ch.absorbers:
+                node = g.node_by_name[name]
+                _set(g, node.input[1], _scale_inputs(g.weight(node.input[1]).astype(np.float64), node, s))
+            total[id(ch)] = s if total[id(ch)] is None else total[id(ch)] * s
+        if moved < 1e-3:
+            break
+    rows = []
+    for ch in chains:
+        s = total[id(ch)]
+        if s is None:
+            continue
+        rows.append({"producer": ch.producer, "absorbers": list(ch.absorbers), "tensor": ch.measure,
+                     "method": "weight ranges (data-free)", "range_spread_before": spread0[id(ch)],
+                     "max_gain": float(max(s.max(), 1.0 / s.min()))})
+    if rows:
+        drop_unused_initializers(g.graph)
+        g.refresh()
+        log.info("weight equalization: %d Conv pairs rescaled (%s)", len(rows),
+                 ", ".join(f"{r['producer']} -> {'/'.join(r['absorbers'])}" for r in rows[:5])
+                 + (" ..." if len(rows) > 5 else ""))
+    return rows
 
 
 def _weights(g, chain: Chain) -> list[str]:

@@ -196,6 +196,11 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
             eq_indices = shard(k, comm.rank, comm.world)
             equalized = equalize.equalize(g, data, eq_indices, comm, cfg.device, smooth=smooth, skip=cfg.skip_layers)
         timings["equalize_s"] = time.perf_counter() - t
+    elif cfg.equalize and not plat.weight.per_channel:
+        from dipoorlet import equalize
+
+        # one grid per weight tensor: even out the weights' channel ranges between Conv pairs
+        equalized = equalize.equalize_weights(g, skip=cfg.skip_layers)
     places = placement_mod.place(g, plat, cfg.skip_layers)
     targets = list(places.activations)
     log.info("%d nodes quantized, %d activation tensors and %d weights get Q/DQ on %s",
@@ -251,7 +256,7 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         analysis["diagnosis"] = diagnose.diagnose(
             g, places, plan, analysis["isolated"], data, shard(analysis["sens_samples"], comm.rank, comm.world),
             comm, cfg.device, equalize_on=eq_on, equalized=equalized, smooth="Mul" not in plat.quantize_ops,
-            shifted=shifted)
+            shifted=shifted, platform=plat.name)
     if analysis.get("auto_skip") is not None:
         places = places.restrict([n for n in places.quantized_nodes
                                   if n not in analysis["auto_skip"].float_layers])

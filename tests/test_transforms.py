@@ -304,17 +304,75 @@ def test_equalization_lowers_the_quantization_error_of_a_skewed_network(tmp_path
     assert sq[True] > sq[False] + 3.0, sq
 
 
-def test_equalization_is_off_for_per_tensor_weight_platforms(tmp_path):
+def _mobilenet_block():
+    """1x1 Conv -> Relu -> depthwise 3x3 -> Relu -> 1x1 Conv, with output channels of the first
+    and the depthwise weights spanning ranges ~50x apart (MobileNet's per-tensor trouble)."""
+    c = 6
+    w1 = rand((c, 3, 1, 1), 50, 0.5) * np.array([1, 30, 0.6, 2, 0.3, 5], np.float32).reshape(c, 1, 1, 1)
+    wd = rand((c, 1, 3, 3), 51, 0.5) * np.array([0.2, 1, 20, 0.5, 3, 1], np.float32).reshape(c, 1, 1, 1)
+    inits = {"w1": w1, "b1": rand((c,), 52, 0.1), "wd": wd, "bd": rand((c,), 53, 0.1),
+             "w2": rand((4, c, 1, 1), 54, 0.5), "b2": rand((4,), 55, 0.1)}
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["a"], name="pw1"),
+             helper.make_node("Relu", ["a"], ["ar"], name="relu1"),
+             helper.make_node("Conv", ["ar", "wd", "bd"], ["d"], name="dw", pads=[1] * 4, group=c),
+             helper.make_node("Relu", ["d"], ["dr"], name="relu2"),
+             helper.make_node("Conv", ["dr", "w2", "b2"], ["y"], name="pw2")]
+    return make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("y", [1, 4, 8, 8])], inits)
+
+
+def _sqnr_on(tmp_path, model, feeds, deploy, equalize: bool):
     import onnx
     import dipoorlet
     from conftest import write_samples
 
-    model = _se_block()
     onnx.save(model, tmp_path / "m.onnx")
-    data = write_samples(tmp_path / "d", _feeds(2))
-    res = dipoorlet.quantize(model=tmp_path / "m.onnx", input_dir=data, data_num=2, deploy="snpe",
-                             output_dir=tmp_path / "o", skip_prof_layer=True)
-    assert "equalization" not in res.report
+    data = write_samples(tmp_path / f"d{equalize}", feeds)
+    out = tmp_path / f"o{deploy}{equalize}"
+    res = dipoorlet.quantize(model=tmp_path / "m.onnx", input_dir=data, data_num=len(feeds), deploy=deploy,
+                             output_dir=out, skip_prof_layer=True, equalize=equalize)
+    qm = onnx.load(str(out / "quant_model.onnx"))
+    err = sig = 0.0
+    for f in feeds:
+        want, got = ort_run(model, f)[0], ort_run(qm, f)[0]
+        err += float(((want - got) ** 2).sum())
+        sig += float((want ** 2).sum())
+    return 10 * np.log10(sig / err), res, out
+
+
+def test_weight_equalization_on_per_tensor_platforms_keeps_the_function_and_balances_ranges(tmp_path):
+    """snpe (per-tensor weights): data-free weight equalization of both pairs (the depthwise
+    Conv closes one and opens the other); the transformed float model computes what the input
+    model does, and each pair's channel ranges end equal: r1_c / s_c == r2_c * s_c."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = _mobilenet_block()
+    feeds = _feeds(4)
+    _, res, out = _sqnr_on(tmp_path, model, feeds, "snpe", True)
+    rows = res.report["equalization"]
+    assert {(r["producer"], tuple(r["absorbers"])) for r in rows} == {("pw1", ("dw",)), ("dw", ("pw2",))}
+    assert all(r["method"] == "weight ranges (data-free)" for r in rows)
+    tm = onnx.load(str(out / "transformed_model.onnx"))
+    for f in feeds:
+        np.testing.assert_allclose(ort_run(tm, f)[0], ort_run(model, f)[0], rtol=1e-4, atol=1e-4)
+    w = {t.name: numpy_helper.to_array(t) for t in tm.graph.initializer}
+    r1, r2 = np.abs(w["w1"]).reshape(6, -1).max(1), np.abs(w["wd"]).reshape(6, -1).max(1)
+    np.testing.assert_allclose(r1, r2, rtol=2e-3)             # pair 1: pw1's rows vs dw's channels
+    r3 = np.abs(w["w2"]).max(axis=(0, 2, 3))
+    np.testing.assert_allclose(r2, r3, rtol=2e-3)             # pair 2: dw's channels vs pw2's columns
+    assert max(r["max_gain"] for r in rows) > 3
+
+
+def test_weight_equalization_lowers_the_error_on_per_tensor_platforms(tmp_path):
+    model, feeds = _mobilenet_block(), _feeds(8)
+    for deploy in ("snpe", "stpu"):
+        sq = {eq: _sqnr_on(tmp_path, model, feeds, deploy, eq)[0] for eq in (False, True)}
+        assert sq[True] > sq[False] + 3.0, (deploy, sq)
+
+
+def test_per_channel_platforms_keep_the_data_driven_equalization(tmp_path):
+    _, res, _ = _sqnr_on(tmp_path, _mobilenet_block(), _feeds(2), "qnn", True)
+    assert res.report["equalization"] and all("method" not in r for r in res.report["equalization"])
 
 
 # ----------------------------------------------------------------------------------- MatMul smoothing
