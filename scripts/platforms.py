@@ -55,7 +55,8 @@ def main(argv=None) -> int:
     plats = a.platforms.split(",")
     print("\n| model (metric) | " + " | ".join(plats) + " |\n|---|" + "---|" * len(plats))
     for name, row in results.items():
-        metric = next((k for k in ("agreement", "mask_iou", "exact_match", "spearman") if k in row["float"]), None)
+        metric = next((k for k in ("agreement", "mask_iou", "exact_match", "spearman", "box_f1") if k in row["float"]),
+                      None)
         cells = [str(row[p].get(metric, "FAIL " + row[p].get("error", ""))) for p in plats]
         print(f"| {name} ({metric}; float {row['float'].get(metric)}) | " + " | ".join(cells) + " |")
     Path(a.out).mkdir(parents=True, exist_ok=True)
