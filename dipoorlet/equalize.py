@@ -237,7 +237,8 @@ def _gate_ok(g, tensor: str, channels: int) -> bool:
 
 
 def channel_stats(g, items: list[tuple[str, list[int] | None, int]], data, indices, comm, device="cpu",
-                  label="equalization: channel ranges", tensors=(), extra: dict | None = None) -> dict[str, tuple]:
+                  label="equalization: channel ranges", tensors=(), extra: dict | None = None,
+                  ranges_only=()) -> dict[str, tuple]:
     """Per-channel ``(max |x|, peak per-sample mean of x^2)`` of each ``(tensor, reduced axes,
     channels)`` over the calibration samples, reduced inside the graph; both merge across
     processes with an exact MAX. ``axes=None``: the channels are the last axis, whatever the rank.
@@ -245,76 +246,101 @@ def channel_stats(g, items: list[tuple[str, list[int] | None, int]], data, indic
     With ``extra`` (a dict), the same pass also fills ``extra["channel_minmax"][t] = (lo, hi)``
     per channel of every item and ``extra["tensors"][t]`` (a :class:`~dipoorlet.stats.TensorStats`
     range, merged across processes) for every tensor in ``tensors``: calibration ranges, for the
-    one-pass ``-A minmax`` (:func:`equalize_and_calibrate`)."""
+    one-pass ``-A minmax`` (:func:`equalize_and_calibrate`). Items in ``ranges_only`` get no
+    mean square (0).
+
+    The per-channel vectors of all items leave onnxruntime concatenated, four outputs whatever
+    the number of items, so a sample costs a few numpy operations, not a few per item (on a
+    small network with ~65 items that loop cost as much as the inference)."""
+    from dipoorlet.stats import TensorStats
+
     model = g.model
-    outputs = []
     types = dict(g.types)
     n_nodes = len(model.graph.node)
     n_inits = len(model.graph.initializer)
+    ranges_only = set(ranges_only)
+    parts: dict[str, list[str]] = {"hi": [], "lo": [], "ss": [], "size": []}
+    outs = {k: f"{SUFFIX}_all_{k}" for k in parts}
+
+    def const(name, value):
+        model.graph.initializer.append(numpy_helper.from_array(value, name))
+        return name
+
+    def node(op, inputs, out, **attrs):
+        model.graph.node.append(helper.make_node(op, inputs, [out], name=out, **attrs))
+        return out
+
     try:
         for t, axes, n in items:
             src = t
             if axes is None:  # channels on the last axis, rank unknown: view as [-1, n]
-                shape, src = f"{t}{SUFFIX}_2d_shape", f"{t}{SUFFIX}_2d"
-                model.graph.initializer.append(numpy_helper.from_array(np.array([-1, n], np.int64), shape))
-                model.graph.node.append(helper.make_node("Reshape", [t, shape], [src], name=src))
+                src = node("Reshape", [t, const(f"{t}{SUFFIX}_2d_shape", np.array([-1, n], np.int64))],
+                           f"{t}{SUFFIX}_2d")
                 axes = [0]
+            as_float = (types.get(t) or (TensorProto.FLOAT,))[0] not in (TensorProto.FLOAT, 0)
+
+            def reduce(kind, op):
+                out = f"{t}{SUFFIX}_{kind}"
+                if g.opset >= 18:
+                    node(op, [src, const(f"{out}_axes", np.array(axes, np.int64))], out, keepdims=0)
+                else:
+                    node(op, [src], out, axes=axes, keepdims=0)
+                return node("Cast", [out], out + "_f32", to=TensorProto.FLOAT) if as_float else out
+
+            zeros = np.zeros(n, np.float32)
+            parts["hi"].append(reduce("hi", "ReduceMax"))
             # reductions straight from the tensor: no full-size |x| or x*x temporaries. A Relu
-            # output's minimum is 0 (most measured tensors are one): no ReduceMin for it, each
-            # reduction costs about as much as a small network's Conv.
+            # output's minimum is 0 (most measured tensors are one): no ReduceMin for it.
             producer = g.producer.get(t)
             nonneg = producer is not None and producer.op_type == "Relu"
-            for kind, op in (("hi", "ReduceMax"), ("lo", "ReduceMin"), ("ss", "ReduceSumSquare")):
-                out = f"{t}{SUFFIX}_{kind}"
-                if kind == "lo" and nonneg:
-                    outputs.append(None)
-                    continue
-                if g.opset >= 18:
-                    ax = f"{t}{SUFFIX}_{kind}_axes"
-                    model.graph.initializer.append(numpy_helper.from_array(np.array(axes, np.int64), ax))
-                    model.graph.node.append(helper.make_node(op, [src, ax], [out], name=out, keepdims=0))
-                else:
-                    model.graph.node.append(helper.make_node(op, [src], [out], name=out, axes=axes, keepdims=0))
-                outputs.append(out)
-            # measured per sample: a shape the model declares may be stale
-            size = f"{t}{SUFFIX}_size"
-            model.graph.node.append(helper.make_node("Size", [src], [size], name=size))
-            outputs.append(size)
-            types[size] = (TensorProto.INT64, [])
-        runner = Runner(model, [o for o in outputs if o is not None], reduce_minmax=list(tensors), types=types,
+            parts["lo"].append(const(f"{t}{SUFFIX}_lo0", zeros) if nonneg else reduce("lo", "ReduceMin"))
+            if t in ranges_only:
+                parts["ss"].append(const(f"{t}{SUFFIX}_ss0", zeros))
+                parts["size"].append(const(f"{t}{SUFFIX}_size0", np.array([n], np.int64)))
+            else:
+                parts["ss"].append(reduce("ss", "ReduceSumSquare"))
+                # measured per sample: a shape the model declares may be stale
+                size = node("Size", [src], f"{t}{SUFFIX}_size")
+                parts["size"].append(node("Reshape", [size, const(f"{t}{SUFFIX}_one", np.array([1], np.int64))],
+                                          f"{t}{SUFFIX}_size1"))
+        if items:
+            for k, names in parts.items():
+                node("Concat", names, outs[k], axis=0)
+            types[outs["size"]] = (TensorProto.INT64, [len(items)])
+        runner = Runner(model, list(outs.values()) if items else [], reduce_minmax=list(tensors), types=types,
                         device=device, spin=True)
     finally:
         del model.graph.node[n_nodes:]
         del model.graph.initializer[n_inits:]
-    from dipoorlet.stats import TensorStats
 
-    acc = [np.zeros(n) for _, _, n in items for _ in range(2)]
-    # signed per-channel ranges: max of hi and max of -lo (so that one MAX merges both)
-    signed = [np.full(n, -np.inf) for _, _, n in items for _ in range(2)] if extra is not None else []
+    ns = np.array([n for _, _, n in items], np.int64)
+    total = int(ns.sum())
+    r_acc, ms_acc = np.zeros(total), np.zeros(total)
+    hi_acc, nlo_acc = np.full(total, -np.inf), np.full(total, -np.inf)
     per_tensor = {t: TensorStats() for t in tensors}
     for i in progress(indices, label, comm):
-        got, ranges = runner.run(data.sample(i), ranges=bool(per_tensor))
+        got, ranges = runner.run(data.sample(i), tensors=bool(items), ranges=bool(per_tensor))
         for t, (lo, hi) in ranges.items():
             per_tensor[t].minmax.update(lo, hi)
-        for k, (_, _, n) in enumerate(items):
-            hi, lo, ss, size = (np.asarray(got[o], dtype=np.float64).reshape(-1) if o is not None
-                                else np.zeros(1) for o in outputs[4 * k:4 * k + 4])
-            per_channel = max(float(size[0]) / n, 1.0)
-            acc[2 * k] = np.maximum(acc[2 * k], np.maximum(hi, -lo))
-            acc[2 * k + 1] = np.maximum(acc[2 * k + 1], ss / per_channel)
-            if signed:
-                signed[2 * k] = np.maximum(signed[2 * k], hi)
-                signed[2 * k + 1] = np.maximum(signed[2 * k + 1], -lo)
-    flat = comm.allreduce_max(np.concatenate(acc + signed)) if acc else np.zeros(0)
+        if not items:
+            continue
+        hi, lo, ss = (np.asarray(got[outs[k]], np.float64).reshape(-1) for k in ("hi", "lo", "ss"))
+        size = np.asarray(got[outs["size"]], np.float64).reshape(-1)
+        per_channel = np.maximum(np.repeat(size / ns, ns), 1.0)
+        r_acc = np.maximum(r_acc, np.maximum(hi, -lo))
+        ms_acc = np.maximum(ms_acc, ss / per_channel)
+        hi_acc, nlo_acc = np.maximum(hi_acc, hi), np.maximum(nlo_acc, -lo)
+    signed = [hi_acc, nlo_acc] if extra is not None else []
+    flat = comm.allreduce_max(np.concatenate([r_acc, ms_acc] + signed)) if items else np.zeros(0)
     result, offset = {}, 0
-    for t, _, n in items:
-        result[t] = (flat[offset:offset + n], flat[offset + n:offset + 2 * n])
-        offset += 2 * n
+    for (t, _, n) in items:
+        result[t] = (flat[offset:offset + n], flat[total + offset:total + offset + n])
+        if extra is not None:
+            extra.setdefault("channel_minmax", {})[t] = (-flat[3 * total + offset:3 * total + offset + n],
+                                                          flat[2 * total + offset:2 * total + offset + n])
+        offset += n
     if extra is not None:
-        extra["channel_minmax"] = {}
-        for t, _, n in items:
-            extra["channel_minmax"][t] = (-flat[offset + n:offset + 2 * n], flat[offset:offset + n])
-            offset += 2 * n
+        extra.setdefault("channel_minmax", {})
         extra["tensors"] = comm.merge_stats(per_tensor) if per_tensor else {}
     return result
 
@@ -565,7 +591,8 @@ def equalize_and_calibrate(g, data, indices, comm, device="cpu", smooth: bool = 
         return [], {}
     extra: dict = {}
     stats = channel_stats(g, items + extra_items, data, indices, comm, device,
-                          label="equalization and calibration (one pass)", tensors=per_tensor, extra=extra)
+                          label="equalization and calibration (one pass)", tensors=per_tensor, extra=extra,
+                          ranges_only={t for t, _, _ in extra_items})
     eq_stats = {t: stats[t] for t, _, _ in items}
     before = {n.output[0] for n in g.graph.node if n.op_type == "Mul"}
     rows = _apply_all(g, chains, targets, eq_stats, data, indices, comm, device) if items else []
