@@ -184,6 +184,8 @@ class DataSource:
                                 f"({dtype.itemsize} bytes each); the file is truncated or of "
                                 "another dtype")
             raw = np.fromfile(path, dtype=dtype)
+            if dtype != spec.dtype:      # a widened float16/bfloat16 input: the model now takes float32
+                raw = raw.astype(spec.dtype)
         except DataError:
             raise
         except Exception as exc:

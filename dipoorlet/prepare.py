@@ -62,8 +62,9 @@ def _widen_graph(graph: onnx.GraphProto) -> int:
                 n += _widen_graph(a.g)
             elif a.type == onnx.AttributeProto.GRAPHS:
                 n += sum(_widen_graph(sub) for sub in a.graphs)
-            elif a.type == onnx.AttributeProto.INT and a.name in ("to", "dtype") and a.i in _HALF:
-                a.i = onnx.TensorProto.FLOAT     # Cast(to=float16), EyeLike/Random*(dtype=...)
+            elif a.type == onnx.AttributeProto.INT and a.name in ("to", "dtype", "output_datatype") \
+                    and a.i in _HALF:
+                a.i = onnx.TensorProto.FLOAT     # Cast(to=float16), EyeLike/Random*(dtype=...), windows
                 n += 1
     return n
 

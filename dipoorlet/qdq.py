@@ -177,10 +177,12 @@ def _rebuild(graph: onnx.GraphProto, new_nodes: dict[str, list]) -> None:
     graph.node.extend(order)
 
 
-def _switch(mask: str, src: str, chain: list, out: str, elem: int, taken: set[str]) -> onnx.NodeProto:
-    """``out = If(mask) then chain(src) else src``: a private copy of the Q/DQ ``chain`` (its
-    inner tensors renamed, so sibling branches share no names) as the then-branch; ``src`` and
-    the scale/zero-point constants are read from the outer graph."""
+def _switch(mask: str, src: str, chain: list, out: str, elem: int, taken: set[str],
+            passthrough: str | None = None) -> onnx.NodeProto:
+    """``out = If(mask) then chain(src) else passthrough``: a private copy of the Q/DQ ``chain``
+    (its inner tensors renamed, so sibling branches share no names) as the then-branch; ``src``,
+    ``passthrough`` (default ``src``) and the scale/zero-point constants are read from the outer
+    graph."""
     then_out, else_out = _base(out + "_then", taken, ("",)), _base(out + "_else", taken, ("",))
     rename = {}
     body = []
@@ -196,7 +198,8 @@ def _switch(mask: str, src: str, chain: list, out: str, elem: int, taken: set[st
         body.append(c)
     body[-1].output[0] = then_out
     then_g = helper.make_graph(body, then_out, [], [helper.make_tensor_value_info(then_out, elem, None)])
-    else_g = helper.make_graph([helper.make_node("Identity", [src], [else_out], name=else_out)], else_out, [],
+    else_g = helper.make_graph([helper.make_node("Identity", [passthrough or src], [else_out], name=else_out)],
+                               else_out, [],
                                [helper.make_tensor_value_info(else_out, elem, None)])
     return helper.make_node("If", [mask], [out], name=_base(out + "_If", taken, ("",)),
                             then_branch=then_g, else_branch=else_g)
@@ -274,7 +277,9 @@ class Switchboard:
             for (node_name, index), owner in zip(point.uses, point.owners):
                 if owner not in wired:
                     out = _base(f"{base}_sw_{len(wired)}", taken, ("",))
-                    chain.append(_switch(mask(owner), src, [q, *extra, dq], out, elem, taken))
+                    # switched off, a consumer reads the tensor as its producer's switch left it
+                    # (a quantized network output stays quantized for its other readers)
+                    chain.append(_switch(mask(owner), src, [q, *extra, dq], out, elem, taken, passthrough=tensor))
                     wired[owner] = out
                     self.act_owners.add(owner)
                 nodes[node_name].input[index] = wired[owner]

@@ -135,9 +135,12 @@ def isolated(graph, places, plan, scorer: Scorer, criterion="cosine", split_wors
     rows = []
     t0 = time.perf_counter()
     for k, node in enumerate(progress(nodes, "sensitivity: isolated layers", scorer.comm)):
+        if k == 1:     # the first variant also built the session
+            t0 = time.perf_counter()
         rows.append(LayerSensitivity(node, ops[node], scorer.score_variant(places, plan, {node}, {node})))
-        if k == 0:
-            _announce(time.perf_counter() - t0, len(nodes) + 2 * min(split_worst, len(nodes)), len(scorer.indices))
+        if k == 1:
+            _announce(time.perf_counter() - t0, len(nodes) + 2 * min(split_worst, len(nodes)) - 1,
+                      len(scorer.indices))
     for row in sorted(rows, key=lambda r: r.isolated.value(criterion))[:split_worst]:
         row.weight_only = scorer.score_variant(places, plan, (), {row.node})
         row.activation_only = scorer.score_variant(places, plan, {row.node}, ())

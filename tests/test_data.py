@@ -234,15 +234,21 @@ def _fp16_model():
     return half, io32
 
 
-@pytest.mark.parametrize("fmt", ["npy", "bin"])
+@pytest.mark.parametrize("fmt", ["npy", "bin", "bin-bfloat16"])
 def test_float16_model_is_calibrated_and_written_in_float32(tmp_path, fmt, caplog):
     import onnx
+    from onnx import TensorProto, helper
 
     import dipoorlet
     from conftest import ort_run, save
 
     half, _ = _fp16_model()
-    feeds = [{"x": np.random.default_rng(i).standard_normal((1, 3, 8, 8)).astype(np.float16)} for i in range(4)]
+    dtype = np.float16
+    if fmt == "bin-bfloat16":   # the same model in bfloat16, raw bfloat16 .bin files
+        dtype = helper.tensor_dtype_to_np_dtype(TensorProto.BFLOAT16)
+        fmt = "bin"
+        half = _as_bfloat16(half)
+    feeds = [{"x": np.random.default_rng(i).standard_normal((1, 3, 8, 8)).astype(dtype)} for i in range(4)]
     d = tmp_path / "data" / "x"
     d.mkdir(parents=True)
     for i, f in enumerate(feeds):
@@ -259,10 +265,56 @@ def test_float16_model_is_calibrated_and_written_in_float32(tmp_path, fmt, caplo
     assert qm.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
     assert all(t.data_type != onnx.TensorProto.FLOAT16 for t in qm.graph.initializer)
     for f in feeds:
-        ref = ort_run(half, f)[0].astype(np.float32)
-        got = ort_run(qm, {"x": f["x"].astype(np.float32)})[0]
+        x32 = f["x"].astype(np.float32)
+        ref = (ort_run(half, f)[0] if dtype == np.float16 else _float_twin(half, x32)).astype(np.float32)
+        got = ort_run(qm, {"x": x32})[0]
         cos = float((ref * got).sum() / np.linalg.norm(ref) / np.linalg.norm(got))
         assert cos > 0.999
+
+
+def _as_bfloat16(model):
+    """The float16 test model with every float16 tensor and type made bfloat16."""
+    from onnx import TensorProto, numpy_helper
+
+    m = model.__class__()
+    m.CopyFrom(model)
+    bf16 = helper_np_bf16()
+    for t in m.graph.initializer:
+        if t.data_type == TensorProto.FLOAT16:
+            t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float32).astype(bf16), t.name))
+    for n in m.graph.node:
+        for a in n.attribute:
+            if a.t.data_type == TensorProto.FLOAT16:
+                a.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(a.t).astype(np.float32).astype(bf16),
+                                                     a.t.name))
+    for v in [*m.graph.input, *m.graph.output]:
+        v.type.tensor_type.elem_type = TensorProto.BFLOAT16
+    return m
+
+
+def helper_np_bf16():
+    from onnx import TensorProto, helper
+
+    return helper.tensor_dtype_to_np_dtype(TensorProto.BFLOAT16)
+
+
+def _float_twin(model, x):
+    """onnxruntime has no bfloat16 Conv on CPU: the oracle is the float32 copy of the model."""
+    from onnx import TensorProto, numpy_helper
+
+    from conftest import ort_run
+
+    m = model.__class__()
+    m.CopyFrom(model)
+    for t in m.graph.initializer:
+        t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float32), t.name))
+    for n in m.graph.node:
+        for a in n.attribute:
+            if a.t.data_type == TensorProto.BFLOAT16:
+                a.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(a.t).astype(np.float32), a.t.name))
+    for v in [*m.graph.input, *m.graph.output]:
+        v.type.tensor_type.elem_type = TensorProto.FLOAT
+    return ort_run(m, {"x": x})[0]
 
 
 def test_float16_model_with_float32_io_casts(tmp_path):

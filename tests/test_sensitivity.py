@@ -227,14 +227,10 @@ def test_diagnosis_on_trt_reports_the_conv_input_smoothing(tmp_path):
     assert kind == "smoothed" and via.input[0] == "h"
 
 
-@pytest.mark.parametrize("deploy,extra", [
-    ("trt", {}),                                             # int32 biases, residual Add fused
-    ("snpe", {"bias_correction": True}),                     # network output quantized; corrected biases
-    ("trt", {"layer_bits": {"conv2": (4, 4)}, "auto_skip": "cosine:0.999999", "max_float_layers": 2}),
-])
-def test_switchboard_variants_equal_separately_built_models(tmp_path, monkeypatch, deploy, extra):
-    """Every variant the sensitivity analysis scores through the one switchable session scores
-    the same as the model insert_qdq builds for that variant on its own."""
+def _check_every_variant(monkeypatch) -> list:
+    """Make every variant the sensitivity analysis scores through the switchable session also
+    score through the model insert_qdq builds for it alone, and assert both agree; returns the
+    (activations on, weights on, cosine) of every variant checked."""
     from dipoorlet import sensitivity
     from dipoorlet.qdq import insert_qdq
 
@@ -260,6 +256,18 @@ def test_switchboard_variants_equal_separately_built_models(tmp_path, monkeypatc
         return got
 
     monkeypatch.setattr(sensitivity.Scorer, "score_variant", checked)
+    return seen
+
+
+@pytest.mark.parametrize("deploy,extra", [
+    ("trt", {}),                                             # int32 biases, residual Add fused
+    ("snpe", {"bias_correction": True}),                     # network output quantized; corrected biases
+    ("trt", {"layer_bits": {"conv2": (4, 4)}, "auto_skip": "cosine:0.999999", "max_float_layers": 2}),
+])
+def test_switchboard_variants_equal_separately_built_models(tmp_path, monkeypatch, deploy, extra):
+    """Every variant the sensitivity analysis scores through the one switchable session scores
+    the same as the model insert_qdq builds for that variant on its own."""
+    seen = _check_every_variant(monkeypatch)
     result, _ = quantize_model(tmp_path, tiny_cnn(seed=2), n=4, deploy=deploy, sens_samples=4, **extra)
     n_nodes = len(result.report["sensitivity"])
     assert n_nodes >= 3 and sum(1 for a, w, _ in seen if a == w == 1) == n_nodes   # each layer alone
@@ -268,6 +276,21 @@ def test_switchboard_variants_equal_separately_built_models(tmp_path, monkeypatc
     assert any(c < 0.999999 for *_, c in seen)                             # the variants differ from float
     if "auto_skip" in extra:
         assert any(a == w >= 2 for a, w, _ in seen)                        # whole-model variants
+
+
+@pytest.mark.parametrize("deploy", ["snpe", "qnn"])
+def test_switchboard_with_a_quantized_network_output_read_by_another_layer(tmp_path, monkeypatch, deploy):
+    """conv1's output y is a network output (quantized in place on these backends) and conv2's
+    input: with conv1 switched on and conv2 off, conv2 reads the quantized y, as the model
+    insert_qdq builds does (a review found the switch reading the float y)."""
+    seen = _check_every_variant(monkeypatch)
+    inits = {"w1": rand((4, 3, 3, 3), 0, 0.5), "b1": rand((4,), 1, 0.1),
+             "w2": rand((4, 4, 3, 3), 2, 0.5), "b2": rand((4,), 3, 0.1)}
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["y"], name="conv1", pads=[1] * 4),
+             helper.make_node("Conv", ["y", "w2", "b2"], ["z"], name="conv2", pads=[1] * 4)]
+    model = make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("y", [1, 4, 8, 8]), vi("z", [1, 4, 8, 8])], inits)
+    quantize_model(tmp_path, model, n=4, deploy=deploy, sens_samples=4)
+    assert (1, 1) in {(a, w) for a, w, _ in seen} and (1, 0) in {(a, w) for a, w, _ in seen}
 
 
 def test_switchboard_fed_with_resident_values_scores_the_same(tmp_path, monkeypatch):
