@@ -108,6 +108,23 @@ def _weight_sqnr(g, places, plan, node: str) -> float | None:
     return None
 
 
+def _per_tensor_weight_spread(g, places, plan, node: str) -> float | None:
+    """max / median of the output channels' ranges of ``node``'s weight when the platform
+    quantizes it per tensor (one grid for all channels), else None."""
+    for wp in places.weights.values():
+        if wp.node != node or wp.index != 1 or wp.tensor not in plan.weights or plan.weights[wp.tensor].axis is not None:
+            continue
+        w = np.abs(g.weight(wp.tensor).astype(np.float64))
+        if w.ndim < 2:
+            return None
+        op = g.node_by_name[node].op_type
+        axis = 1 if op in ("ConvTranspose", "MatMul") else 0
+        r = np.moveaxis(w, axis, 0).reshape(w.shape[axis], -1).max(axis=1)
+        med = float(np.median(r))
+        return float(r.max() / med) if med > 0 else None
+    return None
+
+
 def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equalize_on=True,
              equalized=(), smooth=True, k: int = DIAGNOSE_LAYERS, shifted=(), platform: str = "trt") -> list[dict]:
     """One row per layer among the ``k`` most sensitive that lose more than ``MIN_LOSS``.
@@ -187,6 +204,9 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
         wsq = _weight_sqnr(g, places, plan, s.node)
         if wsq is not None:
             row["weight_sqnr_db"] = wsq
+        spread = _per_tensor_weight_spread(g, places, plan, s.node)
+        if spread is not None:
+            row["weight_channel_spread"] = spread
         row["advice"] = _advice(row, platform)
         rows.append(row)
     return rows
@@ -199,6 +219,12 @@ def _advice(row: dict, platform: str = "trt") -> str:
     if row.get("cause") == "weights":
         w = row.get("weight_sqnr_db")
         at = f" (its int8 weights are at {w:.1f} dB)" if w is not None and math.isfinite(w) else ""
+        spread = row.get("weight_channel_spread")
+        if spread is not None and spread >= 4:
+            return (f"weight rounding dominates{at}: {platform} quantizes weights per tensor and this layer's "
+                    f"channel ranges are {spread:.0f}x apart (max / median), so most channels keep few levels; "
+                    f"per-channel weights (the backend's per-channel mode where it has one, e.g. qnn or SNPE's "
+                    f"--use_per_channel_quantization) avoid it, or {keep}")
         return f"weight rounding dominates{at}: weight reconstruction (AdaRound-style) is the remedy, or {keep}"
     facts = []
     for a in row.get("activations", []):

@@ -318,3 +318,25 @@ def test_switchboard_fed_with_resident_values_scores_the_same(tmp_path, monkeypa
     assert a.keys() == b.keys() and len(a) >= 3
     for k in a:
         assert b[k]["cosine"] == pytest.approx(a[k]["cosine"], abs=1e-7)
+
+
+def test_diagnosis_on_a_per_tensor_weight_platform_names_the_weight_channel_spread(tmp_path):
+    """A Conv whose output channels' weights span 200x, on snpe (one weight grid per tensor):
+    the diagnosis blames the weights, reports the spread and points to per-channel weights."""
+    w = rand((6, 3, 3, 3), 11, 0.5)
+    w[0] *= 200.0
+    w2 = rand((4, 6, 1, 1), 13, 0.5)
+    w2[:, 0] /= 200.0          # the wide channel does not dominate the output
+    inits = {"w": w, "b": rand((6,), 12, 0.1), "w2": w2}
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", pads=[1] * 4),
+             helper.make_node("Relu", ["c"], ["r"], name="relu"),
+             helper.make_node("Conv", ["r", "w2"], ["y"], name="head")]
+    model = make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("y", [1, 4, 8, 8])], inits)
+    result, _ = quantize_model(tmp_path, model, n=4, deploy="snpe", sens_samples=4, equalize=False)
+    rows = {d["node"]: d for d in result.report["diagnosis"]}
+    d = rows["conv"]
+    spread = np.abs(w).reshape(6, -1).max(1)
+    assert d["cause"] == "weights"
+    assert d["weight_channel_spread"] == pytest.approx(spread.max() / np.median(spread), rel=1e-6)
+    assert "snpe quantizes weights per tensor" in d["advice"] and "per-channel" in d["advice"]
+    assert "TensorRT" not in d["advice"]
