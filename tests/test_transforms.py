@@ -275,17 +275,17 @@ def test_equalization_chooses_nothing_when_channels_are_already_balanced():
     assert s is None and gain == 0.0
 
 
-def _output_sqnr(tmp_path, model, feeds, equalize: bool):
-    """Quantize for trt with or without equalization; SQNR of its output against the float model
-    in onnxruntime (the oracle), and the report."""
+def _sqnr_on(tmp_path, model, feeds, deploy, equalize: bool):
+    """Quantize for ``deploy`` with or without equalization; output SQNR against the float model
+    in onnxruntime (the oracle), the result and the output folder."""
     import onnx
     import dipoorlet
     from conftest import write_samples
 
     onnx.save(model, tmp_path / "m.onnx")
-    data = write_samples(tmp_path / "d", feeds)
-    out = tmp_path / f"o{equalize}"
-    res = dipoorlet.quantize(model=tmp_path / "m.onnx", input_dir=data, data_num=len(feeds), deploy="trt",
+    data = write_samples(tmp_path / f"d{equalize}", feeds)
+    out = tmp_path / f"o{deploy}{equalize}"
+    res = dipoorlet.quantize(model=tmp_path / "m.onnx", input_dir=data, data_num=len(feeds), deploy=deploy,
                              output_dir=out, skip_prof_layer=True, equalize=equalize)
     qm = onnx.load(str(out / "quant_model.onnx"))
     err = sig = 0.0
@@ -293,7 +293,14 @@ def _output_sqnr(tmp_path, model, feeds, equalize: bool):
         want, got = ort_run(model, f)[0], ort_run(qm, f)[0]
         err += float(((want - got) ** 2).sum())
         sig += float((want ** 2).sum())
-    return 10 * np.log10(sig / err), res.report
+    return 10 * np.log10(sig / err), res, out
+
+
+def _output_sqnr(tmp_path, model, feeds, equalize: bool):
+    """Quantize for trt with or without equalization; SQNR of its output against the float model
+    in onnxruntime (the oracle), and the report."""
+    sqnr, res, _ = _sqnr_on(tmp_path, model, feeds, "trt", equalize)
+    return sqnr, res.report
 
 
 def test_equalization_lowers_the_quantization_error_of_a_skewed_network(tmp_path):
@@ -318,25 +325,6 @@ def _mobilenet_block():
              helper.make_node("Relu", ["d"], ["dr"], name="relu2"),
              helper.make_node("Conv", ["dr", "w2", "b2"], ["y"], name="pw2")]
     return make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("y", [1, 4, 8, 8])], inits)
-
-
-def _sqnr_on(tmp_path, model, feeds, deploy, equalize: bool):
-    import onnx
-    import dipoorlet
-    from conftest import write_samples
-
-    onnx.save(model, tmp_path / "m.onnx")
-    data = write_samples(tmp_path / f"d{equalize}", feeds)
-    out = tmp_path / f"o{deploy}{equalize}"
-    res = dipoorlet.quantize(model=tmp_path / "m.onnx", input_dir=data, data_num=len(feeds), deploy=deploy,
-                             output_dir=out, skip_prof_layer=True, equalize=equalize)
-    qm = onnx.load(str(out / "quant_model.onnx"))
-    err = sig = 0.0
-    for f in feeds:
-        want, got = ort_run(model, f)[0], ort_run(qm, f)[0]
-        err += float(((want - got) ** 2).sum())
-        sig += float((want ** 2).sum())
-    return 10 * np.log10(sig / err), res, out
 
 
 def test_weight_equalization_on_per_tensor_platforms_keeps_the_function_and_balances_ranges(tmp_path):
