@@ -47,6 +47,7 @@ def _widen_tensor(t: onnx.TensorProto) -> bool:
 
 def _widen_graph(graph: onnx.GraphProto) -> int:
     n = sum(_widen_tensor(t) for t in graph.initializer)
+    n += sum(_widen_tensor(sp.values) for sp in graph.sparse_initializer)
     for vi in [*graph.input, *graph.output, *graph.value_info]:
         tt = vi.type.tensor_type
         if vi.type.HasField("tensor_type") and tt.elem_type in _HALF:
@@ -56,6 +57,8 @@ def _widen_graph(graph: onnx.GraphProto) -> int:
         for a in node.attribute:
             if a.type == onnx.AttributeProto.TENSOR:
                 n += _widen_tensor(a.t)
+            elif a.type == onnx.AttributeProto.SPARSE_TENSOR:
+                n += _widen_tensor(a.sparse_tensor.values)
             elif a.type == onnx.AttributeProto.TENSORS:
                 n += sum(_widen_tensor(t) for t in a.tensors)
             elif a.type == onnx.AttributeProto.GRAPH:

@@ -43,9 +43,25 @@ WEIGHT_SUFFIXES = ("_quantized", "_scale", "_zero_point", "_dq", "_DequantizeLin
 
 
 def _all_names(model: onnx.ModelProto) -> set[str]:
-    g = model.graph
-    names = {n.name for n in g.node} | {o for n in g.node for o in n.output} | {i for n in g.node for i in n.input}
-    names |= {t.name for t in g.initializer} | {v.name for v in [*g.input, *g.output, *g.value_info]}
+    """Every node, tensor and value name of the model, subgraphs (If/Loop/Scan bodies) included:
+    a new name must not shadow one a body defines."""
+    names: set[str] = set()
+
+    def walk(g: onnx.GraphProto) -> None:
+        names.update(n.name for n in g.node)
+        names.update(o for n in g.node for o in n.output)
+        names.update(i for n in g.node for i in n.input)
+        names.update(t.name for t in g.initializer)
+        names.update(v.name for v in [*g.input, *g.output, *g.value_info])
+        for n in g.node:
+            for a in n.attribute:
+                if a.type == onnx.AttributeProto.GRAPH:
+                    walk(a.g)
+                elif a.type == onnx.AttributeProto.GRAPHS:
+                    for sub in a.graphs:
+                        walk(sub)
+
+    walk(model.graph)
     return names
 
 

@@ -332,3 +332,30 @@ def test_float16_model_with_float32_io_casts(tmp_path):
         ref = ort_run(io32, f)[0]
         got = ort_run(qm, f)[0]
         assert float((ref * got).sum() / np.linalg.norm(ref) / np.linalg.norm(got)) > 0.999
+
+
+def test_float16_sparse_constants_are_widened_too():
+    """Sparse float16 initializers and Constant(sparse_value) become float32 with the rest; the
+    widened model runs in onnxruntime and computes what the float16 one does."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from dipoorlet.graph import Graph
+    from dipoorlet.prepare import widen_float16
+
+    def sparse(name, values, idx):
+        return helper.make_sparse_tensor(numpy_helper.from_array(np.array(values, np.float16), name),
+                                         numpy_helper.from_array(np.array(idx, np.int64), name + "_i"), [4])
+
+    nodes = [helper.make_node("Constant", [], ["c"], sparse_value=sparse("cv", [1.0], [1])),
+             helper.make_node("Add", ["x", "sp"], ["y0"]), helper.make_node("Add", ["y0", "c"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [4])],
+                          sparse_initializer=[sparse("sp", [1.5, 2.5], [0, 3])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 8
+    graph = Graph(m)
+    assert widen_float16(graph) == 4 and graph.file_dtypes == {"x": np.dtype(np.float16)}
+    run = ort.InferenceSession(graph.model.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = np.array([0.5, -1, 2, 0], np.float32)
+    np.testing.assert_array_equal(run.run(None, {"x": x})[0], x + [1.5, 1.0, 0, 2.5])
