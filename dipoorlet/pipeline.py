@@ -80,9 +80,9 @@ def load_graph(cfg: QuantConfig) -> Graph:
 
 
 def one_pass_minmax(cfg: QuantConfig) -> bool:
-    """Equalization statistics and -A minmax ranges from one pass (:func:`equalize.equalize_and_calibrate`),
-    unless --eq_samples asks the statistics to come from fewer samples than the calibration."""
-    return cfg.act_quant == "minmax" and (cfg.equalize_samples is None or cfg.equalize_samples >= cfg.data_num)
+    """Equalization statistics and -A minmax ranges from one pass (:func:`equalize.equalize_and_calibrate`;
+    the statistics still read only the first --eq_samples / 64 samples)."""
+    return cfg.act_quant == "minmax"
 
 
 def rule_for(base, bits: int | None):
@@ -191,8 +191,9 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
             # -A minmax: the ranges of the transformed tensors follow from per-channel ranges of
             # the untransformed ones, so one pass over all N samples serves both stages
             candidates = list(placement_mod.place(g, plat, cfg.skip_layers).activations)
+            k = min(cfg.data_num, cfg.equalize_samples or equalize.default_samples(cfg.data_num))
             equalized, stats = equalize.equalize_and_calibrate(g, data, indices, comm, cfg.device, smooth,
-                                                               cfg.skip_layers, candidates)
+                                                               cfg.skip_layers, candidates, eq_samples=k)
         else:
             k = min(cfg.data_num, cfg.equalize_samples or equalize.default_samples(cfg.data_num))
             eq_indices = shard(k, comm.rank, comm.world)

@@ -922,12 +922,36 @@ def test_one_pass_minmax_equals_equalization_pass_then_calibration_pass(tmp_path
         assert a[t] == pytest.approx(b[t], rel=1e-5, abs=1e-7), t
 
 
-def test_eq_samples_below_n_keeps_two_passes_for_minmax(tmp_path, monkeypatch):
+def test_one_pass_minmax_takes_equalization_statistics_from_the_first_k_samples(tmp_path, monkeypatch):
+    """--eq_samples 3 of 8 (the 4th sample has one channel 50x wider, which would change the
+    scales): the one pass picks the same transforms as the two passes and the ranges of all 8."""
+    import json
+
+    import dipoorlet
     from dipoorlet import pipeline
+    from conftest import save, write_samples
+
+    feeds = _feeds(8, seed=7)
+    feeds[3]["x"][0, 1] *= 50.0
+    path, data = save(_se_block(), tmp_path / "m.onnx"), write_samples(tmp_path / "d", feeds)
+
+    def run(tag):
+        return dipoorlet.quantize(model=path, input_dir=data, data_num=8, deploy="trt", act_quant="minmax",
+                                  output_dir=tmp_path / tag, skip_prof_layer=True, equalize_samples=3)
+
     from dipoorlet.config import QuantConfig
 
-    cfg = lambda **k: QuantConfig(model=tmp_path / "m.onnx", input_dir=tmp_path, data_num=8, **k)  # noqa: E731
-    assert pipeline.one_pass_minmax(cfg(act_quant="minmax"))
-    assert pipeline.one_pass_minmax(cfg(act_quant="minmax", equalize_samples=8))
-    assert not pipeline.one_pass_minmax(cfg(act_quant="minmax", equalize_samples=3))
-    assert not pipeline.one_pass_minmax(cfg(act_quant="mse"))
+    assert pipeline.one_pass_minmax(QuantConfig(model=path, input_dir=data, data_num=8, act_quant="minmax",
+                                                equalize_samples=3))
+    assert not pipeline.one_pass_minmax(QuantConfig(model=path, input_dir=data, data_num=8, act_quant="mse"))
+    one = run("one")
+    monkeypatch.setattr(pipeline, "one_pass_minmax", lambda cfg: False)
+    two = run("two")
+    all8 = dipoorlet.quantize(model=path, input_dir=data, data_num=8, deploy="trt", act_quant="minmax",
+                              output_dir=tmp_path / "all", skip_prof_layer=True)
+    assert one.report["equalization"] == two.report["equalization"] != all8.report["equalization"]
+    a = json.loads((tmp_path / "one" / "act_clip_val.json").read_text())
+    b = json.loads((tmp_path / "two" / "act_clip_val.json").read_text())
+    assert set(a) == set(b)
+    for t in a:
+        assert a[t] == pytest.approx(b[t], rel=1e-5, abs=1e-7), t
