@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "Conv/Gemm/MatMul adds to its output (one extra pass of the quantized model)")
     p.add_argument("--no_equalize", action="store_true",
                    help="do not equalize per-channel activation ranges between Conv pairs nor smooth "
-                        "MatMul/Conv inputs (on by default for platforms with per-channel weights)")
+                        "MatMul/Conv inputs (on by default for platforms with per-channel weights), nor "
+                        "equalize weight ranges between Conv pairs (on by default with per-tensor weights)")
     p.add_argument("--no_shift", action="store_true",
                    help="do not shift one-sided activations (ReLU/GELU outputs) onto the symmetric "
                         "grid with the shift absorbed in the next layer's bias (on by default for "
