@@ -189,7 +189,9 @@ def _transforms(report: dict) -> list[str]:
     pairs = [r for r in eq if "producer" in r]
     smooth = [r for r in eq if "producer" not in r]
     if pairs:
-        lines.append(f"- equalization: {len(pairs)} producer/consumer pairs rescaled ("
+        kind = ("weight equalization (data-free, per-tensor weights)" if all("method" in r for r in pairs)
+                else "equalization")
+        lines.append(f"- {kind}: {len(pairs)} producer/consumer pairs rescaled ("
                      + ", ".join(f"{r['producer']} → {', '.join(r['absorbers'])}" for r in pairs[:5])
                      + (" …" if len(pairs) > 5 else "") + ")")
     if smooth:

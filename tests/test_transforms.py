@@ -340,6 +340,8 @@ def test_weight_equalization_on_per_tensor_platforms_keeps_the_function_and_bala
     rows = res.report["equalization"]
     assert {(r["producer"], tuple(r["absorbers"])) for r in rows} == {("pw1", ("dw",)), ("dw", ("pw2",))}
     assert all(r["method"] == "weight ranges (data-free)" for r in rows)
+    assert "weight equalization (data-free, per-tensor weights): 2 producer/consumer pairs" in \
+        (out / "report.md").read_text()
     tm = onnx.load(str(out / "transformed_model.onnx"))
     for f in feeds:
         np.testing.assert_allclose(ort_run(tm, f)[0], ort_run(model, f)[0], rtol=1e-4, atol=1e-4)
