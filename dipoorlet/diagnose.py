@@ -109,19 +109,16 @@ def _weight_sqnr(g, places, plan, node: str) -> float | None:
 
 
 def _per_tensor_weight_spread(g, places, plan, node: str) -> float | None:
-    """max / median of the output channels' ranges of ``node``'s weight when the platform
-    quantizes it per tensor (one grid for all channels), else None."""
+    """The channel-range spread of ``node``'s weight when the platform quantizes it per tensor
+    (one grid for all channels), else None."""
+    from dipoorlet.sensitivity import channel_ranges, spread_of
+
     for wp in places.weights.values():
         if wp.node != node or wp.index != 1 or wp.tensor not in plan.weights or plan.weights[wp.tensor].axis is not None:
             continue
-        w = np.abs(g.weight(wp.tensor).astype(np.float64))
-        if w.ndim < 2:
-            return None
-        op = g.node_by_name[node].op_type
-        axis = 1 if op in ("ConvTranspose", "MatMul") else 0
-        r = np.moveaxis(w, axis, 0).reshape(w.shape[axis], -1).max(axis=1)
-        med = float(np.median(r))
-        return float(r.max() / med) if med > 0 else None
+        amax = channel_ranges(g.node_by_name[node], g.weight(wp.tensor).astype(np.float64))
+        spread = spread_of(amax) if amax is not None else None
+        return spread if spread is not None and math.isfinite(spread) else None
     return None
 
 

@@ -335,15 +335,15 @@ def channel_stats(g, items: list[tuple[str, list[int] | None, int]], data, indic
     signed = [hi_acc, nlo_acc] if extra is not None else []
     flat = comm.allreduce_max(np.concatenate([r_acc, ms_acc] + signed)) if items else np.zeros(0)
     result, offset = {}, 0
-    for (t, _, n) in items:
+    if extra is not None:
+        extra["channel_minmax"] = {}
+        extra["tensors"] = comm.merge_stats(per_tensor) if per_tensor else {}
+    for t, _, n in items:
         result[t] = (flat[offset:offset + n], flat[total + offset:total + offset + n])
         if extra is not None:
-            extra.setdefault("channel_minmax", {})[t] = (-flat[3 * total + offset:3 * total + offset + n],
-                                                          flat[2 * total + offset:2 * total + offset + n])
+            extra["channel_minmax"][t] = (-flat[3 * total + offset:3 * total + offset + n],
+                                          flat[2 * total + offset:2 * total + offset + n])
         offset += n
-    if extra is not None:
-        extra.setdefault("channel_minmax", {})
-        extra["tensors"] = comm.merge_stats(per_tensor) if per_tensor else {}
     return result
 
 
@@ -462,13 +462,8 @@ def choose_layer_scales(layers: list[tuple[np.ndarray, int]], r: np.ndarray, ms:
     group)."""
     w_in = np.zeros_like(r)   # largest |weight| on each input channel, over dense consumers
     for w, group in layers:
-        cin_g, per_group = w.shape[1], w.shape[0] // group
-        if cin_g == 1 and group == r.size:
-            continue  # depthwise: a grid per channel, unaffected by s
-        for gi in range(group):
-            cols = np.abs(w[gi * per_group:(gi + 1) * per_group]).reshape(per_group, cin_g, -1).max(axis=(0, 2))
-            sl = slice(gi * cin_g, (gi + 1) * cin_g)
-            w_in[sl] = np.maximum(w_in[sl], cols)
+        if not (w.shape[1] == 1 and group == r.size):   # depthwise: a grid per channel, unaffected by s
+            w_in = np.maximum(w_in, _input_ranges(w, group, r.size))
     r = np.maximum(r, r.max() * 1e-12)
     ms = np.maximum(ms, 0.0)
 

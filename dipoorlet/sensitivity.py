@@ -139,18 +139,18 @@ def isolated(graph, places, plan, scorer: Scorer, criterion="cosine", split_wors
             t0 = time.perf_counter()
         rows.append(LayerSensitivity(node, ops[node], scorer.score_variant(places, plan, {node}, {node})))
         if k == 1:
-            _announce(time.perf_counter() - t0, len(nodes) + 2 * min(split_worst, len(nodes)) - 1,
-                      len(scorer.indices))
+            _announce(time.perf_counter() - t0, len(nodes) + 2 * min(split_worst, len(nodes)), len(scorer.indices))
     for row in sorted(rows, key=lambda r: r.isolated.value(criterion))[:split_worst]:
         row.weight_only = scorer.score_variant(places, plan, (), {row.node})
         row.activation_only = scorer.score_variant(places, plan, {row.node}, ())
     return rows
 
 
-def _announce(first_s: float, variants: int, samples: int) -> None:
+def _announce(one_s: float, variants: int, samples: int) -> None:
     """Say up front what the analysis will cost when it is long (every variant runs the whole
-    model on every sensitivity sample: a 104-layer detector at 800x608 takes minutes)."""
-    eta = first_s * (variants - 1)
+    model on every sensitivity sample: a 104-layer detector at 800x608 takes minutes). ``one_s``:
+    the second variant's time (the first also built the session); two are done."""
+    eta = one_s * (variants - 2)
     if eta > 30:
         log.info("sensitivity: %d variants x %d samples of the whole model, about %.0f s more; "
                  "--sens_samples 2 cuts it by %dx, --skip_prof_layer skips it (and the per-layer profile)",
@@ -213,6 +213,22 @@ def auto_skip(graph, places, plan, scorer: Scorer, sens: list[LayerSensitivity],
     return res
 
 
+def channel_ranges(node, w: np.ndarray) -> np.ndarray | None:
+    """max |w_c| over each output channel of ``node``'s weight ``w`` (None when it has none)."""
+    if node.op_type not in ("Conv", "ConvTranspose", "Gemm", "MatMul") or w.ndim < 2:
+        return None
+    axis = 1 if node.op_type in ("ConvTranspose", "MatMul") else 0
+    if node.op_type == "Gemm" and not any(a.name == "transB" and a.i for a in node.attribute):
+        axis = 1
+    return np.abs(np.moveaxis(w, axis, 0).reshape(w.shape[axis], -1)).max(axis=1)
+
+
+def spread_of(amax: np.ndarray) -> float:
+    """Largest channel range over the median one."""
+    med = float(np.median(amax))
+    return float(amax.max() / med) if med > 0 else math.inf
+
+
 def weight_spread(graph, places) -> list[dict]:
     """Per-channel range spread of each weight: max over channels of max|w_c| / median of them.
 
@@ -221,17 +237,8 @@ def weight_spread(graph, places) -> list[dict]:
     """
     rows = []
     for wp in places.weights.values():
-        node = graph.node_by_name[wp.node]
-        if wp.index != 1 or node.op_type not in ("Conv", "ConvTranspose", "Gemm", "MatMul"):
-            continue
-        w = graph.weight(wp.tensor).astype(np.float32)
-        axis = 1 if node.op_type in ("ConvTranspose", "MatMul") else 0
-        if node.op_type == "Gemm" and not any(a.name == "transB" and a.i for a in node.attribute):
-            axis = 1
-        if w.ndim < 2:
-            continue
-        amax = np.abs(np.moveaxis(w, axis, 0).reshape(w.shape[axis], -1)).max(axis=1)
-        med = float(np.median(amax))
-        rows.append({"node": wp.node, "weight": wp.tensor, "channels": int(amax.size),
-                     "spread": float(amax.max() / med) if med > 0 else math.inf})
+        amax = channel_ranges(graph.node_by_name[wp.node], graph.weight(wp.tensor).astype(np.float32)) \
+            if wp.index == 1 else None
+        if amax is not None:
+            rows.append({"node": wp.node, "weight": wp.tensor, "channels": int(amax.size), "spread": spread_of(amax)})
     return sorted(rows, key=lambda r: -r["spread"])
