@@ -54,6 +54,9 @@ class OutputScore:
         return {"cosine": self.cosine, "sqnr": self.sqnr_db, "maxabs": -self.max_abs_err}[criterion]
 
 
+RESHAPING = ("Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze")   # same values, another shape
+
+
 def scored_tensor(graph, output: str) -> str:
     """The tensor sensitivity is measured on: a Softmax output is scored on its logits.
 
@@ -61,6 +64,10 @@ def scored_tensor(graph, output: str) -> str:
     ranks layers by noise; the logits show every layer's effect smoothly.
     """
     prod = graph.producer.get(output)
+    # exporters often end a classifier with Softmax -> Identity (paddle2onnx's scale_0 output),
+    # and the opset conversion of a Softmax below opset 13 wraps it in Reshapes
+    while prod is not None and prod.op_type in RESHAPING:
+        prod = graph.producer.get(prod.input[0])
     if prod is not None and prod.op_type == "Softmax" and graph.is_float(prod.input[0]):
         return prod.input[0]
     return output

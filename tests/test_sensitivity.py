@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import onnx
 import pytest
 from onnx import helper
 
@@ -340,3 +341,34 @@ def test_diagnosis_on_a_per_tensor_weight_platform_names_the_weight_channel_spre
     assert d["weight_channel_spread"] == pytest.approx(spread.max() / np.median(spread), rel=1e-6)
     assert "snpe quantizes weights per tensor" in d["advice"] and "per-channel" in d["advice"]
     assert "TensorRT" not in d["advice"]
+
+
+@pytest.mark.parametrize("identities", [0, 1, 2])
+@pytest.mark.parametrize("opset", [11, 13])
+def test_a_softmax_output_is_scored_on_its_logits_through_identities(identities, opset, tmp_path):
+    # paddle2onnx ends classifiers with Softmax -> Identity: probabilities of a confident
+    # two-class head hide the margin the decision depends on, so the logits are scored
+    from dipoorlet.graph import Graph
+    from dipoorlet.sensitivity import scored_tensor
+
+    nodes = [helper.make_node("Gemm", ["x", "w"], ["logits"], name="fc"),
+             helper.make_node("Softmax", ["logits"], ["p0"], name="sm", axis=1)]
+    for k in range(identities):
+        nodes.append(helper.make_node("Identity", [f"p{k}"], [f"p{k + 1}"], name=f"id{k}"))
+    out = f"p{identities}"
+    from onnx.shape_inference import infer_shapes
+
+    g = Graph(infer_shapes(make_model(nodes, [vi("x", [1, 4])], [vi(out, [1, 2])], {"w": rand((4, 2))})))
+    assert scored_tensor(g, out) == "logits"
+    # as the tool loads it: an opset-11 Softmax is converted to 13 (Reshapes around it)
+    path = tmp_path / "m.onnx"
+    onnx.save(make_model(nodes, [vi("x", [1, 4])], [vi(out, [1, 2])], {"w": rand((4, 2))}, opset=opset), path)
+    from dipoorlet.config import QuantConfig
+    from dipoorlet.pipeline import load_graph
+
+    loaded = load_graph(QuantConfig(model=path, input_dir=tmp_path, data_num=1))
+    scored = scored_tensor(loaded, out)
+    assert scored != out and loaded.producer[scored].op_type in ("Gemm", "Reshape", "Flatten")
+    g2 = Graph(infer_shapes(make_model(nodes[:1] + [helper.make_node("Relu", ["logits"], ["r"], name="relu")],
+                                       [vi("x", [1, 4])], [vi("r", [1, 2])], {"w": rand((4, 2))})))
+    assert scored_tensor(g2, "r") == "r"
