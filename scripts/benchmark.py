@@ -138,8 +138,12 @@ def child_ort(model: str, calib: str, n: int, method: str, out: str, entropy_bin
     from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat,
                                           QuantType, quantize_static)
 
-    out = Path(out)
+    out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    model, calib = str(Path(model).resolve()), str(Path(calib).resolve())
+    # quant_pre_process writes its temporary files (sym_shape_infer_temp.onnx, <uuid>.data) into
+    # the working directory: keep them in this method's folder, not wherever the benchmark runs
+    os.chdir(out)
     m = onnx.load(model)
     opset = next((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), 13)
     src = model
@@ -276,10 +280,13 @@ def run_method(spec: str, task, n: int, out: Path, args, evaluate: bool = True) 
 def calibration_seconds(log: Path, only: str | None = None) -> float:
     """dipoorlet's passes over the calibration data before it writes the model, from its log:
     the calibration pass (ranges and histograms, session included) plus, when they ran, the
-    equalization statistics pass and the bias-correction pass (``only``: that one alone)."""
+    equalization statistics pass and the bias-correction pass (``only``: that one alone; NaN for
+    the calibration pass of a one-pass run, whose ranges come from the equalization pass)."""
     import re
 
     if log.exists():
+        if only == "calibration" and "ranges from the equalization pass" in log.read_text():
+            return float("nan")   # one pass (-A minmax): no separate calibration pass to time
         for line in reversed(log.read_text().splitlines()):
             found = dict(re.findall(r"\b(equalization|bias correction|calibration) ([0-9.]+) s\b", line))
             if "calibration" in found:
