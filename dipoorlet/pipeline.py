@@ -285,7 +285,7 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         staging.mkdir(exist_ok=True)
         if cfg.quant_format == "QOP":
             files = [save_model(qmodel, staging / "quant_model_qdq.onnx"),
-                     save_model(_to_qop(qmodel), staging / "quant_model.onnx")]
+                     save_model(_to_qop(qmodel, data.sample(indices[0])), staging / "quant_model.onnx")]
         else:
             files = [save_model(qmodel, staging / "quant_model.onnx")]
         if equalized or shifted or plan.values:
@@ -355,11 +355,17 @@ def _check(qmodel) -> None:
         raise RuntimeError(f"the quantized model fails onnx.checker: {exc}") from exc
 
 
-def _to_qop(qmodel):
+def _to_qop(qmodel, feed: dict):
     from dipoorlet import qop
 
-    model, converted = qop.convert(qmodel)
+    model, converted, excluded, cos = qop.convert_checked(qmodel, feed)
     log.info("--quant_format QOP: %d ops converted to QLinear form; the rest stay QDQ", converted)
+    if excluded:
+        log.warning("--quant_format QOP: onnxruntime has no integer kernel for %d ops as converted; "
+                    "they stay QDQ (%s)", len(excluded), ", ".join(excluded[:5]))
+    if cos < 0.99:
+        log.warning("--quant_format QOP: on the first calibration sample the QOP model's output cosine "
+                    "to the QDQ model is only %.4f; deploy quant_model_qdq.onnx", cos)
     return model
 
 

@@ -72,8 +72,9 @@ class Placement:
         return out
 
 
-def weight_axis(g: Graph, node, index: int, per_channel: bool) -> int | None:
-    """The output-channel axis of a weight, or None for per-tensor."""
+def weight_axis(g: Graph, node, index: int, per_channel: bool, batched: bool = True) -> int | None:
+    """The output-channel axis of a weight, or None for per-tensor (``batched=False``: also for
+    a MatMul weight of rank > 2)."""
     if not per_channel:
         return None
     shape = g.shape(node.input[index]) or []
@@ -89,7 +90,7 @@ def weight_axis(g: Graph, node, index: int, per_channel: bool) -> int | None:
         trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
         return 0 if trans_b else 1
     if node.op_type == "MatMul" and index == 1:
-        return rank - 1 if rank >= 2 else None
+        return rank - 1 if rank == 2 or (rank > 2 and batched) else None
     return None
 
 
@@ -201,7 +202,7 @@ def place(g: Graph, platform: Platform, skip_layers=(), weight_only=()) -> Place
             else:
                 plan.add_act(node.input[i], node.name, i)
         for i in weights:
-            axis = weight_axis(g, node, i, platform.weight.per_channel)
+            axis = weight_axis(g, node, i, platform.weight.per_channel, platform.weight.per_channel_batched)
             plan.weights[(node.name, i)] = WeightPoint(node.input[i], node.name, i, axis)
         reason = "quantized"
         if fused is not None:

@@ -25,6 +25,9 @@ class TensorRule:
     narrow_range: bool = False
     power_of_two: bool = False
     unsigned_nonnegative: bool = False
+    # per-column grids on a batched (rank > 2) constant MatMul weight; onnxruntime's integer
+    # MatMul kernels accept them on 2-D weights only
+    per_channel_batched: bool = True
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ _SCHEMA = {
 }
 _RULE_KEYS = {"bits": int, "symmetric": bool, "unsigned": bool, "per_channel": bool,
               "narrow_range": bool, "power_of_two": bool, "unsigned_nonnegative": bool,
+              "per_channel_batched": bool,
               "quantize_network_output": bool}
 _OPS_KEYS = {"quantize": list, "weights": dict, "share_scale": list}
 _FUSION_KEYS = {"residual_add_producers": list, "residual_add_float_before": list, "pad_into": list, "activation_producers": list,
@@ -139,7 +143,7 @@ def parse(data: dict, source: str) -> Platform:
     if unknown:
         raise ConfigError(f"platform spec {source}: unknown key(s) {sorted(unknown)}; valid: {sorted(_SCHEMA)}")
     defaults = {"unsigned": False, "per_channel": False, "narrow_range": False, "power_of_two": False,
-                "unsigned_nonnegative": False}
+                "unsigned_nonnegative": False, "per_channel_batched": True}
     act = _rule(data["activation"], source + " [activation]", defaults)
     wt = _rule(data["weight"], source + " [weight]", defaults)
     ops = data["ops"]

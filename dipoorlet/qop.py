@@ -65,8 +65,9 @@ def _axis(node) -> int | None:
     return next((a.i for a in node.attribute if a.name == "axis"), None)
 
 
-def convert(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
-    """A QOperator copy of a QDQ model and the number of ops converted."""
+def convert(model: onnx.ModelProto, exclude=()) -> tuple[onnx.ModelProto, int]:
+    """A QOperator copy of a QDQ model and the number of ops converted (nodes named in
+    ``exclude`` stay QDQ)."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     g = out.graph
@@ -75,22 +76,41 @@ def convert(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     for node in list(g.node):
         if node.op_type not in ("Conv", "MatMul", "Gemm", *_PLAIN) or node.domain not in ("", "ai.onnx"):
             continue
+        if node.name in exclude:
+            continue
         dqs = [v.dq(i) for i in node.input[:2 if node.op_type in ("Conv", "MatMul", "Gemm", "Add", "Mul") else 1]]
         if not dqs or any(d is None for d in dqs):
             continue
         q, relu = _output_q(v, node)
         if q is None:
             continue
-        yz = v.value(q.input[2]) if len(q.input) > 2 else np.zeros((), np.uint8)
-        if relu is not None and not (yz.size == 1 and (int(yz) == 0 or int(yz) == np.iinfo(yz.dtype).min)):
+        yz = _zero_point(v, q)
+        if yz is None:
+            continue
+        # A Relu is absorbed only where the grid starts at zero (zero point = the type's minimum:
+        # uint8 0, int8 -128); on a symmetric int8 grid zero sits mid-grid and negatives survive.
+        if relu is not None and not (yz.size == 1 and int(yz.reshape(-1)[0]) == np.iinfo(yz.dtype).min):
             continue
         if any(_axis(d) is not None and node.op_type not in ("Conv", "Gemm", "MatMul") for d in dqs):
             continue
-        if node.op_type in ("Conv", "Gemm") and _axis(dqs[0]) is not None:
+        if node.op_type in ("Conv", "Gemm", "MatMul") and _axis(dqs[0]) is not None:
+            continue
+        zps = [_zero_point(v, d) for d in dqs]
+        if any(z is None for z in zps):
+            continue
+        # onnxruntime's QLinear kernels give the output the activation input's type (a ti model
+        # with an int8 input and a uint8 output, or an Add of int8 and uint8, has no kernel)
+        acts = zps if node.op_type not in ("Conv", "MatMul", "Gemm") else zps[:1]
+        if any(z.dtype != yz.dtype for z in acts):
+            continue
+        if node.op_type == "MatMul" and _rank(v, dqs[1]) not in (None, 2):
+            continue   # onnxruntime's QLinearMatMul takes the grids of a 2-D weight only
+        if node.op_type == "Gemm" and not _plain_gemm(node):
             continue
         args = [a for d in dqs for a in (d.input[0], d.input[1], d.input[2] if len(d.input) > 2 else "")]
         y_args = [q.input[1], q.input[2] if len(q.input) > 2 else ""]
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute
+                 if not (node.op_type == "Gemm" and a.name in ("alpha", "beta"))}
         name = node.name + "_quant"
         if node.op_type == "Conv":
             bias = _int32_bias(v, node, dqs, extra_inits)
@@ -129,6 +149,24 @@ def convert(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     return out, converted
 
 
+def _zero_point(v: _View, qdq) -> np.ndarray | None:
+    """The zero point of a Q or DQ node (uint8 0 when absent), None when it is not a constant."""
+    if len(qdq.input) < 3 or not qdq.input[2]:
+        return np.zeros((), np.uint8)
+    return v.value(qdq.input[2])
+
+
+def _rank(v: _View, dq) -> int | None:
+    w = v.init.get(dq.input[0])
+    return len(w.dims) if w is not None else None
+
+
+def _plain_gemm(node) -> bool:
+    """alpha = beta = 1: QGemm has no beta, and its bias's scale must be the product's."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    return float(attrs.get("alpha", 1.0)) == 1.0 and float(attrs.get("beta", 1.0)) == 1.0
+
+
 def _int32_bias(v: _View, node, dqs, extra_inits):
     """The int32 bias input of a QLinear op: its DQ's integers, or the float bias quantized here."""
     if len(node.input) < 3 or not node.input[2]:
@@ -161,3 +199,57 @@ def _drop_dead(model: onnx.ModelProto) -> None:
     keep = [t for t in g.initializer if t.name in used]
     del g.initializer[:]
     g.initializer.extend(keep)
+
+
+def convert_checked(model: onnx.ModelProto, feed: dict, max_tries: int = 50):
+    """:func:`convert`, then run the result in onnxruntime on ``feed``: an op onnxruntime
+    rejects (a kernel missing for a type combination, a zero point shape) stays QDQ and the
+    conversion is redone. Returns (model, converted, excluded nodes, worst output cosine against
+    the QDQ model on ``feed``)."""
+    import onnxruntime as ort
+
+    from dipoorlet.runtime import ort_message
+
+    if model.ByteSize() >= 2**31 - 1:   # no in-memory session for a model over 2 GB
+        out, converted = convert(model)
+        return out, converted, [], 1.0
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    # optimizations off: the QLinear ops run on their own kernels, the QDQ rest as float, so a
+    # failure is one of ours, not one of onnxruntime's own QDQ fusions
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+
+    def run(m):
+        sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        return sess.run(None, {i.name: feed[i.name] for i in sess.get_inputs()})
+
+    ref_sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    reference = ref_sess.run(None, {i.name: feed[i.name] for i in ref_sess.get_inputs()})
+    excluded: list[str] = []
+    for _ in range(max_tries):
+        out, converted = convert(model, excluded)
+        try:
+            got = run(out)
+        except Exception as exc:  # noqa: BLE001 - onnxruntime raises several types
+            msg = ort_message(exc)
+            bad = [n.name[:-len("_quant")] for n in out.graph.node
+                   if n.name.endswith("_quant") and (f"'{n.name}'" in msg or f'"{n.name}"' in msg)]
+            if not bad:
+                # a kernel's run-time check names its op type, not the node: every node of it
+                # stays QDQ
+                kinds = [op for op in ("Conv", "MatMul", "Gemm", *_PLAIN) if op.lower() in msg.lower()]
+                bad = [n.name[:-len("_quant")] for n in out.graph.node if n.name.endswith("_quant")
+                       and any(n.op_type.lower().endswith(k.lower()) for k in kinds)]
+            if not bad or set(bad) <= set(excluded):
+                raise RuntimeError(f"the QOP model does not run in onnxruntime: {msg}") from exc
+            excluded += [b for b in bad if b not in excluded]
+            continue
+        worst = 1.0
+        for a, b in zip(got, reference):
+            a, b = np.asarray(a, np.float64).reshape(-1), np.asarray(b, np.float64).reshape(-1)
+            if a.shape != b.shape or not np.issubdtype(b.dtype, np.floating):
+                continue
+            na, nb = np.linalg.norm(a), np.linalg.norm(b)
+            worst = min(worst, float(a @ b / (na * nb)) if na > 0 and nb > 0 else float(na == nb))
+        return out, converted, excluded, worst
+    raise RuntimeError(f"the QOP model does not run in onnxruntime after leaving {len(excluded)} ops QDQ")

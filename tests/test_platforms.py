@@ -120,6 +120,75 @@ def test_qop_model_runs_is_smaller_and_agrees_with_qdq(case):
         assert a.argmax() == b.argmax()
 
 
+def _cos(a, b):
+    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+@pytest.mark.parametrize("plat", ["trt", "imx", "stpu", "ti", "qnn", "snpe", "rk", "atlas"])
+def test_qop_model_runs_and_agrees_with_qdq_on_every_integer_layout(case, plat):
+    # int8 symmetric grids (trt/imx/stpu): a Relu must not be folded into a QLinear op whose
+    # output grid has zero mid-range; ti mixes int8 and uint8 grids, which no kernel takes
+    root, model, data, feeds = case
+    out = root / f"qop-{plat}"
+    dipoorlet.quantize(model=model, input_dir=data, data_num=6, deploy=plat, output_dir=out,
+                       quant_format="QOP", skip_prof_layer=True)
+    qop, qdq = onnx.load(str(out / "quant_model.onnx")), onnx.load(str(out / "quant_model_qdq.onnx"))
+    for f in feeds:
+        b = ort_run(qdq, f)[0]
+        for optimize in (False, True):
+            assert _cos(ort_run(qop, f, optimize=optimize)[0], b) > 0.99
+
+
+def _gemm_model(alpha, beta, matmul_rank=2):
+    from conftest import make_model, rand, vi
+    from onnx import helper
+
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+             helper.make_node("Flatten", ["r1"], ["f"], name="flat"),
+             helper.make_node("Gemm", ["f", "wf", "bf"], ["h"], name="fc", transB=1, alpha=alpha, beta=beta),
+             helper.make_node("Relu", ["h"], ["hr"], name="relu2"),
+             helper.make_node("MatMul", ["hr" if matmul_rank == 2 else "h3", "wm"], ["y"], name="mm")]
+    if matmul_rank > 2:
+        nodes.insert(-1, helper.make_node("Reshape", ["hr", "shape"], ["h3"], name="reshape"))
+    wm_shape = (1,) * (matmul_rank - 2) + (16, 8)
+    inits = {"w1": rand((4, 3, 3, 3), 1, 0.3), "b1": rand((4,), 2, 0.1), "wf": rand((16, 64), 3, 0.1),
+             "bf": rand((16,), 4, 0.1), "wm": rand(wm_shape, 5, 0.3)}
+    if matmul_rank > 2:
+        inits["shape"] = np.array([1] * (matmul_rank - 1) + [16], np.int64)
+    out_shape = [1] * (matmul_rank - 1) + [8]
+    return make_model(nodes, [vi("x", [1, 3, 4, 4])], [vi("y", out_shape)], inits)
+
+
+@pytest.mark.parametrize("plat", ["ort", "qnn", "trt"])
+@pytest.mark.parametrize("alpha, beta, rank", [(1.0, 1.0, 2), (0.5, 2.0, 2), (1.0, 1.0, 3)])
+def test_qop_with_gemm_alpha_beta_and_batched_matmul_weights(tmp_path, plat, alpha, beta, rank):
+    # torch exports nn.Linear as Gemm(alpha=1, beta=1, transB=1); QGemm has no beta; onnxruntime's
+    # QLinearMatMul takes grids of a 2-D weight only
+    model = _gemm_model(alpha, beta, rank)
+    feeds = input_feeds(model, 6, seed=3)
+    data = write_samples(tmp_path / "data", feeds)
+    out = tmp_path / "out"
+    dipoorlet.quantize(model=save(model, tmp_path / "m.onnx"), input_dir=data, data_num=6, deploy=plat,
+                       output_dir=out, quant_format="QOP", skip_prof_layer=True)
+    qop, qdq = onnx.load(str(out / "quant_model.onnx")), onnx.load(str(out / "quant_model_qdq.onnx"))
+    ops = {n.op_type for n in qop.graph.node}
+    if plat == "ort" and rank == 2:   # a plain Gemm is converted; one with alpha or beta stays QDQ
+        assert ("QGemm" in ops) == (alpha == beta == 1.0), ops
+    for f in feeds:
+        ref = ort_run(model, f)[0]
+        b = ort_run(qdq, f)[0]
+        assert _cos(b, ref) > 0.99
+        # both files run in onnxruntime with its optimizations too (its QDQ fusions), except a
+        # per-column grid on a batched MatMul weight, which only -D ort avoids for that reason
+        fused = plat == "ort" or rank == 2
+        if fused:
+            assert _cos(ort_run(qdq, f, optimize=True)[0], b) > 0.99
+        for optimize in (False, True) if fused else (False,):
+            assert _cos(ort_run(qop, f, optimize=optimize)[0], b) > 0.99
+
+
 def test_user_spec_from_a_path(case, tmp_path):
     src = (platforms.platforms_dir() / "trt.toml").read_text().replace('name = "trt"', 'name = "mychip"')
     spec = tmp_path / "mychip.toml"
@@ -175,3 +244,27 @@ def test_narrow_range_8_bit_activations_never_reach_minus_128(case, tmp_path):
     assert clips
     lo = next(t for t in qm.graph.initializer if t.name == clips[0].input[1])
     assert int(numpy_helper.to_array(lo)) == -127
+
+
+def test_qop_op_that_onnxruntime_rejects_stays_qdq(case, monkeypatch):
+    # the conversion is checked in onnxruntime: a converted op it cannot load is left QDQ
+    from onnx import helper
+
+    from dipoorlet import qop
+
+    root, model, data, feeds = case
+    qdq = onnx.load(str(run(case, "ort")[1] / "quant_model.onnx"))
+    real = qop.convert
+
+    def broken(m, exclude=()):
+        out, n = real(m, exclude)
+        for node in out.graph.node:
+            if node.name == "conv2_quant":
+                node.attribute.append(helper.make_attribute("bogus", 1))
+        return out, n
+
+    monkeypatch.setattr(qop, "convert", broken)
+    out, converted, excluded, cos = qop.convert_checked(qdq, feeds[0])
+    assert excluded == ["conv2"] and converted >= 1 and cos > 0.99
+    assert "conv2_quant" not in {n.name for n in out.graph.node}
+    assert {"QLinearConv", "QGemm"} & {n.op_type for n in out.graph.node}
