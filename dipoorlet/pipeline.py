@@ -171,6 +171,7 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
     g = load_graph(cfg)
     data = DataSource(cfg.input_dir, input_specs(g), cfg.data_num, cfg.input_shapes)
     indices = shard(cfg.data_num, comm.rank, comm.world)
+    _declare_input_ranks(g, data)
 
     equalized = []
     stats = None
@@ -345,6 +346,24 @@ def _save_transformed(g: Graph, plan, path: Path) -> Path:
     finally:
         for name, t in saved.items():
             inits[name].CopyFrom(t)
+
+
+def _declare_input_ranks(g: Graph, data) -> None:
+    """A graph input declared without any shape (not even its rank; onnxruntime runs such
+    models, onnx.checker and TensorRT's parser reject them) gets the rank of the first sample,
+    every dimension symbolic."""
+    missing = [vi for vi in g.graph_inputs
+               if vi.type.HasField("tensor_type") and not vi.type.tensor_type.HasField("shape")]
+    if not missing:
+        return
+    first = data.sample(0)
+    for vi in missing:
+        rank = np.asarray(first[vi.name]).ndim
+        dims = vi.type.tensor_type.shape.dim
+        for k in range(rank):
+            dims.add().dim_param = f"{vi.name}_dim{k}"
+        log.info("input '%s' declares no shape; taking rank %d from the first sample", vi.name, rank)
+    g.refresh()
 
 
 def _check(qmodel) -> None:

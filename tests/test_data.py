@@ -359,3 +359,26 @@ def test_float16_sparse_constants_are_widened_too():
     run = ort.InferenceSession(graph.model.SerializeToString(), providers=["CPUExecutionProvider"])
     x = np.array([0.5, -1, 2, 0], np.float32)
     np.testing.assert_array_equal(run.run(None, {"x": x})[0], x + [1.5, 1.0, 0, 2.5])
+
+
+@pytest.mark.parametrize("deploy", ["trt", "ort"])
+def test_input_declared_without_a_shape_gets_the_samples_rank(tmp_path, deploy):
+    # onnxruntime runs a model whose input has a type but no shape; onnx.checker (and TensorRT's
+    # parser) reject it, so the quantized model declares the rank of the data, dims symbolic
+    from onnx import TensorProto, helper
+
+    from conftest import make_model, ort_run, quantize_model, rand
+
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+             helper.make_node("Relu", ["h"], ["y"], name="relu")]
+    model = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 4])],
+                       {"w": rand((6, 4), 1, 0.4)}, check=False)
+    feeds = [{"x": rand((3, 6), 10 + i)} for i in range(5)]
+    _, qm = quantize_model(tmp_path, model, feeds=feeds, deploy=deploy)
+    onnx.checker.check_model(qm)
+    dims = qm.graph.input[0].type.tensor_type.shape.dim
+    assert [d.dim_param for d in dims] == ["x_dim0", "x_dim1"]
+    for f in feeds:
+        ref, got = ort_run(model, f)[0], ort_run(qm, f)[0]
+        assert np.abs(got - ref).max() <= 0.05 * np.abs(ref).max()
