@@ -399,8 +399,17 @@ def _fp_saver(staging: Path, outputs: list[str]):
     return save
 
 
+MANIFEST = ".dipoorlet-files.json"
+
+
 def _publish(staging: Path, out_dir: Path) -> list[Path]:
-    """Move every finished file from staging into -O (each move is an atomic rename)."""
+    """Move every finished file from staging into -O (each move is an atomic rename), then
+    remove what an earlier run into the same -O wrote and this one did not (a
+    ``transformed_model.onnx`` the new side files do not describe, another backend's files,
+    ``--savefp`` outputs): its list is kept in ``.dipoorlet-files.json``. Other files in -O
+    are never touched."""
+    import json
+
     final = []
     for src in sorted(staging.rglob("*")):
         if src.is_file():
@@ -408,4 +417,28 @@ def _publish(staging: Path, out_dir: Path) -> list[Path]:
             dst.parent.mkdir(parents=True, exist_ok=True)
             os.replace(src, dst)
             final.append(dst)
+    written = {p.relative_to(out_dir).as_posix() for p in final}
+    manifest = out_dir / MANIFEST
+    try:
+        before = json.loads(manifest.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        before = []
+    root = out_dir.resolve()
+    stale = []
+    for rel in before:
+        path = (out_dir / str(rel)).resolve()
+        if str(rel) in written or root not in path.parents or not path.is_file():
+            continue
+        path.unlink()
+        stale.append(str(rel))
+        parent = path.parent
+        while parent != root and not any(parent.iterdir()):
+            parent.rmdir()
+            parent = parent.parent
+    if stale:
+        log.info("removed %d files an earlier run wrote into %s and this one did not (%s)", len(stale),
+                 out_dir, ", ".join(sorted(stale)[:6]) + (" ..." if len(stale) > 6 else ""))
+    tmp = out_dir / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps({"files": sorted(written)}, indent=1))
+    os.replace(tmp, manifest)
     return final

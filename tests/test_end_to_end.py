@@ -17,7 +17,9 @@ N = 8
 EXPECTED_FILES = {"quant_model.onnx", "trt_clip_val.json", "trt_calib.cache", "act_clip_val.json",
                   "weight_clip_val.json", "report.json", "report.md", "report.html", "dipoorlet.log",
                   # the Gemm's one-sided input is shifted (dipoorlet.shift): the float graph changed
-                  "transformed_model.onnx"}
+                  "transformed_model.onnx",
+                  # what this run wrote, so the next run into -O can remove what it does not rewrite
+                  ".dipoorlet-files.json"}
 
 
 def _close_logs():
@@ -179,3 +181,20 @@ def test_rerun_into_same_folder_replaces_files_without_leftovers(tmp_path):
     _, _, out = run_cli(tmp_path, "hist")
     assert {p.name for p in out.iterdir()} == EXPECTED_FILES
     assert json.loads((out / "report.json").read_text())["method"] == "hist"
+
+
+def test_rerun_removes_what_the_earlier_run_wrote_and_this_one_did_not(tmp_path):
+    # a stale transformed_model.onnx would not match the new side files' tensor names; another
+    # backend's files and --savefp outputs would mislead as well. Other files stay.
+    run_cli(tmp_path, "minmax", ["--savefp"])
+    out = tmp_path / "out"
+    assert (out / "transformed_model.onnx").is_file() and (out / "output").is_dir()
+    (out / "notes.txt").write_text("mine")
+    (out / "sub").mkdir()
+    (out / "sub" / "keep.bin").write_bytes(b"1")
+    _, _, out = run_cli(tmp_path, "minmax", ["--no_shift", "--no_equalize"])
+    names = {p.name for p in out.iterdir()}
+    assert names == (EXPECTED_FILES - {"transformed_model.onnx"}) | {"notes.txt", "sub"}
+    assert (out / "sub" / "keep.bin").read_bytes() == b"1"
+    listed = set(json.loads((out / ".dipoorlet-files.json").read_text())["files"])
+    assert listed == EXPECTED_FILES - {"transformed_model.onnx", ".dipoorlet-files.json", "dipoorlet.log"}
