@@ -76,10 +76,10 @@ class QuantConfig:
             raise ConfigError(f"--fail_below is an output cosine in [-1, 1], got {self.fail_below}")
         for name, value in (("--w_bits", self.w_bits), ("--a_bits", self.a_bits)):
             if value is not None and not (isinstance(value, int) and 2 <= value <= 16):
-                raise ConfigError(f"{name} must be an integer in 2..16, got {value!r}")
+                raise ConfigError(f"{name} must be an integer in 2..8, got {value!r}")
         for node, pair in self.layer_bits.items():
             if any(b is not None and not 2 <= b <= 16 for b in pair):
-                raise ConfigError(f"--layer_bits {node}: bits must be in 2..16, got {pair}")
+                raise ConfigError(f"--layer_bits {node}: bits must be in 2..8, got {pair}")
         if (self.a_bits or 8) > 8 or any((p[1] or 8) > 8 for p in self.layer_bits.values()):
             raise ConfigError("activation bits above 8 need int16 Q/DQ (opset 21), not supported yet; "
                               "use --a_bits 2..8")
@@ -90,6 +90,9 @@ class QuantConfig:
                             ("equalize (--no_equalize)", self.equalize)):
             if not isinstance(value, bool):
                 raise ConfigError(f"{name} must be True or False, got {value!r}")
+        if not (isinstance(self.trt_version, str) and self.trt_version.isdigit()):
+            raise ConfigError(f"--trt_version is TensorRT's version as digits (8601 for 8.6.1), "
+                              f"got {self.trt_version!r}")
         if self.quant_format not in ("QDQ", "QOP"):
             raise ConfigError(f"--quant_format must be QDQ or QOP, got {self.quant_format!r}")
         if self.device not in ("cpu", "cuda"):

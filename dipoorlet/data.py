@@ -137,6 +137,11 @@ class DataSource:
         for cand in (self.path / spec.name, self.path / _safe(spec.name)):
             if cand.is_dir():
                 return cand
+        npz = sorted(p.name for p in self.path.glob("*.npz"))
+        if npz:
+            raise DataError(f"{self.path} holds {len(npz)} .npz files ({', '.join(npz[:3])}) and no folder for "
+                            f"model input {spec.name!r}; put every input's [N, ...] array into one .npz "
+                            "(numpy.savez), or use one folder per input")
         raise DataError(f"no folder for model input {spec.name!r} in {self.path}; expected "
                         f"{self.path / _safe(spec.name)}/0.bin (or .npy) ... one file per sample")
 

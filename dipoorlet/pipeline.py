@@ -168,6 +168,8 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
     out_dir = Path(cfg.output_dir)
     check_output_dir(out_dir)
     plat = platform_mod.load(cfg.deploy)
+    if cfg.stpu_wg and plat.name != "stpu":
+        log.warning("--stpu_wg applies to -D stpu only; ignored on %s", plat.name)
     g = load_graph(cfg)
     data = DataSource(cfg.input_dir, input_specs(g), cfg.data_num, cfg.input_shapes)
     indices = shard(cfg.data_num, comm.rank, comm.world)

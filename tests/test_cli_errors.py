@@ -225,10 +225,25 @@ def platform_bits_16(c):
     return ["chip16.toml", "bits must be 2..8"]
 
 
+def trt_version_not_digits(c):
+    c.extra = ["--trt_version", "8.6.1"]
+    return ["--trt_version", "8601"]
+
+
+def two_npz_files(c):
+    d = c.tmp / "npzs"
+    d.mkdir()
+    for k in range(2):
+        np.savez(d / f"part{k}.npz", x=rand((2, 3, 8, 8), k))
+    c.args["-I"] = str(d)
+    return ["2 .npz files", "one .npz"]
+
+
 CASES = [missing_model, model_is_a_folder, not_onnx, external_data_missing, custom_op, input_dir_missing, input_folder_missing,
          too_few_files, bin_wrong_size, nan_in_sample, inf_in_npy, unknown_method, unknown_platform,
          output_not_writable, output_is_a_file, nothing_quantizable, skip_layer_unknown, input_shape_malformed, input_shape_unknown_name, zero_samples,
-         weight_bits_above_8, npz_scalar, platform_not_utf8, platform_bits_16]
+         weight_bits_above_8, npz_scalar, platform_not_utf8, platform_bits_16, trt_version_not_digits,
+         two_npz_files]
 
 
 @pytest.mark.parametrize("breaker", CASES, ids=[f.__name__ for f in CASES])
