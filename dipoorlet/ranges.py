@@ -175,8 +175,16 @@ def entropy(st: TensorStats, p: RangeParams) -> tuple[float, float]:
     expanded back over P's non-zero bins. The threshold minimizing KL(P||Q) wins, at the edge of
     bin ``i``. Candidates are scanned every 8 bins and then refined bin by bin around the best
     (TensorRT scans every bin; the KL curve is smooth at that scale and this is 7x cheaper).
+
+    The first bin's count is replaced by the second's, as NVIDIA's pytorch-quantization does
+    (``bins[0] = bins[1]``): the exact zeros of a ReLU output (half of it, typically) sit in that
+    bin, and merged into the first of 128 levels they dominate the divergence and pull the
+    threshold down (on a half-normal with 50% zeros: 2.0 instead of 4.1, 117x the rounding
+    error of no clipping at all).
     """
-    counts = st.hist.abs_counts()
+    counts = st.hist.abs_counts().astype(np.float64)
+    if counts.size > 1:
+        counts[0] = counts[1]
     nq = p.quant_bins
     if counts.sum() == 0 or counts.size <= nq:
         return minmax(st, p)

@@ -142,7 +142,10 @@ def trt_kl(counts: np.ndarray, i: int, nq: int = 128) -> float:
 
 
 def kl_oracle(counts: np.ndarray, nq: int = 128) -> tuple[int, list]:
-    """Full scan of every candidate bin; returns (best bin count i, KL curve from i = nq)."""
+    """Full scan of every candidate bin; returns (best bin count i, KL curve from i = nq). The
+    zero bin takes its neighbour's count, as pytorch-quantization's entropy calibrator does."""
+    counts = counts.astype(np.float64)
+    counts[0] = counts[1]
     kls = [trt_kl(counts, i, nq) for i in range(nq, counts.size + 1)]
     return nq + int(np.argmin(kls)), kls
 
@@ -157,6 +160,17 @@ def test_entropy_threshold_matches_full_scan_kl(kind, bins):
     i_oracle, kls = kl_oracle(st.hist.abs_counts())
     kl_method, kl_best = kls[i_method - 128], kls[i_oracle - 128]
     assert abs(i_method - i_oracle) <= 8 or kl_method <= kl_best * 1.01 + 1e-9
+
+
+@pytest.mark.parametrize("zero_fraction", [0.0, 0.5, 0.7, 0.9])
+def test_entropy_is_not_pulled_down_by_the_zeros_of_a_relu_output(zero_fraction):
+    # the zero spike in the first bin once clipped a half-normal with 50% zeros at 2.0 (not ~4)
+    r = np.random.default_rng(0)
+    x = np.abs(r.standard_normal(200_000))
+    x[r.uniform(size=x.size) < zero_fraction] = 0.0
+    x = x.astype(np.float32)
+    lo, hi = entropy(stats_from(x, 2048), RangeParams())
+    assert lo == 0.0 and 0.7 * x.max() < hi <= x.max()
 
 
 def test_entropy_clips_heavy_outliers():
