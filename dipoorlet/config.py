@@ -1,6 +1,7 @@
 """Run configuration: one frozen dataclass, validated on creation."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,8 +91,10 @@ class QuantConfig:
                             ("equalize (--no_equalize)", self.equalize)):
             if not isinstance(value, bool):
                 raise ConfigError(f"{name} must be True or False, got {value!r}")
-        if not (isinstance(self.trt_version, str) and self.trt_version.isdigit()):
-            raise ConfigError(f"--trt_version is TensorRT's version as digits (8601 for 8.6.1), "
+        if isinstance(self.trt_version, int) and not isinstance(self.trt_version, bool) and self.trt_version >= 0:
+            object.__setattr__(self, "trt_version", str(self.trt_version))
+        if not (isinstance(self.trt_version, str) and re.fullmatch(r"[0-9]+", self.trt_version)):
+            raise ConfigError(f"--trt_version is TensorRT's version as ASCII digits (8601 for 8.6.1), "
                               f"got {self.trt_version!r}")
         if self.quant_format not in ("QDQ", "QOP"):
             raise ConfigError(f"--quant_format must be QDQ or QOP, got {self.quant_format!r}")

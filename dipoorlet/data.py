@@ -239,7 +239,8 @@ class DataSource:
             if len(want) != arr.ndim or any(w is not None and w != a for w, a in zip(want, arr.shape)):
                 raise DataError(f"{where} has shape {_fmt(arr.shape)} but input {spec.name!r} "
                                 f"expects {_fmt(want)}; re-export the data or pass --input_shape")
-        return np.ascontiguousarray(arr)
+        # np.ascontiguousarray would turn a 0-d sample (a scalar input) into shape (1,)
+        return np.require(arr, requirements="C")
 
 
 def _npz_arrays(path: Path) -> dict:

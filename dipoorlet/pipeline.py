@@ -269,6 +269,7 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         plan = plan.restricted(places)
     timings["sensitivity_s"] = time.perf_counter() - t
     qmodel = insert_qdq(g, places, plan)
+    _drop_shapeless_value_info(qmodel)
     _check(qmodel)
 
     targets_prof = profile.profile_targets(g, places, layers=not cfg.skip_prof_layer)
@@ -302,7 +303,7 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         rep = report.build(rows, places, meta, analysis, stats, plan, out_cosines)
         files += report.write(staging, rep)
         timings["total_s"] = time.perf_counter() - t0
-        final = _publish(staging, out_dir)
+        final = _publish(staging, out_dir, keep=(cfg.model, cfg.input_dir))
         return Result(out_dir, final, rep, rows, timings)
     finally:
         if comm.rank == 0:
@@ -351,21 +352,53 @@ def _save_transformed(g: Graph, plan, path: Path) -> Path:
 
 
 def _declare_input_ranks(g: Graph, data) -> None:
-    """A graph input declared without any shape (not even its rank; onnxruntime runs such
-    models, onnx.checker and TensorRT's parser reject them) gets the rank of the first sample,
-    every dimension symbolic."""
-    missing = [vi for vi in g.graph_inputs
-               if vi.type.HasField("tensor_type") and not vi.type.tensor_type.HasField("shape")]
-    if not missing:
+    """Graph inputs and outputs declared without any shape (not even their rank; onnxruntime
+    runs such models, onnx.checker and TensorRT's parser reject them) get the rank of the first
+    sample's values, every dimension symbolic: inputs from the sample, outputs from one float
+    run on it."""
+    def shapeless(vi):
+        return vi.type.HasField("tensor_type") and not vi.type.tensor_type.HasField("shape")
+
+    ins = [vi for vi in g.graph_inputs if shapeless(vi)]
+    outs = [vi for vi in g.graph.output if shapeless(vi)]
+    if not ins and not outs:
         return
     first = data.sample(0)
-    for vi in missing:
-        rank = np.asarray(first[vi.name]).ndim
-        dims = vi.type.tensor_type.shape.dim
-        for k in range(rank):
-            dims.add().dim_param = f"{vi.name}_dim{k}"
-        log.info("input '%s' declares no shape; taking rank %d from the first sample", vi.name, rank)
+    ranks = {vi.name: np.asarray(first[vi.name]).ndim for vi in ins}
+    if outs:
+        from dipoorlet.runtime import Runner
+
+        got, _ = Runner(g.model, [vi.name for vi in outs], types=g.types).run(first, ranges=False)
+        ranks.update({vi.name: np.asarray(got[vi.name]).ndim for vi in outs})
+    # by name: the session above may have rebuilt the graph's output list
+    in_names, out_names = {v.name for v in ins}, {v.name for v in outs}
+    for vi in [v for v in g.graph.input if v.name in in_names] + [v for v in g.graph.output if v.name in out_names]:
+        if vi.type.tensor_type.HasField("shape"):
+            continue
+        shape = vi.type.tensor_type.shape
+        shape.SetInParent()            # rank 0 (a scalar) is a shape with no dims, not no shape
+        for k in range(ranks[vi.name]):
+            shape.dim.add().dim_param = f"{vi.name}_dim{k}"
+        log.info("'%s' declares no shape; rank %d from the first sample", vi.name, ranks[vi.name])
+    if g.model.ByteSize() < 2**31 - 1:
+        # the intermediate tensors' ranks follow from the inputs' now
+        try:
+            inferred = onnx.shape_inference.infer_shapes(g.model)
+            del g.graph.value_info[:]
+            g.graph.value_info.extend(inferred.graph.value_info)
+        except Exception as exc:  # noqa: BLE001 - inference is a nicety here
+            log.debug("shape inference after declaring ranks failed: %s", exc)
     g.refresh()
+
+
+def _drop_shapeless_value_info(model) -> None:
+    """value_info entries with a type but no shape (not even a rank) fail onnx.checker and tell
+    a backend nothing; the model runs the same without them."""
+    keep = [vi for vi in model.graph.value_info
+            if not (vi.type.HasField("tensor_type") and not vi.type.tensor_type.HasField("shape"))]
+    if len(keep) != len(model.graph.value_info):
+        del model.graph.value_info[:]
+        model.graph.value_info.extend(keep)
 
 
 def _check(qmodel) -> None:
@@ -379,7 +412,7 @@ def _check(qmodel) -> None:
 def _to_qop(qmodel, feed: dict):
     from dipoorlet import qop
 
-    model, converted, excluded, cos = qop.convert_checked(qmodel, feed)
+    model, converted, excluded, cos, fused_error = qop.convert_checked(qmodel, feed)
     log.info("--quant_format QOP: %d ops converted to QLinear form; the rest stay QDQ", converted)
     if excluded:
         log.warning("--quant_format QOP: onnxruntime has no integer kernel for %d ops as converted; "
@@ -387,6 +420,10 @@ def _to_qop(qmodel, feed: dict):
     if cos < 0.99:
         log.warning("--quant_format QOP: on the first calibration sample the QOP model's output cosine "
                     "to the QDQ model is only %.4f; deploy quant_model_qdq.onnx", cos)
+    if fused_error:
+        log.warning("--quant_format QOP: the model runs in onnxruntime with graph optimizations off, but a "
+                    "default session fails (%s); run it with GraphOptimizationLevel.ORT_ENABLE_BASIC, or "
+                    "quantize with -D ort", fused_error[:200])
     return model
 
 
@@ -404,13 +441,15 @@ def _fp_saver(staging: Path, outputs: list[str]):
 MANIFEST = ".dipoorlet-files.json"
 
 
-def _publish(staging: Path, out_dir: Path) -> list[Path]:
+def _publish(staging: Path, out_dir: Path, keep=()) -> list[Path]:
     """Move every finished file from staging into -O (each move is an atomic rename), then
     remove what an earlier run into the same -O wrote and this one did not (a
     ``transformed_model.onnx`` the new side files do not describe, another backend's files,
-    ``--savefp`` outputs): its list is kept in ``.dipoorlet-files.json``. Other files in -O
-    are never touched."""
+    ``--savefp`` outputs): its list is kept in ``.dipoorlet-files.json``. Only plain files
+    under -O named there are removed: never a symlink or anything reached through one, never a
+    path outside -O, never one of ``keep`` (this run's own model and data)."""
     import json
+    import posixpath
 
     final = []
     for src in sorted(staging.rglob("*")):
@@ -425,18 +464,33 @@ def _publish(staging: Path, out_dir: Path) -> list[Path]:
         before = json.loads(manifest.read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError):
         before = []
-    root = out_dir.resolve()
+    kept = set()
+    for k in keep:
+        try:
+            kept.add(Path(k).resolve())
+        except OSError:
+            pass
     stale = []
-    for rel in before:
-        path = (out_dir / str(rel)).resolve()
-        if str(rel) in written or root not in path.parents or not path.is_file():
+    for rel in before if isinstance(before, list) else []:
+        if not isinstance(rel, str):
+            continue
+        norm = posixpath.normpath(rel.replace("\\", "/"))
+        parts = norm.split("/")
+        if posixpath.isabs(norm) or norm in (".", "") or ".." in parts or norm in written:
+            continue
+        chain = [out_dir.joinpath(*parts[:k]) for k in range(1, len(parts) + 1)]
+        if any(p.is_symlink() for p in chain) or not chain[-1].is_file():
+            continue
+        path = chain[-1]
+        real = path.resolve()
+        if real in kept or any(k in real.parents for k in kept):
             continue
         path.unlink()
-        stale.append(str(rel))
-        parent = path.parent
-        while parent != root and not any(parent.iterdir()):
+        stale.append(norm)
+        for parent in reversed(chain[:-1]):
+            if any(parent.iterdir()):
+                break
             parent.rmdir()
-            parent = parent.parent
     if stale:
         log.info("removed %d files an earlier run wrote into %s and this one did not (%s)", len(stale),
                  out_dir, ", ".join(sorted(stale)[:6]) + (" ..." if len(stale) > 6 else ""))

@@ -115,9 +115,10 @@ def _rule(d: dict, where: str, defaults: dict) -> TensorRule:
                           f"valid: {sorted(_RULE_KEYS)}")
     if "quantize_network_output" in d and not where.endswith("[activation]"):
         raise ConfigError(f"platform spec {where}: quantize_network_output belongs in [activation]")
-    if d.get("per_channel") and where.endswith("[activation]"):
-        raise ConfigError(f"platform spec {where}: per_channel applies to weights only; "
-                          "activations are quantized per tensor")
+    for key in ("per_channel", "per_channel_batched"):
+        if key in d and where.endswith("[activation]"):
+            raise ConfigError(f"platform spec {where}: {key} applies to weights only; "
+                              "activations are quantized per tensor")
     vals = {}
     for key, typ in _RULE_KEYS.items():
         if key == "quantize_network_output":

@@ -362,7 +362,8 @@ def test_float16_sparse_constants_are_widened_too():
 
 
 @pytest.mark.parametrize("deploy", ["trt", "ort"])
-def test_input_declared_without_a_shape_gets_the_samples_rank(tmp_path, deploy):
+@pytest.mark.parametrize("output_shape", [[3, 4], None])
+def test_input_declared_without_a_shape_gets_the_samples_rank(tmp_path, deploy, output_shape):
     # onnxruntime runs a model whose input has a type but no shape; onnx.checker (and TensorRT's
     # parser) reject it, so the quantized model declares the rank of the data, dims symbolic
     from onnx import TensorProto, helper
@@ -372,13 +373,34 @@ def test_input_declared_without_a_shape_gets_the_samples_rank(tmp_path, deploy):
     nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
              helper.make_node("Relu", ["h"], ["y"], name="relu")]
     model = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
-                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 4])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, output_shape)],
                        {"w": rand((6, 4), 1, 0.4)}, check=False)
     feeds = [{"x": rand((3, 6), 10 + i)} for i in range(5)]
     _, qm = quantize_model(tmp_path, model, feeds=feeds, deploy=deploy)
     onnx.checker.check_model(qm)
     dims = qm.graph.input[0].type.tensor_type.shape.dim
     assert [d.dim_param for d in dims] == ["x_dim0", "x_dim1"]
+    assert len(qm.graph.output[0].type.tensor_type.shape.dim) == 2
     for f in feeds:
         ref, got = ort_run(model, f)[0], ort_run(qm, f)[0]
         assert np.abs(got - ref).max() <= 0.05 * np.abs(ref).max()
+
+
+def test_scalar_input_declared_without_a_shape_stays_a_scalar(tmp_path):
+    # a 0-d sample is a scalar: the quantized model must accept what the float model accepts
+    from onnx import TensorProto, helper
+
+    from conftest import make_model, ort_run, quantize_model, rand
+
+    nodes = [helper.make_node("Mul", ["x", "t"], ["xt"], name="scale"),
+             helper.make_node("MatMul", ["xt", "w"], ["y"], name="mm")]
+    model = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 6]),
+                               helper.make_tensor_value_info("t", TensorProto.FLOAT, None)],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+                       {"w": rand((6, 4), 1, 0.4)}, check=False)
+    feeds = [{"x": rand((1, 6), 10 + i), "t": np.array(1.0 + 0.1 * i, np.float32)} for i in range(4)]
+    _, qm = quantize_model(tmp_path, model, feeds=feeds)
+    tshape = next(i for i in qm.graph.input if i.name == "t").type.tensor_type
+    assert tshape.HasField("shape") and len(tshape.shape.dim) == 0
+    ref, got = ort_run(model, feeds[0])[0], ort_run(qm, feeds[0])[0]
+    assert np.abs(got - ref).max() <= 0.05 * np.abs(ref).max()

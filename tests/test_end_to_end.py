@@ -198,3 +198,35 @@ def test_rerun_removes_what_the_earlier_run_wrote_and_this_one_did_not(tmp_path)
     assert (out / "sub" / "keep.bin").read_bytes() == b"1"
     listed = set(json.loads((out / ".dipoorlet-files.json").read_text())["files"])
     assert listed == EXPECTED_FILES - {"transformed_model.onnx", ".dipoorlet-files.json", "dipoorlet.log"}
+
+
+def test_rerun_cleanup_never_follows_links_nor_removes_this_runs_inputs(tmp_path):
+    import os
+
+    run_cli(tmp_path, "minmax")                       # writes transformed_model.onnx (the shift)
+    out = tmp_path / "out"
+    # a hand-edited list: other spellings of files this run rewrites, paths outside -O
+    (tmp_path / "outside.txt").write_text("x")
+    listed = json.loads((out / ".dipoorlet-files.json").read_text())["files"]
+    listed += ["./quant_model.onnx", "report/../report.json", str(out / "trt_calib.cache"),
+               "../outside.txt", "linked/keep.txt", "notes_link"]
+    (tmp_path / "userdir").mkdir()
+    (tmp_path / "userdir" / "keep.txt").write_text("mine")
+    os.symlink(tmp_path / "userdir", out / "linked")
+    (out / "my_notes.txt").write_text("mine")
+    os.symlink(out / "my_notes.txt", out / "notes_link")
+    (out / ".dipoorlet-files.json").write_text(json.dumps({"files": listed}))
+    # the next run reads its model from -O: what it reads must survive
+    model = out / "transformed_model.onnx"
+    data = tmp_path / "data"
+    try:
+        rc = main(["-M", str(model), "-I", str(data), "-N", str(N), "-D", "trt", "-O", str(out),
+                   "-A", "minmax", "--no_shift", "--no_equalize"])
+    finally:
+        _close_logs()
+    assert rc == 0
+    assert model.is_file()
+    for name in ("quant_model.onnx", "report.json", "trt_calib.cache", "my_notes.txt"):
+        assert (out / name).is_file(), name
+    assert (tmp_path / "outside.txt").is_file() and (tmp_path / "userdir" / "keep.txt").is_file()
+    assert (out / "notes_link").is_symlink() and (out / "linked").is_symlink()

@@ -264,7 +264,29 @@ def test_qop_op_that_onnxruntime_rejects_stays_qdq(case, monkeypatch):
         return out, n
 
     monkeypatch.setattr(qop, "convert", broken)
-    out, converted, excluded, cos = qop.convert_checked(qdq, feeds[0])
-    assert excluded == ["conv2"] and converted >= 1 and cos > 0.99
+    out, converted, excluded, cos, fused_error = qop.convert_checked(qdq, feeds[0])
+    assert excluded == ["conv2"] and converted >= 1 and cos > 0.99 and fused_error is None
     assert "conv2_quant" not in {n.name for n in out.graph.node}
     assert {"QLinearConv", "QGemm"} & {n.op_type for n in out.graph.node}
+
+
+def test_qop_check_compares_float_outputs_only(monkeypatch):
+    # an int64 output (class ids) is not a signal to score by cosine
+    from onnx import TensorProto, helper
+
+    from dipoorlet import qop
+
+    def model(k):
+        nodes = [helper.make_node("Identity", ["x"], ["y"], name="id"),
+                 helper.make_node("Constant", [], ["cls"], name="c",
+                                  value=numpy_helper.from_array(np.array([k], np.int64)))]
+        g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4]),
+                               helper.make_tensor_value_info("cls", TensorProto.INT64, [1])])
+        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+        m.ir_version = 8
+        return m
+
+    monkeypatch.setattr(qop, "convert", lambda m, exclude=(): (model(0), 0))
+    _, _, _, cos, fused_error = qop.convert_checked(model(1), {"x": np.ones((1, 4), np.float32)})
+    assert cos == 1.0 and fused_error is None
