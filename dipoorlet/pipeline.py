@@ -412,7 +412,11 @@ def _check(qmodel) -> None:
 def _to_qop(qmodel, feed: dict):
     from dipoorlet import qop
 
-    model, converted, excluded, cos, fused_error = qop.convert_checked(qmodel, feed)
+    try:
+        model, converted, excluded, cos, fused_error = qop.convert_checked(qmodel, feed)
+    except RuntimeError as exc:   # QOP is QDQ wherever an op cannot be converted: here, everywhere
+        log.warning("--quant_format QOP: %s; quant_model.onnx is the QDQ model", exc)
+        return qmodel
     log.info("--quant_format QOP: %d ops converted to QLinear form; the rest stay QDQ", converted)
     if excluded:
         log.warning("--quant_format QOP: onnxruntime has no integer kernel for %d ops as converted; "

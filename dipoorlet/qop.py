@@ -214,20 +214,17 @@ def convert_checked(model: onnx.ModelProto, feed: dict, max_tries: int = 50):
     if model.ByteSize() >= 2**31 - 1:   # no in-memory session for a model over 2 GB
         out, converted = convert(model)
         return out, converted, [], 1.0, None
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    # optimizations off: the QLinear ops run on their own kernels, the QDQ rest as float, so a
-    # failure is one of ours, not one of onnxruntime's own QDQ fusions
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-
-    def run(m):
+    def run(m, optimize=False):
+        # optimizations off: the QLinear ops run on their own kernels, the QDQ rest as float, so
+        # a failure is one of ours; on: as deployed, onnxruntime also fuses the QDQ rest
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        if not optimize:
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
         return sess.run(None, {i.name: feed[i.name] for i in sess.get_inputs()})
 
-    names = [i.name for i in model.graph.input if i.name in feed]
-
-    ref_sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    reference = ref_sess.run(None, {i.name: feed[i.name] for i in ref_sess.get_inputs()})
+    reference = run(model)
     excluded: list[str] = []
     for _ in range(max_tries):
         out, converted = convert(model, excluded)
@@ -256,16 +253,10 @@ def convert_checked(model: onnx.ModelProto, feed: dict, max_tries: int = 50):
             na, nb = np.linalg.norm(a), np.linalg.norm(b)
             worst = min(worst, float(a @ b / (na * nb)) if na > 0 and nb > 0 else float(na == nb))
         fused_error = None
-        try:   # as deployed: onnxruntime's default session fuses the QDQ rest on its own
-            ort.InferenceSession(out.SerializeToString(), _quiet(ort),
-                                 providers=["CPUExecutionProvider"]).run(None, {k: feed[k] for k in names})
+        try:
+            run(out, optimize=True)
         except Exception as exc:  # noqa: BLE001
             fused_error = ort_message(exc)
         return out, converted, excluded, worst, fused_error
     raise RuntimeError(f"the QOP model does not run in onnxruntime after leaving {len(excluded)} ops QDQ")
 
-
-def _quiet(ort):
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    return so
