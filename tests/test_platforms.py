@@ -290,3 +290,19 @@ def test_qop_check_compares_float_outputs_only(monkeypatch):
     monkeypatch.setattr(qop, "convert", lambda m, exclude=(): (model(0), 0))
     _, _, _, cos, fused_error = qop.convert_checked(model(1), {"x": np.ones((1, 4), np.float32)})
     assert cos == 1.0 and fused_error is None
+
+
+def test_qop_that_cannot_run_at_all_leaves_the_qdq_model(case, monkeypatch):
+    from dipoorlet import qop
+
+    def fail(model, feed, max_tries=50):
+        raise RuntimeError("the QOP model does not run in onnxruntime: no kernel")
+
+    monkeypatch.setattr(qop, "convert_checked", fail)
+    root, model, data, feeds = case
+    out = root / "qop-fallback"
+    dipoorlet.quantize(model=model, input_dir=data, data_num=6, deploy="ort", output_dir=out,
+                       quant_format="QOP", skip_prof_layer=True)
+    a, b = onnx.load(str(out / "quant_model.onnx")), onnx.load(str(out / "quant_model_qdq.onnx"))
+    assert a.SerializeToString() == b.SerializeToString()
+    assert "quant_model.onnx is the QDQ model" in (out / "dipoorlet.log").read_text()
