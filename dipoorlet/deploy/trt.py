@@ -15,11 +15,14 @@ TensorRT 8.x and later (explicit quantization); tensors not listed run in higher
 """
 from __future__ import annotations
 
+import logging
 import struct
 
 from dipoorlet.deploy import register
-from dipoorlet.deploy.snpe import floats, sym_amax
+from dipoorlet.deploy.snpe import floats, is_symmetric, sym_amax
 from dipoorlet.util import write_json, write_text
+
+log = logging.getLogger(__name__)
 
 
 def cache_hex(scale: float) -> str:
@@ -33,7 +36,14 @@ def export(ctx, folder):
     amax = {t: float(max(floats(sym_amax(qp)))) for t, qp in ctx.plan.activations.items()}
     version = getattr(ctx.config, "trt_version", "8601")
     lines = [f"TRT-{version}-EntropyCalibration2"]
-    for t, qp in ctx.plan.activations.items():
-        lines.append(f"{t}: {cache_hex(float(qp.scale))}")
+    # TensorRT's grid is int8 symmetric whatever the plan says: its scale is amax / 127 (for a
+    # 6-bit or asymmetric plan, the plan's own scale would state a 4x wider range than the json)
+    for t in ctx.plan.activations:
+        lines.append(f"{t}: {cache_hex(amax[t] / 127.0)}")
+    odd = [t for t, qp in ctx.plan.activations.items() if not (is_symmetric(qp) and qp.qmax == 127)]
+    if odd:
+        log.warning("trt: %d activation grids are not int8 symmetric (e.g. %s); TensorRT quantizes "
+                    "them on its own int8 grid over the clip range in trt_clip_val.json / "
+                    "trt_calib.cache, not on the narrower grid quant_model.onnx simulates", len(odd), odd[0])
     return [write_json(folder / "trt_clip_val.json", {"blob_range": amax}),
             write_text(folder / "trt_calib.cache", "\n".join(lines) + "\n")]
