@@ -61,7 +61,13 @@ def check_output_dir(path: Path) -> None:
 
 def load_graph(cfg: QuantConfig) -> Graph:
     g = Graph.load(cfg.model)
+    # the names the input model has: where the side files name anything else (a folded
+    # BatchNormalization's weight, a tensor the opset conversion made), transformed_model.onnx
+    # is the float model they describe
+    g.source_names = ({t.name for t in g.graph.initializer} | {i.name for i in g.graph.input}
+                      | {o for n in g.graph.node for o in n.output})
     done = prepare.prepare(g)
+    g.prepared = done
     log.info("model %s: opset %d (was %d), %d nodes, %d Constant weights moved to initializers, "
              "%d constant subexpressions folded, %d BatchNormalization folded into Conv", cfg.model, g.opset,
              done["opset_from"], len(g.graph.node), done["constants_to_initializers"], done["constants_folded"],
@@ -292,7 +298,9 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
                      save_model(_to_qop(qmodel, data.sample(indices[0])), staging / "quant_model.onnx")]
         else:
             files = [save_model(qmodel, staging / "quant_model.onnx")]
-        if equalized or shifted or plan.values:
+        renamed = any(t not in g.source_names for t in [*plan.activations, *plan.weights])
+        if equalized or shifted or plan.values or renamed or g.prepared["float16_widened"] \
+                or g.prepared["batchnorms_folded"]:
             files.append(_save_transformed(g, plan, staging / "transformed_model.onnx"))
         files += export_all(DeployContext(g, plan, places, plat, cfg), staging)
         meta = {"model": str(cfg.model), "platform": plat.name, "method": cfg.act_quant,

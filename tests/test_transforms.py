@@ -957,3 +957,25 @@ def test_one_pass_minmax_takes_equalization_statistics_from_the_first_k_samples(
     assert set(a) == set(b)
     for t in a:
         assert a[t] == pytest.approx(b[t], rel=1e-5, abs=1e-7), t
+
+
+@pytest.mark.parametrize("deploy", ["trt", "imx"])
+def test_side_files_name_only_tensors_of_a_written_float_model(tmp_path, deploy):
+    # a folded BatchNormalization renames the weight (…_bnfold): with no other transform the run
+    # once wrote no transformed_model.onnx, so the side files named weights no file held
+    import json
+
+    import onnx
+
+    from conftest import quantize_model
+
+    _, qm = quantize_model(tmp_path, conv_bn(), deploy=deploy, equalize=False, shift=False)
+    out = tmp_path / "out"
+    tm = onnx.load(str(out / "transformed_model.onnx"))
+    names = {t.name for t in tm.graph.initializer} | {o for n in tm.graph.node for o in n.output} \
+        | {i.name for i in tm.graph.input}
+    weights = json.loads((out / "weight_clip_val.json").read_text())
+    acts = json.loads((out / "act_clip_val.json").read_text())
+    assert weights and acts
+    assert set(weights) <= names and set(acts) <= names
+    assert any(w.endswith("_bnfold") for w in weights)
