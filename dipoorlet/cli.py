@@ -130,7 +130,8 @@ def summary(result, cfg) -> str:
                  + "".join(f"{label} {t[key]:.2f} s, " for key, label in
                            (("equalize_s", "equalization"), ("bias_correction_s", "bias correction")) if key in t)
                  + f"calibration {t.get('calibration_s', 0):.2f} s, "
-                 f"profile {t.get('profile_s', 0):.2f} s, total {t.get('total_s', 0):.2f} s")
+                 + (f"sensitivity {t['sensitivity_s']:.2f} s, " if t.get("sensitivity_s", 0) >= 0.005 else "")
+                 + f"profile {t.get('profile_s', 0):.2f} s, total {t.get('total_s', 0):.2f} s")
     lines.append("wrote: " + ", ".join(sorted(str(p.relative_to(result.output_dir)) for p in result.files
                                              if p.parent == result.output_dir)))
     return "\n".join(lines)

@@ -214,6 +214,11 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         # one grid per weight tensor: even out the weights' channel ranges between Conv pairs
         equalized = equalize.equalize_weights(g, skip=cfg.skip_layers)
     places = placement_mod.place(g, plat, cfg.skip_layers)
+    unquantized = sorted(set(cfg.layer_bits) - set(places.quantized_nodes))
+    if unquantized:
+        log.warning("--layer_bits %s: %s not quantized on %s (kept float), so the setting does nothing",
+                    ", ".join(unquantized[:5]), "this node is" if len(unquantized) == 1 else "these nodes are",
+                    plat.name)
     targets = list(places.activations)
     log.info("%d nodes quantized, %d activation tensors and %d weights get Q/DQ on %s",
              len(places.quantized_nodes), len(targets), len(places.weights), plat.name)
@@ -431,7 +436,8 @@ def _to_qop(qmodel, feed: dict):
                     "they stay QDQ (%s)", len(excluded), ", ".join(excluded[:5]))
     if cos < 0.99:
         log.warning("--quant_format QOP: on the first calibration sample the QOP model's output cosine "
-                    "to the QDQ model is only %.4f; deploy quant_model_qdq.onnx", cos)
+                    "to the QDQ model (both in onnxruntime) is only %.4f; compare them on your data, and "
+                    "deploy quant_model_qdq.onnx if the QOP model is worse", cos)
     if fused_error:
         log.warning("--quant_format QOP: the model runs in onnxruntime with graph optimizations off, but a "
                     "default session fails (%s); run it with GraphOptimizationLevel.ORT_ENABLE_BASIC, or "

@@ -205,7 +205,7 @@ def convert_checked(model: onnx.ModelProto, feed: dict, max_tries: int = 50):
     """:func:`convert`, then run the result in onnxruntime on ``feed``: an op onnxruntime
     rejects (a kernel missing for a type combination, a zero point shape) stays QDQ and the
     conversion is redone. Returns (model, converted, excluded nodes, worst output cosine against
-    the QDQ model on ``feed``, the error of a default (optimizing) onnxruntime session on the
+    the QDQ model on ``feed`` (run by a default onnxruntime session where it can), the error of a default (optimizing) onnxruntime session on the
     result or None: its own fusions of the QDQ ops left can fail where the ops themselves run)."""
     import onnxruntime as ort
 
@@ -224,7 +224,13 @@ def convert_checked(model: onnx.ModelProto, feed: dict, max_tries: int = 50):
         sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
         return sess.run(None, {i.name: feed[i.name] for i in sess.get_inputs()})
 
-    reference = run(model)
+    # the yardstick: the QDQ model as onnxruntime deploys it (its own fusions into the same
+    # integer kernels); the float simulation differs by each kernel's one rounding per op, which
+    # piles up over a deep network (0.988 cosine on the PP-OCRv4 recognizer with no conversion bug)
+    try:
+        reference = run(model, optimize=True)
+    except Exception:  # noqa: BLE001 - a fusion onnxruntime cannot do: the simulation then
+        reference = run(model)
     excluded: list[str] = []
     for _ in range(max_tries):
         out, converted = convert(model, excluded)

@@ -372,3 +372,12 @@ def test_a_softmax_output_is_scored_on_its_logits_through_identities(identities,
     g2 = Graph(infer_shapes(make_model(nodes[:1] + [helper.make_node("Relu", ["logits"], ["r"], name="relu")],
                                        [vi("x", [1, 4])], [vi("r", [1, 2])], {"w": rand((4, 2))})))
     assert scored_tensor(g2, "r") == "r"
+
+
+def test_layer_bits_on_a_node_left_float_is_reported(tmp_path, caplog):
+    # a Relu is fused into its producer on trt: a bit width for it changes nothing, and says so
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="dipoorlet"):
+        quantize_model(tmp_path, tiny_cnn(), n=3, layer_bits={"relu1": (4, 4)}, skip_prof_layer=True)
+    assert "--layer_bits relu1" in caplog.text and "not quantized on trt" in caplog.text
