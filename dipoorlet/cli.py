@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -82,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def setup_logging(out_dir: Path | None, debug: bool, rank: int = 0, all_ranks: bool = False) -> None:
+def setup_logging(out_dir: Path | None, debug: bool, rank: int = 0, all_ranks: bool = False,
+                  world: int = 1) -> None:
     """Console and dipoorlet.log on rank 0; other ranks are silent unless --log_all_ranks."""
     root = logging.getLogger("dipoorlet")
     root.setLevel(logging.DEBUG if debug else logging.INFO)
@@ -96,7 +98,10 @@ def setup_logging(out_dir: Path | None, debug: bool, rank: int = 0, all_ranks: b
         console.setFormatter(logging.Formatter("%(message)s"))
         root.addHandler(console)
     if out_dir is not None:
-        name = "dipoorlet.log" if rank == 0 else f"dipoorlet.rank{rank}.log"
+        # one process logs into a temporary file that becomes dipoorlet.log when the run ends (see
+        # finish_log): a failed run must not replace the log of the run whose outputs -O holds.
+        # Under MPI another rank's MPI_Abort can end rank 0 anywhere: it writes dipoorlet.log.
+        name = (RUN_LOG if world == 1 else "dipoorlet.log") if rank == 0 else f"dipoorlet.rank{rank}.log"
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
             fh = logging.FileHandler(out_dir / name, mode="w", encoding="utf-8")
@@ -104,6 +109,28 @@ def setup_logging(out_dir: Path | None, debug: bool, rank: int = 0, all_ranks: b
             root.addHandler(fh)
         except OSError:
             pass  # reported as a clear error by the pipeline's output check
+
+
+RUN_LOG = ".dipoorlet-run.log"
+
+
+def finish_log(out_dir: Path | None, ok: bool) -> None:
+    """Close the log file and name it: ``dipoorlet.log`` after a run that wrote its outputs, or
+    when -O holds no earlier run's outputs; else ``dipoorlet.failed.log``, next to the earlier
+    run's files and log."""
+    root = logging.getLogger("dipoorlet")
+    for h in list(root.handlers):
+        if isinstance(h, logging.FileHandler):
+            h.close()
+            root.removeHandler(h)
+    if out_dir is None or not (out_dir / RUN_LOG).exists():
+        return
+    from dipoorlet.pipeline import MANIFEST
+
+    earlier = (out_dir / MANIFEST).exists() and (out_dir / "dipoorlet.log").exists()
+    os.replace(out_dir / RUN_LOG, out_dir / ("dipoorlet.log" if ok or not earlier else "dipoorlet.failed.log"))
+    if ok and (out_dir / "dipoorlet.failed.log").exists():
+        (out_dir / "dipoorlet.failed.log").unlink()   # about a run these outputs replaced
 
 
 def summary(result, cfg) -> str:
@@ -171,6 +198,14 @@ def _log_to_file(message: str) -> None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    state = {"out_dir": None, "ok": False}
+    try:
+        return _main(args, argv, state)
+    finally:
+        finish_log(state["out_dir"], state["ok"])
+
+
+def _main(args, argv, state) -> int:
     debug = args.debug
     comm = None
     try:
@@ -196,12 +231,14 @@ def main(argv=None) -> int:
                           device=args.device, debug=debug)
         check_model_path(cfg.model)  # before -O (default <model dir>/results) is created
         check_output_dir(cfg.output_dir)
-        setup_logging(cfg.output_dir, debug, comm.rank, args.log_all_ranks)
+        setup_logging(cfg.output_dir, debug, comm.rank, args.log_all_ranks, comm.world)
+        state["out_dir"] = cfg.output_dir if comm.rank == 0 else None
         log.info("dipoorlet %s: %s", __version__, " ".join(sys.argv[1:] if argv is None else argv))
         if comm.world > 1:
             log.info("running as %d MPI processes", comm.world)
         start = time.perf_counter()
         result = quantize(cfg, comm)
+        state["ok"] = True   # the outputs are written (--fail_below's exit 3 included)
         if comm.rank == 0:
             log.info(summary(result, cfg))
             low = below_bar(result.report, cfg.fail_below)
@@ -218,6 +255,7 @@ def main(argv=None) -> int:
         logging.getLogger("dipoorlet").debug("error: %s", exc)
         _log_to_file(f"dipoorlet: error{where}: {exc}")
         if comm is not None and comm.world > 1:
+            finish_log(state["out_dir"], False)   # MPI_Abort skips every finally block
             comm.abort(exc.exit_code)  # take every rank down now, never leave them waiting
         return exc.exit_code
     except Exception as exc:
@@ -225,6 +263,7 @@ def main(argv=None) -> int:
             import traceback
             traceback.print_exc()
             print(f"dipoorlet: internal error (rank {comm.rank}): {exc}", file=sys.stderr)
+            finish_log(state["out_dir"], False)
             comm.abort(1)
         raise
     except KeyboardInterrupt:

@@ -238,3 +238,20 @@ def test_rerun_cleanup_never_follows_links_nor_removes_this_runs_inputs(tmp_path
         assert (out / name).is_file(), name
     assert (tmp_path / "outside.txt").is_file() and (tmp_path / "userdir" / "keep.txt").is_file()
     assert (out / "notes_link").is_symlink() and (out / "linked").is_symlink()
+
+
+def test_a_failed_rerun_keeps_the_log_of_the_outputs_in_the_folder(tmp_path):
+    model, _, out = run_cli(tmp_path, "minmax")
+    good = (out / "dipoorlet.log").read_text()
+    assert "wrote:" in good
+    try:
+        rc = main(["-M", str(tmp_path / "model.onnx"), "-I", str(tmp_path / "data"), "-N", str(N + 5),
+                   "-D", "trt", "-O", str(out)])
+    finally:
+        _close_logs()
+    assert rc == 2
+    assert (out / "dipoorlet.log").read_text() == good          # still describes the files here
+    assert "error" in (out / "dipoorlet.failed.log").read_text()
+    assert not (out / ".dipoorlet-run.log").exists()
+    run_cli(tmp_path, "minmax")                                   # a good run replaces both
+    assert not (out / "dipoorlet.failed.log").exists()
