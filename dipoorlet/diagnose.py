@@ -150,6 +150,8 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
                 seen.add(m)
                 items.append((m, ch[0], ch[1]))
     ranges = channel_stats(g, items, data, indices, comm, device, label="diagnosis: channel ranges") if items else {}
+    # the channel ranges come from the sensitivity samples, the clip from all N: say so
+    n_samples = int(np.asarray(comm.allreduce_sum(np.array([len(list(indices))], np.int64))).sum())
     rescaled = {n for r in equalized for n in [r.get("producer"), *r.get("absorbers", [])] if n}
     rows = []
     for s in worst:
@@ -170,6 +172,7 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
                 if live.size:
                     a["channel_max"] = float(live.max())
                     a["channel_spread"] = float(live.max() / np.median(live))
+                    a["channel_samples"] = n_samples
             kind, via = _blocker(g, t)
             node = g.node_by_name[s.node]
             conv_input = node.op_type == "Conv" and node.input[0] == t and g.is_constant(node.input[1])
@@ -231,7 +234,8 @@ def _advice(row: dict, platform: str = "trt") -> str:
         else:
             part = [f"input {a['tensor']} clipped at {a['amax']:.4g}"]
         if "channel_max" in a:
-            part.append(f"largest channel max {a['channel_max']:.4g}, channel ranges "
+            over = f" over {a['channel_samples']} samples" if a.get("channel_samples") else ""
+            part.append(f"largest channel max{over} {a['channel_max']:.4g}, channel ranges "
                         f"{a['channel_spread']:.1f}x apart under one per-tensor scale")
         part.append(f"equalization: {a['equalization']}")
         facts.append("; ".join(part))
