@@ -128,9 +128,11 @@ def finish_log(out_dir: Path | None, ok: bool) -> None:
     from dipoorlet.pipeline import MANIFEST
 
     earlier = (out_dir / MANIFEST).exists() and (out_dir / "dipoorlet.log").exists()
-    os.replace(out_dir / RUN_LOG, out_dir / ("dipoorlet.log" if ok or not earlier else "dipoorlet.failed.log"))
-    if ok and (out_dir / "dipoorlet.failed.log").exists():
-        (out_dir / "dipoorlet.failed.log").unlink()   # about a run these outputs replaced
+    name = "dipoorlet.log" if ok or not earlier else "dipoorlet.failed.log"
+    try:
+        os.replace(out_dir / RUN_LOG, out_dir / name)
+    except OSError as exc:   # never turn the run's own result into a failure
+        print(f"dipoorlet: warning: the log stays in {out_dir / RUN_LOG} ({exc})", file=sys.stderr)
 
 
 def summary(result, cfg) -> str:

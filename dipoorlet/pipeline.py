@@ -509,6 +509,9 @@ def _publish(staging: Path, out_dir: Path, keep=()) -> list[Path]:
             if any(parent.iterdir()):
                 break
             parent.rmdir()
+    failed_log = out_dir / "dipoorlet.failed.log"
+    if failed_log.is_file() and not failed_log.is_symlink():
+        failed_log.unlink()   # the log of a failed run whose predecessors' outputs these replace
     if stale:
         log.info("removed %d files an earlier run wrote into %s and this one did not (%s)", len(stale),
                  out_dir, ", ".join(sorted(stale)[:6]) + (" ..." if len(stale) > 6 else ""))

@@ -255,3 +255,9 @@ def test_a_failed_rerun_keeps_the_log_of_the_outputs_in_the_folder(tmp_path):
     assert not (out / ".dipoorlet-run.log").exists()
     run_cli(tmp_path, "minmax")                                   # a good run replaces both
     assert not (out / "dipoorlet.failed.log").exists()
+    (out / "dipoorlet.failed.log").write_text("an old failure")    # any successful publish, API too
+    import dipoorlet
+
+    dipoorlet.quantize(model=tmp_path / "model.onnx", input_dir=tmp_path / "data", data_num=N, deploy="trt",
+                       output_dir=out, act_quant="minmax", skip_prof_layer=True)
+    assert not (out / "dipoorlet.failed.log").exists()
