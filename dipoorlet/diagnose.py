@@ -123,7 +123,8 @@ def _per_tensor_weight_spread(g, places, plan, node: str) -> float | None:
 
 
 def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equalize_on=True,
-             equalized=(), smooth=True, k: int = DIAGNOSE_LAYERS, shifted=(), platform: str = "trt") -> list[dict]:
+             equalized=(), smooth=True, k: int = DIAGNOSE_LAYERS, shifted=(), platform: str = "trt",
+             samples: int | None = None) -> list[dict]:
     """One row per layer among the ``k`` most sensitive that lose more than ``MIN_LOSS``.
     ``shifted``: dipoorlet.shift's rows; a shifted input is described by its source tensor (its
     channel ranges and its clip on the asymmetric grid), not by the shifted copy."""
@@ -150,8 +151,9 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
                 seen.add(m)
                 items.append((m, ch[0], ch[1]))
     ranges = channel_stats(g, items, data, indices, comm, device, label="diagnosis: channel ranges") if items else {}
-    # the channel ranges come from the sensitivity samples, the clip from all N: say so
-    n_samples = int(np.asarray(comm.allreduce_sum(np.array([len(list(indices))], np.int64))).sum())
+    # the channel ranges come from the sensitivity samples (``samples`` over all processes,
+    # ``indices`` this one's share), the clip from all N: say so
+    n_samples = samples if samples is not None else len(list(indices))
     rescaled = {n for r in equalized for n in [r.get("producer"), *r.get("absorbers", [])] if n}
     rows = []
     for s in worst:

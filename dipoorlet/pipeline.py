@@ -35,6 +35,7 @@ from dipoorlet.graph import Graph, save_model
 from dipoorlet.qdq import insert_qdq
 from dipoorlet.qparams import QuantPlan, bias_qparams, levels, make_qparams, share_scales
 from dipoorlet.ranges import NEEDS_HISTOGRAM, RANGE_METHODS, RangeParams
+from dipoorlet.util import write_json
 
 log = logging.getLogger(__name__)
 
@@ -273,7 +274,7 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         analysis["diagnosis"] = diagnose.diagnose(
             g, places, plan, analysis["isolated"], data, shard(analysis["sens_samples"], comm.rank, comm.world),
             comm, cfg.device, equalize_on=eq_on, equalized=equalized, smooth="Mul" not in plat.quantize_ops,
-            shifted=shifted, platform=plat.name)
+            shifted=shifted, platform=plat.name, samples=analysis["sens_samples"])
     if analysis.get("auto_skip") is not None:
         places = places.restrict([n for n in places.quantized_nodes
                                   if n not in analysis["auto_skip"].float_layers])
@@ -364,16 +365,18 @@ def _save_transformed(g: Graph, plan, path: Path) -> Path:
             inits[name].CopyFrom(t)
 
 
-def _declare_input_ranks(g: Graph, data) -> None:
-    """Graph inputs and outputs declared without any shape (not even their rank; onnxruntime
-    runs such models, onnx.checker and TensorRT's parser reject them) get the rank of the first
-    sample's values, every dimension symbolic: inputs from the sample, outputs from one float
-    run on it."""
-    def shapeless(vi):
-        return vi.type.HasField("tensor_type") and not vi.type.tensor_type.HasField("shape")
+def _shapeless(vi) -> bool:
+    """A tensor declared with a type but no shape, not even a rank (onnx.checker rejects it on
+    graph inputs, outputs and value_info)."""
+    return vi.type.HasField("tensor_type") and not vi.type.tensor_type.HasField("shape")
 
-    ins = [vi for vi in g.graph_inputs if shapeless(vi)]
-    outs = [vi for vi in g.graph.output if shapeless(vi)]
+
+def _declare_input_ranks(g: Graph, data) -> None:
+    """Graph inputs and outputs declared without any shape (onnxruntime runs such models,
+    onnx.checker and TensorRT's parser reject them) get the rank of the first sample's values,
+    every dimension symbolic: inputs from the sample, outputs from one float run on it."""
+    ins = [vi for vi in g.graph_inputs if _shapeless(vi)]
+    outs = [vi for vi in g.graph.output if _shapeless(vi)]
     if not ins and not outs:
         return
     first = data.sample(0)
@@ -386,7 +389,7 @@ def _declare_input_ranks(g: Graph, data) -> None:
     # by name: the session above may have rebuilt the graph's output list
     in_names, out_names = {v.name for v in ins}, {v.name for v in outs}
     for vi in [v for v in g.graph.input if v.name in in_names] + [v for v in g.graph.output if v.name in out_names]:
-        if vi.type.tensor_type.HasField("shape"):
+        if not _shapeless(vi):
             continue
         shape = vi.type.tensor_type.shape
         shape.SetInParent()            # rank 0 (a scalar) is a shape with no dims, not no shape
@@ -407,8 +410,7 @@ def _declare_input_ranks(g: Graph, data) -> None:
 def _drop_shapeless_value_info(model) -> None:
     """value_info entries with a type but no shape (not even a rank) fail onnx.checker and tell
     a backend nothing; the model runs the same without them."""
-    keep = [vi for vi in model.graph.value_info
-            if not (vi.type.HasField("tensor_type") and not vi.type.tensor_type.HasField("shape"))]
+    keep = [vi for vi in model.graph.value_info if not _shapeless(vi)]
     if len(keep) != len(model.graph.value_info):
         del model.graph.value_info[:]
         model.graph.value_info.extend(keep)
@@ -467,7 +469,6 @@ def _publish(staging: Path, out_dir: Path, keep=()) -> list[Path]:
     under -O named there are removed: never a symlink or anything reached through one, never a
     path outside -O, never one of ``keep`` (this run's own model and data)."""
     import json
-    import posixpath
 
     final = []
     for src in sorted(staging.rglob("*")):
@@ -482,6 +483,22 @@ def _publish(staging: Path, out_dir: Path, keep=()) -> list[Path]:
         before = json.loads(manifest.read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError):
         before = []
+    stale = _remove_stale(out_dir, before if isinstance(before, list) else [], written, keep)
+    failed_log = out_dir / "dipoorlet.failed.log"
+    if failed_log.is_file() and not failed_log.is_symlink():
+        failed_log.unlink()   # the log of a failed run whose predecessors' outputs these replace
+    if stale:
+        log.info("removed %d files an earlier run wrote into %s and this one did not (%s)", len(stale),
+                 out_dir, ", ".join(sorted(stale)[:6]) + (" ..." if len(stale) > 6 else ""))
+    write_json(manifest, {"files": sorted(written)})
+    return final
+
+
+def _remove_stale(out_dir: Path, listed: list, written: set, keep) -> list[str]:
+    """Remove the files of ``listed`` (an earlier run's manifest) that this run did not write;
+    returns their normalized names. See :func:`_publish` for what is never touched."""
+    import posixpath
+
     kept = set()
     for k in keep:
         try:
@@ -489,7 +506,7 @@ def _publish(staging: Path, out_dir: Path, keep=()) -> list[Path]:
         except OSError:
             pass
     stale = []
-    for rel in before if isinstance(before, list) else []:
+    for rel in listed:
         if not isinstance(rel, str):
             continue
         norm = posixpath.normpath(rel.replace("\\", "/"))
@@ -499,23 +516,13 @@ def _publish(staging: Path, out_dir: Path, keep=()) -> list[Path]:
         chain = [out_dir.joinpath(*parts[:k]) for k in range(1, len(parts) + 1)]
         if any(p.is_symlink() for p in chain) or not chain[-1].is_file():
             continue
-        path = chain[-1]
-        real = path.resolve()
+        real = chain[-1].resolve()
         if real in kept or any(k in real.parents for k in kept):
             continue
-        path.unlink()
+        chain[-1].unlink()
         stale.append(norm)
-        for parent in reversed(chain[:-1]):
+        for parent in reversed(chain[:-1]):   # folders the removal emptied
             if any(parent.iterdir()):
                 break
             parent.rmdir()
-    failed_log = out_dir / "dipoorlet.failed.log"
-    if failed_log.is_file() and not failed_log.is_symlink():
-        failed_log.unlink()   # the log of a failed run whose predecessors' outputs these replace
-    if stale:
-        log.info("removed %d files an earlier run wrote into %s and this one did not (%s)", len(stale),
-                 out_dir, ", ".join(sorted(stale)[:6]) + (" ..." if len(stale) > 6 else ""))
-    tmp = out_dir / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps({"files": sorted(written)}, indent=1))
-    os.replace(tmp, manifest)
-    return final
+    return stale
