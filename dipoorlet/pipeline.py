@@ -519,10 +519,13 @@ def _remove_stale(out_dir: Path, listed: list, written: set, keep) -> list[str]:
         real = chain[-1].resolve()
         if real in kept or any(k in real.parents for k in kept):
             continue
-        chain[-1].unlink()
-        stale.append(norm)
-        for parent in reversed(chain[:-1]):   # folders the removal emptied
-            if any(parent.iterdir()):
-                break
-            parent.rmdir()
+        try:
+            chain[-1].unlink()
+            stale.append(norm)
+            for parent in reversed(chain[:-1]):   # folders the removal emptied
+                if any(parent.iterdir()):
+                    break
+                parent.rmdir()
+        except OSError as exc:   # the outputs are written: a file that will not go is only reported
+            log.warning("could not remove %s, an earlier run's output (%s)", chain[-1], exc)
     return stale
