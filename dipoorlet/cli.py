@@ -47,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bc", action="store_true",
                    help="bias correction: after calibration, remove the mean shift each quantized "
                         "Conv/Gemm/MatMul adds to its output (one extra pass of the quantized model)")
+    p.add_argument("--gptq", action="store_true",
+                   help="choose each Conv/Gemm/MatMul weight's rounding (and its bias) to minimize the "
+                        "layer's output error on the calibration data, its input's quantization included "
+                        "(GPTQ on input statistics; one extra pass of the quantized model)")
+    p.add_argument("--gptq_samples", type=int, default=None, metavar="K",
+                   help="samples the --gptq statistics pass reads (default: all N)")
     p.add_argument("--no_equalize", action="store_true",
                    help="do not equalize per-channel activation ranges between Conv pairs nor smooth "
                         "MatMul/Conv inputs (on by default for platforms with per-channel weights), nor "
@@ -157,7 +163,8 @@ def summary(result, cfg) -> str:
     lines.append(f"{rep['quantized_nodes']} nodes quantized, {rep['qdq_tensors']} activations and "
                  f"{rep['weights']} weights with Q/DQ; "
                  + "".join(f"{label} {t[key]:.2f} s, " for key, label in
-                           (("equalize_s", "equalization"), ("bias_correction_s", "bias correction")) if key in t)
+                           (("equalize_s", "equalization"), ("bias_correction_s", "bias correction"),
+                            ("gptq_s", "gptq")) if key in t)
                  + f"calibration {t.get('calibration_s', 0):.2f} s, "
                  + (f"sensitivity {t['sensitivity_s']:.2f} s, " if t.get("sensitivity_s", 0) >= 0.005 else "")
                  + f"profile {t.get('profile_s', 0):.2f} s, total {t.get('total_s', 0):.2f} s")
@@ -226,6 +233,7 @@ def _main(args, argv, state) -> int:
                           input_shapes=parse_input_shapes(args.input_shape), savefp=args.savefp,
                           skip_prof_layer=args.skip_prof_layer, trt_version=args.trt_version,
                           quant_format=args.quant_format, stpu_wg=args.stpu_wg, bias_correction=args.bc,
+                          gptq=args.gptq, gptq_samples=args.gptq_samples,
                           equalize=not args.no_equalize, shift=not args.no_shift, equalize_samples=args.eq_samples,
                           sens_samples=args.sens_samples, criterion=args.criterion, auto_skip=args.auto_skip,
                           max_float_layers=args.max_float_layers, fail_below=args.fail_below,

@@ -36,6 +36,8 @@ class QuantConfig:
     layer_bits: dict = field(default_factory=dict)  # node -> (weight bits | None, act bits | None)
     stpu_wg: bool = False
     bias_correction: bool = False      # --bc
+    gptq: bool = False                 # --gptq: output-aware weight rounding (reconstruct.py)
+    gptq_samples: int | None = None    # --gptq_samples; None: all N
     equalize: bool = True              # --no_equalize turns activation equalization off
     equalize_samples: int | None = None  # --eq_samples; None: equalize.default_samples(N)
     shift: bool = True                 # --no_shift: no asymmetric-grid shift on symmetric backends
@@ -65,9 +67,13 @@ class QuantConfig:
         if self.equalize_samples is not None and (isinstance(self.equalize_samples, bool) or not isinstance(
                 self.equalize_samples, int) or self.equalize_samples < 1):
             raise ConfigError(f"--eq_samples must be a positive integer, got {self.equalize_samples!r}")
-        for flag in ("savefp", "skip_prof_layer", "stpu_wg", "bias_correction", "equalize", "shift", "debug"):
+        for flag in ("savefp", "skip_prof_layer", "stpu_wg", "bias_correction", "gptq", "equalize", "shift",
+                     "debug"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        if self.gptq_samples is not None and (isinstance(self.gptq_samples, bool) or not isinstance(
+                self.gptq_samples, int) or self.gptq_samples < 1):
+            raise ConfigError(f"--gptq_samples must be a positive integer, got {self.gptq_samples!r}")
         if not isinstance(self.max_float_layers, int) or self.max_float_layers < 1:
             raise ConfigError(f"--max_float_layers must be a positive integer, got {self.max_float_layers!r}")
         if self.auto_skip is not None:

@@ -257,6 +257,15 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         t = time.perf_counter()
         corrections = bias_correction.correct(g, places, plan, data, indices, comm, cfg.device)
         timings["bias_correction_s"] = time.perf_counter() - t
+    reconstructed = None
+    if cfg.gptq:
+        from dipoorlet import reconstruct
+
+        t = time.perf_counter()
+        k = min(cfg.data_num, cfg.gptq_samples or cfg.data_num)
+        reconstructed = reconstruct.reconstruct(g, places, plan, data, shard(k, comm.rank, comm.world), comm,
+                                                cfg.device)
+        timings["gptq_s"] = time.perf_counter() - t
     if plat.quantize_bias:
         plan_biases(g, places, plan)
 
@@ -264,6 +273,8 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
     analysis = analyse(cfg, g, places, plan, data, comm)
     if corrections is not None:
         analysis["bias_correction"] = corrections
+    if reconstructed is not None:
+        analysis["gptq"] = reconstructed
     if equalized:
         analysis["equalization"] = equalized
     if shifted:

@@ -60,7 +60,7 @@ def _run(root: Path, out: Path, method: str, ranks: int, calib="calib"):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("method", ["minmax", "hist", "mse", "entropy", "percentile", "mse --bc"])
+@pytest.mark.parametrize("method", ["minmax", "hist", "mse", "entropy", "percentile", "mse --bc", "mse --gptq"])
 def test_outputs_identical_for_any_process_count(case, method):
     single = _run(case, case / f"one-{method}", method, 1)
     assert single.returncode == 0, single.stderr

@@ -1,0 +1,200 @@
+"""--gptq: output-aware weight rounding from input statistics (dipoorlet.reconstruct)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+import dipoorlet
+from dipoorlet.reconstruct import Layer, gptq, n_positions, patches, weight_matrix
+
+from conftest import initializer, input_feeds, make_model, ort_run, rand, save, tiny_cnn, vi, write_samples
+
+
+@pytest.mark.parametrize("cin,cout,kernel,strides,pads,dil,group", [
+    (4, 6, (3, 3), (1, 1), (1, 1, 1, 1), (1, 1), 1),
+    (6, 6, (3, 3), (2, 2), (0, 1, 1, 0), (1, 1), 6),        # depthwise, asymmetric pads
+    (4, 8, (2, 3), (2, 1), (1, 0, 0, 2), (2, 1), 2),        # grouped, dilated
+    (4, 4, (1, 1), (1, 1), (0, 0, 0, 0), (1, 1), 1),        # the 1x1 fast path
+    (3, 5, (3,), (2,), (1, 2), (2,), 1),                    # 1-D
+])
+@pytest.mark.parametrize("picked", [False, True])
+def test_patches_times_weights_is_the_convolution(cin, cout, kernel, strides, pads, dil, group, picked):
+    """Oracle: onnx.reference's Conv. Every output position equals W_group @ its patch column."""
+    r = np.random.default_rng(3)
+    nd = len(kernel)
+    x = r.standard_normal((2, cin) + ((9,) if nd == 1 else (9, 11))).astype(np.float32)
+    w = r.standard_normal((cout, cin // group) + kernel).astype(np.float32)
+    node = helper.make_node("Conv", ["x", "w"], ["y"], strides=strides, pads=pads, dilations=dil, group=group)
+    model = helper.make_model(helper.make_graph([node], "g", [vi("x", None)], [vi("y", None)],
+                                                [numpy_helper.from_array(w, "w")]))
+    y = ReferenceEvaluator(model).run(None, {"x": x})[0]
+    lay = Layer("c", "Conv", "w", None, "x", "x", 1.0, 0.0, group, kernel, strides, pads, dil)
+    n = n_positions(x, lay)
+    assert n == y.shape[0] * int(np.prod(y.shape[2:]))
+    pick = np.sort(r.choice(n, min(n, 17), replace=False)) if picked else None
+    cols = patches(x.astype(np.float64), lay, pick)
+    got = (weight_matrix(w.astype(np.float64), lay) @ cols).reshape(cout, -1)
+    ref = np.moveaxis(y, 1, 0).reshape(cout, -1)
+    np.testing.assert_allclose(got, ref if pick is None else ref[:, pick], atol=1e-4)
+
+
+def test_matmul_rows_are_the_last_axis():
+    x = rand((2, 5, 7), 1).astype(np.float64)
+    lay = Layer("m", "MatMul", "w", None, "x", "x", 1.0, 0.0)
+    w = rand((7, 3), 2).astype(np.float64)
+    assert n_positions(x, lay) == 10
+    got = weight_matrix(w, lay)[0] @ patches(x, lay)[0]
+    np.testing.assert_allclose(got.T, (x @ w).reshape(-1, 3))
+
+
+def _problem(seed, R=16, K=40, P=3000, bits=4):
+    r = np.random.default_rng(seed)
+    X = (r.standard_normal((K, K)) @ r.standard_normal((K, P))) * r.uniform(0.2, 3, (K, 1))
+    W = r.standard_normal((R, K))
+    qmax = 2 ** (bits - 1) - 1
+    s = np.abs(W).max(axis=1) / qmax
+    return W, X, s, qmax
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_gptq_rounds_onto_the_grid_and_beats_nearest_rounding(seed):
+    W, X, s, qmax = _problem(seed)
+    Q, Qi = gptq(W[None], (X @ X.T)[None], s[None], np.zeros((1, len(s))), -qmax, qmax)
+    Q, Qi = Q[0], Qi[0]
+    assert Qi.min() >= -qmax and Qi.max() <= qmax
+    np.testing.assert_allclose(Q, Qi * s[:, None], rtol=0, atol=1e-12)
+    rtn = np.clip(np.rint(W / s[:, None]), -qmax, qmax) * s[:, None]
+    err = lambda wq: float(np.sum(((W - wq) @ X) ** 2))
+    assert err(Q) < 0.7 * err(rtn)      # correlated inputs: GPTQ spreads each rounding error
+
+
+def test_gptq_with_uncorrelated_inputs_is_nearest_rounding():
+    """A diagonal H has nothing to spread an error onto: every weight rounds to nearest."""
+    W, _, s, qmax = _problem(5)
+    H = np.diag(np.random.default_rng(1).uniform(0.5, 2, W.shape[1]))
+    Q, _ = gptq(W[None], H[None], s[None], 0.0, -qmax, qmax)
+    rtn = np.clip(np.rint(W / s[:, None]), -qmax, qmax) * s[:, None]
+    np.testing.assert_allclose(Q[0], rtn, atol=1e-12)
+
+
+def test_gptq_bias_column_is_never_rounded_and_absorbs_the_mean():
+    W, X, s, qmax = _problem(7)
+    X = X + 5.0                                      # inputs with a large mean
+    b = np.random.default_rng(2).standard_normal((W.shape[0], 1))
+    Xa, Wa = np.vstack([X, np.ones((1, X.shape[1]))]), np.hstack([W, b])
+    Q, _ = gptq(Wa[None], (Xa @ Xa.T)[None], s[None], 0.0, -qmax, qmax, fixed_last=True)
+    Q = Q[0]
+    on_grid = Q[:, :-1] / s[:, None]
+    np.testing.assert_allclose(on_grid, np.rint(on_grid), atol=1e-9)
+    assert not np.allclose(Q[:, -1], b[:, 0])        # the bias moved
+    Qn, _ = gptq(W[None], (X @ X.T)[None], s[None], 0.0, -qmax, qmax)
+    err_bias = np.sum(((Wa - Q) @ Xa) ** 2)
+    err_nobias = np.sum(((W - Qn[0]) @ X) ** 2)
+    assert err_bias < err_nobias
+
+
+def _single_conv(tmp_path, seed=0):
+    """x -> Conv(3x3, pad 1, bias) -> y; its error at y is exactly the layer objective."""
+    r = np.random.default_rng(seed)
+    inits = {"w": (r.standard_normal((8, 6, 3, 3)) * 0.2).astype(np.float32),
+             "b": (r.standard_normal(8) * 0.1).astype(np.float32)}
+    node = helper.make_node("Conv", ["x", "w", "b"], ["y"], name="conv", pads=[1, 1, 1, 1])
+    model = make_model([node], [vi("x", [1, 6, 8, 8])], [vi("y", [1, 8, 8, 8])], inits)
+    mix = r.standard_normal((6, 6))
+    feeds = [{"x": np.einsum("ij,njhw->nihw", mix, r.standard_normal((1, 6, 8, 8))).astype(np.float32) + 0.5}
+             for _ in range(12)]
+    return save(model, tmp_path / "m.onnx"), write_samples(tmp_path / "data", feeds), model, feeds
+
+
+def test_gptq_lowers_the_measured_layer_error_by_the_reported_amount(tmp_path):
+    """Oracle: onnxruntime runs of the float and both quantized models. With one layer the
+    network's output error is the layer objective, so the gain the statistics predict (report)
+    must be the one measured, and the grids (scales) must not change."""
+    path, data, model, feeds = _single_conv(tmp_path)
+    errs, models = {}, {}
+    for on in (False, True):
+        out = tmp_path / f"out{on}"
+        dipoorlet.quantize(model=path, input_dir=data, data_num=len(feeds), deploy="trt", output_dir=out,
+                           act_quant="minmax", equalize=False, shift=False, gptq=on, skip_prof_layer=True)
+        q = onnx.load(str(out / "quant_model.onnx"))
+        models[on] = q
+        errs[on] = sum(float(np.sum((ort_run(model, f)[0].astype(np.float64)
+                                      - ort_run(q, f)[0].astype(np.float64)) ** 2)) for f in feeds)
+        if on:
+            rep = json.loads((out / "report.json").read_text())
+    assert errs[True] < errs[False] * 0.9
+    gain = rep["gptq"]["gain_db"][0]
+    assert gain["node"] == "conv" and rep["gptq"]["layers"] == 1
+    assert gain["db"] == pytest.approx(10 * np.log10(errs[False] / errs[True]), abs=0.05)
+    scale = [t for t in models[False].graph.initializer if t.name.endswith("_scale")]
+    for t in scale:
+        np.testing.assert_array_equal(numpy_helper.to_array(t), initializer(models[True], t.name))
+    assert "gptq" in (tmp_path / "outTrue" / "report.md").read_text()
+
+
+def test_statistics_are_exact_sums_in_any_order(tmp_path):
+    """The MPI merge claim: statistics over samples 0..11 equal, bit for bit, the sum of those
+    over two disjoint halves (float64 sums of exactly representable multiples)."""
+    from dipoorlet import placement as placement_mod, platform as platform_mod, reconstruct
+    from dipoorlet.calibrate import collect
+    from dipoorlet.config import QuantConfig
+    from dipoorlet.data import DataSource, input_specs
+    from dipoorlet.dist import SingleProcess
+    from dipoorlet.pipeline import load_graph, plan_activations, plan_weights
+    from dipoorlet.qdq import insert_qdq
+
+    model = tiny_cnn(seed=4)
+    path = save(model, tmp_path / "m.onnx")
+    feeds = input_feeds(model, 12, seed=3)
+    data_dir = write_samples(tmp_path / "data", feeds)
+    cfg = QuantConfig(model=path, input_dir=data_dir, data_num=12, act_quant="minmax", output_dir=tmp_path / "o")
+    g = load_graph(cfg)
+    plat = platform_mod.load("trt")
+    data = DataSource(data_dir, input_specs(g), 12, {})
+    places = placement_mod.place(g, plat, ())
+    stats = collect(g, data, list(range(12)), list(places.activations), SingleProcess(), False, 2048, "cpu")
+    plan = plan_activations(stats, cfg, plat, places)
+    plan_weights(g, places, plan, plat, cfg)
+    qmodel = insert_qdq(g, places, plan)
+    layers, skipped = reconstruct.find_layers(g, places, plan, qmodel)
+    assert {lay.node for lay in layers} == {"conv1", "conv2", "fc"} and not skipped
+    has_bias = lambda lay: lay.bias is not None
+    full, n = reconstruct.statistics(g, qmodel, layers, data, list(range(12)), SingleProcess(), "cpu", has_bias)
+    a, _ = reconstruct.statistics(g, qmodel, layers, data, [7, 3, 11, 0, 5, 9], SingleProcess(), "cpu", has_bias)
+    b, _ = reconstruct.statistics(g, qmodel, layers, data, [1, 2, 4, 6, 8, 10], SingleProcess(), "cpu", has_bias)
+    assert n == 12
+    for lay in layers:
+        assert np.array_equal(full[lay.node], a[lay.node] + b[lay.node]), lay.node
+    # and they are the layer's input moments: H's bias corner counts the positions
+    conv1 = full["conv1"]
+    assert conv1[0][0, -1, -1] == 12 * 16 * 16
+
+
+def test_gptq_leaves_skipped_layers_and_runs_from_the_cli(tmp_path):
+    model = tiny_cnn(seed=1)
+    path = save(model, tmp_path / "m.onnx")
+    data = write_samples(tmp_path / "data", input_feeds(model, 6, seed=2))
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, "-m", "dipoorlet", "-M", str(path), "-I", str(data), "-N", "6",
+                          "-D", "trt", "-O", str(out), "--gptq", "--gptq_samples", "4", "--skip_layers", "conv2"],
+                         capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["gptq"]["samples"] == 4
+    assert {r["node"] for r in rep["gptq"]["gain_db"]} <= {"conv1", "fc"}
+    q = onnx.load(str(out / "quant_model.onnx"))
+    np.testing.assert_array_equal(initializer(q, "w2"), numpy_helper.to_array(
+        [t for t in model.graph.initializer if t.name == "w2"][0]))
+    assert "gptq" in res.stderr   # the closing summary names its time
+    bad = subprocess.run([sys.executable, "-m", "dipoorlet", "-M", str(path), "-I", str(data), "-N", "6",
+                          "-D", "trt", "-O", str(tmp_path / "bad"), "--gptq", "--gptq_samples", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--gptq_samples must be a positive integer" in bad.stderr
+    assert "Traceback" not in bad.stderr
