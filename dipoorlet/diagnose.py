@@ -8,8 +8,8 @@ weight-only and activation-only error. This module turns that into a diagnosis p
   median one) under one per-tensor scale; whether equalization could have evened them out, and if
   not, the op that blocks it (a HardSwish, an Add, a Concat between the producing layer and this
   one); the remedy is keeping the layer float (``--skip_layers``; TensorRT then runs it in FP16).
-* **weights** dominate: the SQNR of the layer's weights on their int8 grid; the remedy is weight
-  reconstruction (AdaRound-style rounding) or keeping the layer float.
+* **weights** dominate: the SQNR of the layer's weights on their int8 grid; the remedy is output-aware
+  rounding (``--gptq``, :mod:`dipoorlet.reconstruct`) or keeping the layer float.
 
 Cost: one pass over the sensitivity samples for the activation channel ranges of at most
 :data:`DIAGNOSE_LAYERS` layers.
@@ -124,7 +124,7 @@ def _per_tensor_weight_spread(g, places, plan, node: str) -> float | None:
 
 def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equalize_on=True,
              equalized=(), smooth=True, k: int = DIAGNOSE_LAYERS, shifted=(), platform: str = "trt",
-             samples: int | None = None) -> list[dict]:
+             samples: int | None = None, gptq: bool = False) -> list[dict]:
     """One row per layer among the ``k`` most sensitive that lose more than ``MIN_LOSS``.
     ``shifted``: dipoorlet.shift's rows; a shifted input is described by its source tensor (its
     channel ranges and its clip on the asymmetric grid), not by the shifted copy."""
@@ -209,12 +209,12 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
         spread = _per_tensor_weight_spread(g, places, plan, s.node)
         if spread is not None:
             row["weight_channel_spread"] = spread
-        row["advice"] = _advice(row, platform)
+        row["advice"] = _advice(row, platform, gptq)
         rows.append(row)
     return rows
 
 
-def _advice(row: dict, platform: str = "trt") -> str:
+def _advice(row: dict, platform: str = "trt", gptq: bool = False) -> str:
     node = row["node"]
     runs = "TensorRT runs it in FP16" if platform == "trt" else f"if {platform} can run it in float or FP16"
     keep = f"keep it float with --skip_layers {node} ({runs})"
@@ -227,7 +227,11 @@ def _advice(row: dict, platform: str = "trt") -> str:
                     f"channel ranges are {spread:.0f}x apart (max / median), so most channels keep few levels; "
                     f"per-channel weights (the backend's per-channel mode where it has one, e.g. qnn or SNPE's "
                     f"--use_per_channel_quantization) avoid it, or {keep}")
-        return f"weight rounding dominates{at}: weight reconstruction (AdaRound-style) is the remedy, or {keep}"
+        if gptq:
+            return (f"weight rounding dominates{at}, after --gptq chose its rounding: its weights need more "
+                    f"bits (--layer_bits {row.get('node', 'NODE')}=w8 where fewer were set), or {keep}")
+        return (f"weight rounding dominates{at}: --gptq chooses the rounding by this layer's output error "
+                f"(one extra pass), or {keep}")
     facts = []
     for a in row.get("activations", []):
         if "shifted_from" in a:

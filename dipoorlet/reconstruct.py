@@ -28,8 +28,10 @@ Each layer keeps the grid (scales, zero points) the plan gave it; only which gri
 weight takes, and its bias, change, and only where the statistics say E falls. The statistics
 are accumulated exactly (multiples of a fixed unit in units of the input's grid step, see
 :func:`statistics`): exact sums are the same in any order, so an MPI run gives the same weights
-as one process, byte for byte. Memory holds K x K matrices per layer (K = input channels x kernel taps
-of one group), never activations.
+as one process, byte for byte. Memory holds three K x K matrices per layer (K = input channels x
+kernel taps of one group) and at most ``FLUSH`` + ``MAX_POSITIONS`` patch columns per layer; the
+pass exposes every such layer's input, before and after its Q/DQ, one sample at a time (as
+``--bc`` does). Nothing grows with N.
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ from dipoorlet.runtime import Runner
 log = logging.getLogger(__name__)
 
 MAX_POSITIONS = 1024      # Conv output positions (MatMul rows) sampled per sample and layer
+FLUSH = 256               # columns gathered (over samples) before one product is added
 SEED = 20241123
 DAMP = 0.01               # ridge and GPTQ damping, relative to the mean of H's diagonal
 
@@ -304,13 +307,12 @@ def statistics(g, qmodel, layers, data, indices, comm, device, use_bias) -> tupl
         got, _ = runner.run(data.sample(i), ranges=False)
         rng = np.random.default_rng(SEED + int(i))
         for lay in layers:
-            xq = np.rint(np.asarray(got[lay.xq], dtype=np.float64) / lay.step)
-            x = np.asarray(got[lay.pre], dtype=np.float64) / lay.step
+            xq, x = np.asarray(got[lay.xq]), np.asarray(got[lay.pre])
             n = n_positions(xq, lay)
             pick = np.sort(rng.choice(n, MAX_POSITIONS, replace=False)) if n > MAX_POSITIONS else None
-            pq = patches(xq, lay, pick)
-            px = patches(x, lay, pick)
-            px = np.rint(px * 256.0) / 256.0
+            # gathered first, widened after: float64 copies of the picked columns only
+            pq = np.rint(patches(xq, lay, pick).astype(np.float64) / lay.step)
+            px = np.rint(patches(x, lay, pick).astype(np.float64) / lay.step * 256.0) / 256.0
             if use_bias(lay):
                 ones = np.ones((pq.shape[0], 1, pq.shape[2]))
                 pq, px = np.concatenate([pq, ones], axis=1), np.concatenate([px, ones], axis=1)
@@ -322,7 +324,7 @@ def statistics(g, qmodel, layers, data, indices, comm, device, use_bias) -> tupl
                                  f"lower --gptq_samples or keep the layer float (--skip_layers {lay.node})")
             buf = pending[lay.node]
             buf.append((pq, px))
-            if sum(b[0].shape[2] for b in buf) >= MAX_POSITIONS:
+            if sum(b[0].shape[2] for b in buf) >= FLUSH:
                 flush(lay)
         count += 1
     for lay in layers:

@@ -19,7 +19,8 @@ samples of different shapes are zero-padded to the largest for them (noted in th
 ``ort:Entropy`` gets 2048 histogram bins (``--ort-entropy-bins``): with quantize_static's default of 128
 its ranges equal MinMax's.
 
-dipoorlet (``dipoorlet:<method>``): ``python -m dipoorlet -M model -I calib -N n -D trt -O out -A method``.
+dipoorlet (``dipoorlet:<method>``): ``python -m dipoorlet -M model -I calib -N n -D trt -O out -A method``;
+``dipoorlet:mse+gptq+w4`` adds ``--gptq --w_bits 4`` (each ``+flag`` becomes ``--flag``, ``+wN`` ``--w_bits N``).
 
 Results go to ``<out>/<task>/results.{json,md}`` and the table is printed.
 """
@@ -236,8 +237,11 @@ def run_method(spec: str, task, n: int, out: Path, args, evaluate: bool = True) 
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     if tool == "dipoorlet":
+        # dipoorlet:mse+gptq+w4 -> -A mse --gptq --w_bits 4 (each "+flag" becomes --flag)
+        method, *extra = method.split("+")
+        flags = [f for e in extra for f in (["--w_bits", e[1:]] if e[:1] == "w" and e[1:].isdigit() else [f"--{e}"])]
         cmd = [sys.executable, "-m", "dipoorlet", "-M", task.model, "-I", task.calib_dir, "-N", n,
-               "-D", "trt", "-O", mdir, "-A", method, "--skip_prof_layer"] + args.dipoorlet_args.split()
+               "-D", "trt", "-O", mdir, "-A", method, "--skip_prof_layer"] + flags + args.dipoorlet_args.split()
     elif tool == "ort":
         cmd = [sys.executable, str(Path(__file__).resolve()), "--_child", "ort", str(task.model),
                str(task.calib_dir), str(args.ort_n_calib or n), method, str(mdir), str(args.ort_entropy_bins)]
@@ -280,7 +284,7 @@ def run_method(spec: str, task, n: int, out: Path, args, evaluate: bool = True) 
 def calibration_seconds(log: Path, only: str | None = None) -> float:
     """dipoorlet's passes over the calibration data before it writes the model, from its log:
     the calibration pass (ranges and histograms, session included) plus, when they ran, the
-    equalization statistics pass and the bias-correction pass (``only``: that one alone; NaN for
+    equalization statistics pass, the bias-correction and the --gptq statistics passes (``only``: that one alone; NaN for
     the calibration pass of a one-pass run, whose ranges come from the equalization pass)."""
     import re
 
@@ -288,7 +292,7 @@ def calibration_seconds(log: Path, only: str | None = None) -> float:
         if only == "calibration" and "ranges from the equalization pass" in log.read_text():
             return float("nan")   # one pass (-A minmax): no separate calibration pass to time
         for line in reversed(log.read_text().splitlines()):
-            found = dict(re.findall(r"\b(equalization|bias correction|calibration) ([0-9.]+) s\b", line))
+            found = dict(re.findall(r"\b(equalization|bias correction|gptq|calibration) ([0-9.]+) s\b", line))
             if "calibration" in found:
                 if only:
                     return float(found.get(only, "nan"))
