@@ -124,7 +124,7 @@ def _per_tensor_weight_spread(g, places, plan, node: str) -> float | None:
 
 def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equalize_on=True,
              equalized=(), smooth=True, k: int = DIAGNOSE_LAYERS, shifted=(), platform: str = "trt",
-             samples: int | None = None, gptq: bool = False) -> list[dict]:
+             samples: int | None = None, gptq=()) -> list[dict]:
     """One row per layer among the ``k`` most sensitive that lose more than ``MIN_LOSS``.
     ``shifted``: dipoorlet.shift's rows; a shifted input is described by its source tensor (its
     channel ranges and its clip on the asymmetric grid), not by the shifted copy."""
@@ -209,7 +209,7 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
         spread = _per_tensor_weight_spread(g, places, plan, s.node)
         if spread is not None:
             row["weight_channel_spread"] = spread
-        row["advice"] = _advice(row, platform, gptq)
+        row["advice"] = _advice(row, platform, row["node"] in set(gptq))
         rows.append(row)
     return rows
 
@@ -220,7 +220,8 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False) -> str:
     keep = f"keep it float with --skip_layers {node} ({runs})"
     if row.get("cause") == "weights":
         w = row.get("weight_sqnr_db")
-        at = f" (its int8 weights are at {w:.1f} dB)" if w is not None and math.isfinite(w) else ""
+        at = (f" (its weights are at {w:.1f} dB on their grid, rounded to nearest)"
+              if w is not None and math.isfinite(w) else "")
         spread = row.get("weight_channel_spread")
         if spread is not None and spread >= 4:
             return (f"weight rounding dominates{at}: {platform} quantizes weights per tensor and this layer's "

@@ -175,6 +175,8 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
     out_dir = Path(cfg.output_dir)
     check_output_dir(out_dir)
     plat = platform_mod.load(cfg.deploy)
+    if cfg.gptq_samples and not cfg.gptq:
+        log.warning("--gptq_samples applies with --gptq only; ignored")
     if cfg.stpu_wg and plat.name != "stpu":
         log.warning("--stpu_wg applies to -D stpu only; ignored on %s", plat.name)
     g = load_graph(cfg)
@@ -286,11 +288,18 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
             g, places, plan, analysis["isolated"], data, shard(analysis["sens_samples"], comm.rank, comm.world),
             comm, cfg.device, equalize_on=eq_on, equalized=equalized, smooth="Mul" not in plat.quantize_ops,
             shifted=shifted, platform=plat.name, samples=analysis["sens_samples"],
-            gptq=reconstructed is not None and reconstructed.get("layers", 0) > 0)
+            gptq={r["node"] for r in reconstructed["gain_db"]} if reconstructed and reconstructed.get("gain_db") else ())
     if analysis.get("auto_skip") is not None:
         places = places.restrict([n for n in places.quantized_nodes
                                   if n not in analysis["auto_skip"].float_layers])
         plan = plan.restricted(places)
+        if reconstructed and reconstructed.get("gain_db"):   # layers auto_skip kept float lost their rounding
+            kept = set(places.quantized_nodes)
+            floated = [r["node"] for r in reconstructed["gain_db"] if r["node"] not in kept]
+            reconstructed["gain_db"] = [r for r in reconstructed["gain_db"] if r["node"] in kept]
+            reconstructed["layers"] = len(reconstructed["gain_db"])
+            if floated:
+                reconstructed["kept_float_by_auto_skip"] = floated
     timings["sensitivity_s"] = time.perf_counter() - t
     qmodel = insert_qdq(g, places, plan)
     _drop_shapeless_value_info(qmodel)

@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 MAX_POSITIONS = 1024      # Conv output positions (MatMul rows) sampled per sample and layer
 FLUSH = 256               # columns gathered (over samples) before one product is added
 SEED = 20241123
+MIN_ROWS_PER_INPUT = 4    # a layer is fitted only on at least this many input rows per weight column
 DAMP = 0.01               # ridge and GPTQ damping, relative to the mean of H's diagonal
 
 
@@ -66,6 +67,8 @@ class Layer:
     xq: str           # the quantized model's tensor the layer reads (after its Q/DQ)
     step: float       # the input grid's scale
     zero_point: float
+    qmin: int = -128  # the input grid's integer range
+    qmax: int = 127
     group: int = 1
     kernel: tuple = ()
     strides: tuple = ()
@@ -99,8 +102,8 @@ def find_layers(g, places, plan, qmodel) -> tuple[list[Layer], dict]:
         if op == "Conv" and node_attr(node, "auto_pad", "NOTSET") not in (b"NOTSET", "NOTSET"):
             skipped[name] = "Conv with auto_pad"
             continue
-        if uses[wp.tensor] != 1:
-            skipped[name] = "weight shared with another layer"
+        if uses[wp.tensor] != 1 or len(g.consumers.get(wp.tensor, [])) != 1:
+            skipped[name] = "weight shared with another node"
             continue
         qnode = qnodes.get(name)
         xq = qnode.input[0] if qnode is not None else None
@@ -128,7 +131,7 @@ def find_layers(g, places, plan, qmodel) -> tuple[list[Layer], dict]:
         if bias is not None and (bias in plan.weights or len(g.consumers.get(bias, [])) != 1
                                  or g.weight(bias).ndim != 1 or g.weight(bias).size != rows):
             bias = None
-        lay = Layer(name, op, wp.tensor, bias, pre, xq, float(qp.scale), float(qp.zero_point))
+        lay = Layer(name, op, wp.tensor, bias, pre, xq, float(qp.scale), float(qp.zero_point), qp.qmin, qp.qmax)
         if op == "Conv":
             nd = w.ndim - 2
             lay.group = int(node_attr(node, "group", 1))
@@ -265,22 +268,38 @@ def objective(W, Wq, Hc, H) -> float:
     return float(np.sum((Wq @ H) * Wq) - 2 * np.sum((W @ Hc) * Wq))
 
 
-def statistics(g, qmodel, layers, data, indices, comm, device, use_bias) -> tuple[dict, int]:
-    """Per layer the summed (H, Hc, Hxx) in units of the input's grid step.
+def targets(g, lay: Layer) -> tuple[np.ndarray, float]:
+    """The layer's float weight matrix [G, R, K (+1 bias column)] and the factor between the
+    bias column and the bias tensor (a Gemm computes alpha (W x + b beta / alpha))."""
+    node = g.node_by_name[lay.node]
+    W = weight_matrix(g.weight(lay.weight).astype(np.float64), lay)
+    if lay.bias is None:
+        return W, 1.0
+    ratio = node_attr(node, "beta", 1.0) / node_attr(node, "alpha", 1.0) if lay.op_type == "Gemm" else 1.0
+    b = g.weight(lay.bias).astype(np.float64).reshape(W.shape[0], W.shape[1], 1) * ratio
+    return np.concatenate([W, b], axis=2), ratio
+
+
+def statistics(g, qmodel, layers, data, indices, comm, device) -> tuple[dict, dict, dict, int]:
+    """Per layer the summed (H, Hc) in units of the input's grid step, and (on rank 0) the
+    float model's part of the output energy, sum ||W x||^2 (sizes the report's dB only), and the
+    number of input columns (positions) each layer saw.
 
     The quantized input is an integer there (level - zero point), the input before rounding is
-    rounded to 1/256 of a step: every product
-    and every partial sum is then a multiple of one unit and held exactly by float64 while it
-    stays below 2^53 units, so the sums are the same in any order and on any number of MPI
-    processes (checked against a bound on every sample; Hxx, which only sizes the report's dB,
-    is dropped (NaN) where it would exceed its range)."""
-    acc, bound = {}, {}
+    rounded to 1/256 of a step: every product and every partial sum is then a multiple of one
+    unit, held exactly by float64 while it stays below 2^53 units (checked against a bound on
+    every sample), so the sums are the same in any order and on any number of MPI processes.
+    ``sum ||W x||^2`` is summed per sample, gathered in sample order and added with math.fsum."""
+    import math
+
+    acc, bound, energy, mats = {}, {}, {}, {}
     for lay in layers:
-        wm = weight_matrix(g.weight(lay.weight), lay)
-        k = wm.shape[2] + (1 if use_bias(lay) else 0)
-        acc[lay.node] = np.zeros((3, wm.shape[0], k, k))
-        bound[lay.node] = np.zeros(3)
-    limit = np.array([2.0 ** 53, 2.0 ** 45, 2.0 ** 37])    # 2^53 units of 1, 2^-8, 2^-16 (exact below)
+        Wa, _ = targets(g, lay)
+        mats[lay.node] = Wa
+        acc[lay.node] = np.zeros((2,) + Wa.shape[:1] + (Wa.shape[2], Wa.shape[2]))
+        bound[lay.node] = np.zeros(3)    # bounds of |H| and |Hc| entries, columns seen
+        energy[lay.node] = []
+    limit = np.array([2.0 ** 53, 2.0 ** 45])    # in units of 1 and 2^-8
     pending = {lay.node: [] for lay in layers}
 
     def flush(lay):
@@ -295,10 +314,6 @@ def statistics(g, qmodel, layers, data, indices, comm, device, use_bias) -> tupl
         a, pqt = acc[lay.node], np.swapaxes(pq, 1, 2)
         a[0] += pq @ pqt
         a[1] += px @ pqt
-        if bound[lay.node][2] < limit[2]:   # only sizes the report's dB: dropped when inexact
-            a[2] += px @ np.swapaxes(px, 1, 2)
-        else:
-            a[2] = np.nan
 
     tensors = sorted({lay.xq for lay in layers} | {lay.pre for lay in layers})
     runner = Runner(qmodel, tensors, types=g.types, optimize=False, device=device)
@@ -312,27 +327,37 @@ def statistics(g, qmodel, layers, data, indices, comm, device, use_bias) -> tupl
             pick = np.sort(rng.choice(n, MAX_POSITIONS, replace=False)) if n > MAX_POSITIONS else None
             # gathered first, widened after: float64 copies of the picked columns only
             pq = np.rint(patches(xq, lay, pick).astype(np.float64) / lay.step)
-            px = np.rint(patches(x, lay, pick).astype(np.float64) / lay.step * 256.0) / 256.0
-            if use_bias(lay):
+            # the input before rounding, clipped to the grid's range: the layer compensates its
+            # input's rounding, not the clipping the range method chose (a few clipped outliers
+            # would otherwise decide every weight)
+            px = patches(x, lay, pick).astype(np.float64) / lay.step
+            px = np.rint(np.clip(px, lay.qmin - lay.zero_point, lay.qmax - lay.zero_point) * 256.0) / 256.0
+            if lay.bias is not None:
                 ones = np.ones((pq.shape[0], 1, pq.shape[2]))
                 pq, px = np.concatenate([pq, ones], axis=1), np.concatenate([px, ones], axis=1)
             mq, mx = max(float(np.abs(pq).max(initial=0)), 1.0), max(float(np.abs(px).max(initial=0)), 1.0)
-            bound[lay.node] += pq.shape[2] * np.array([mq * mq, mx * mq, mx * mx])
-            if np.any(bound[lay.node][:2] >= limit[:2]):
-                raise ModelError(f"--gptq: the input statistics of {lay.node} exceed float64's exact range "
-                                 f"(input {lay.pre} far outside its clip range, or too many samples); "
-                                 f"lower --gptq_samples or keep the layer float (--skip_layers {lay.node})")
-            buf = pending[lay.node]
-            buf.append((pq, px))
-            if sum(b[0].shape[2] for b in buf) >= FLUSH:
+            bound[lay.node] += pq.shape[2] * np.array([mq * mq, mx * mq, 1.0])
+            d = np.full(px.shape[1], lay.step)
+            if lay.bias is not None:
+                d[-1] = 1.0
+            energy[lay.node].append(float(np.sum((mats[lay.node] @ (px * d[None, :, None])) ** 2)))
+            pending[lay.node].append((pq, px))
+            if sum(b[0].shape[2] for b in pending[lay.node]) >= FLUSH:
                 flush(lay)
         count += 1
+    rows = {}
     for lay in layers:
         flush(lay)
-    for lay in layers:
         acc[lay.node] = comm.allreduce_sum(acc[lay.node])
+        total_bound = comm.allreduce_sum(bound[lay.node])   # every process decides alike
+        if np.any(total_bound[:2] >= limit):
+            raise ModelError(f"--gptq: the input statistics of {lay.node} exceed float64's exact range "
+                             f"(too many samples); lower --gptq_samples")
+        rows[lay.node] = int(total_bound[2])
+    gathered = comm.gather_samples(energy)
+    consts = {k: math.fsum(v) for k, v in gathered.items()}
     total = int(comm.allreduce_sum(np.array([count], dtype=np.int64))[0])
-    return acc, total
+    return acc, consts, rows, total
 
 
 def reconstruct(g, places, plan, data, indices, comm, device="cpu") -> dict:
@@ -342,47 +367,58 @@ def reconstruct(g, places, plan, data, indices, comm, device="cpu") -> dict:
     layers, skipped = find_layers(g, places, plan, qmodel)
     if not layers:
         return {"layers": 0, "candidates": 0, "skipped": skipped}
-    acc, total = statistics(g, qmodel, layers, data, indices, comm, device, lambda lay: lay.bias is not None)
+    acc, consts, rows, total = statistics(g, qmodel, layers, data, indices, comm, device)
     if total == 0:
         return {"layers": 0, "candidates": len(layers), "skipped": skipped}
     changed = []
     for lay in layers:
-        node = g.node_by_name[lay.node]
         w = g.weight(lay.weight).astype(np.float64)
         qp = plan.weights[lay.weight]
-        W = weight_matrix(w, lay)
-        G, R, K = W.shape
+        Wa, ratio = targets(g, lay)
+        G, R, K = Wa.shape[0], Wa.shape[1], Wa.shape[2] - (lay.bias is not None)
         has_b = lay.bias is not None
         # back to the tensors' own units: the weight columns act on x / step
         d = np.full(K + has_b, lay.step)
         if has_b:
             d[-1] = 1.0
-        H, Hc, Hxx = (acc[lay.node][j] * d[:, None] * d[None, :] for j in range(3))
+        stats = acc.pop(lay.node)                   # freed layer by layer
+        if rows[lay.node] < MIN_ROWS_PER_INPUT * (K + has_b):
+            skipped[lay.node] = (f"{rows[lay.node]} input rows for {K + has_b} inputs: too few to fit "
+                                 f"(needs {MIN_ROWS_PER_INPUT}x; raise -N or --gptq_samples)")
+            continue
+        stats *= d[None, None, :, None] * d[None, None, None, :]
+        H, Hc = stats[0], stats[1]
         rtn = weight_matrix(((quantize_array(w, qp).astype(np.float64) - _bcast(qp.zero_point, qp.axis, w.ndim))
                              * _bcast(qp.scale, qp.axis, w.ndim)), lay)
-        Wa = W
         if has_b:
-            # y = alpha (W x + b beta / alpha) for a Gemm; the bias the quantized model holds now
-            # (an activation shift or --bc may have changed it) is the baseline
-            ratio = node_attr(node, "beta", 1.0) / node_attr(node, "alpha", 1.0) if lay.op_type == "Gemm" else 1.0
-            b = g.weight(lay.bias).astype(np.float64).reshape(G, R, 1) * ratio
+            # the baseline is the bias the quantized model holds now (an activation shift or
+            # --bc may have changed it)
             b_now = np.asarray(plan.values.get(lay.bias, g.weight(lay.bias)), np.float64).reshape(G, R, 1) * ratio
-            Wa = np.concatenate([W, b], axis=2)
             rtn = np.concatenate([rtn, b_now], axis=2)
         idx = np.arange(K + has_b)
         reg = DAMP * np.mean(H[:, idx, idx], axis=1)[:, None, None] + 1e-30
-        Hd = H.copy()
-        Hd[:, idx, idx] += reg[:, :, 0]
         # W* = argmin ||Wa X - W' X~||^2 + reg ||W' - Wa||^2
-        target = np.swapaxes(np.linalg.solve(Hd, np.swapaxes(Wa @ Hc + reg * Wa, 1, 2)), 1, 2)
+        rhs = np.swapaxes(Wa @ Hc + reg * Wa, 1, 2)
+        H[:, idx, idx] += reg[:, :, 0]
+        target = np.swapaxes(np.linalg.solve(H, rhs), 1, 2)
+        H[:, idx, idx] -= reg[:, :, 0]
         scale = np.asarray(qp.scale, np.float64).reshape(G, R) if np.ndim(qp.scale) else float(qp.scale)
         zp = np.asarray(qp.zero_point, np.float64).reshape(G, R) if np.ndim(qp.zero_point) else float(qp.zero_point)
         Q, Qi = gptq(target, H, scale, zp, qp.qmin, qp.qmax, fixed_last=has_b)
-        const = float(np.sum((Wa @ Hxx) * Wa))
+        # each output channel's largest and smallest weight keep their nearest-rounding levels:
+        # a backend that derives the grid from transformed_model.onnx's weights (TensorRT's
+        # max |w| per channel) then finds the same grid and the same integers
+        ri = weight_matrix(quantize_array(w, qp).astype(np.int64), lay)
+        Wm = weight_matrix(w, lay)
+        for ends in (np.argmax(Wm, axis=2), np.argmin(Wm, axis=2)):
+            np.put_along_axis(Qi[:, :, :K], ends[:, :, None], np.take_along_axis(ri, ends[:, :, None], axis=2), axis=2)
+        s_b = np.broadcast_to(np.asarray(scale, np.float64), (G, R))[:, :, None]
+        z_b = np.broadcast_to(np.asarray(zp, np.float64), (G, R))[:, :, None]
+        Q[:, :, :K] = (Qi[:, :, :K] - z_b) * s_b
         v_rtn, v_new = objective(Wa, rtn, Hc, H), objective(Wa, Q, Hc, H)
+        del stats, H, Hc
         if not v_new < v_rtn:
             continue
-        e_rtn, e_new = const + v_rtn, const + v_new   # NaN where Hxx was inexact
         ints = from_matrix(Qi[:, :, :K], lay, w.shape)
         value = ((ints - _bcast(qp.zero_point, qp.axis, w.ndim)) * _bcast(qp.scale, qp.axis, w.ndim))
         plan.values[lay.weight] = value.astype(g.weight(lay.weight).dtype)
@@ -390,7 +426,8 @@ def reconstruct(g, places, plan, data, indices, comm, device="cpu") -> dict:
         if has_b:
             plan.values[lay.bias] = (Q[:, :, K].reshape(-1) / ratio).astype(g.weight(lay.bias).dtype)
             plan.value_owners[lay.bias] = lay.node
-        changed.append((lay.node, e_rtn, e_new))
+        const = consts.get(lay.node, float("nan"))          # rank 0 only: it writes the report
+        changed.append((lay.node, const + v_rtn, const + v_new))
     gains = [(n, 10 * np.log10(a / b) if a > 0 and b > 0 else float("nan")) for n, a, b in changed]
     gains.sort(key=lambda r: -r[1] if r[1] == r[1] else 0.0)
     log.info("gptq: %d of %d layers re-rounded over %d samples (%d left alone); largest error reductions: %s",
@@ -398,3 +435,4 @@ def reconstruct(g, places, plan, data, indices, comm, device="cpu") -> dict:
     return {"layers": len(changed), "candidates": len(layers), "samples": total,
             "gain_db": [{"node": n, "db": round(float(db), 3) if db == db else None} for n, db in gains],
             "skipped": skipped}
+

@@ -35,7 +35,8 @@ def test_patches_times_weights_is_the_convolution(cin, cout, kernel, strides, pa
     model = helper.make_model(helper.make_graph([node], "g", [vi("x", None)], [vi("y", None)],
                                                 [numpy_helper.from_array(w, "w")]))
     y = ReferenceEvaluator(model).run(None, {"x": x})[0]
-    lay = Layer("c", "Conv", "w", None, "x", "x", 1.0, 0.0, group, kernel, strides, pads, dil)
+    lay = Layer("c", "Conv", "w", None, "x", "x", 1.0, 0.0, group=group, kernel=kernel, strides=strides,
+                pads=pads, dilations=dil)
     n = n_positions(x, lay)
     assert n == y.shape[0] * int(np.prod(y.shape[2:]))
     pick = np.sort(r.choice(n, min(n, 17), replace=False)) if picked else None
@@ -165,16 +166,16 @@ def test_statistics_are_exact_sums_in_any_order(tmp_path):
     qmodel = insert_qdq(g, places, plan)
     layers, skipped = reconstruct.find_layers(g, places, plan, qmodel)
     assert {lay.node for lay in layers} == {"conv1", "conv2", "fc"} and not skipped
-    has_bias = lambda lay: lay.bias is not None
-    full, n = reconstruct.statistics(g, qmodel, layers, data, list(range(12)), SingleProcess(), "cpu", has_bias)
-    a, _ = reconstruct.statistics(g, qmodel, layers, data, [7, 3, 11, 0, 5, 9], SingleProcess(), "cpu", has_bias)
-    b, _ = reconstruct.statistics(g, qmodel, layers, data, [1, 2, 4, 6, 8, 10], SingleProcess(), "cpu", has_bias)
+    full, _, rows, n = reconstruct.statistics(g, qmodel, layers, data, list(range(12)), SingleProcess(), "cpu")
+    a, _, _, _ = reconstruct.statistics(g, qmodel, layers, data, [7, 3, 11, 0, 5, 9], SingleProcess(), "cpu")
+    b, _, _, _ = reconstruct.statistics(g, qmodel, layers, data, [1, 2, 4, 6, 8, 10], SingleProcess(), "cpu")
     assert n == 12
     for lay in layers:
         assert np.array_equal(full[lay.node], a[lay.node] + b[lay.node]), lay.node
     # and they are the layer's input moments: H's bias corner counts the positions
     conv1 = full["conv1"]
-    assert conv1[0][0, -1, -1] == 12 * 16 * 16
+    assert conv1[0][0, -1, -1] == 12 * 16 * 16 == rows["conv1"]
+    assert rows["fc"] == 12
 
 
 def test_gptq_leaves_skipped_layers_and_runs_from_the_cli(tmp_path):
@@ -198,3 +199,92 @@ def test_gptq_leaves_skipped_layers_and_runs_from_the_cli(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--gptq_samples must be a positive integer" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def _conv_case(tmp_path, feeds, w_shape=(8, 4, 3, 3), seed=1):
+    r = np.random.default_rng(seed)
+    inits = {"w": (r.standard_normal(w_shape) * 0.3).astype(np.float32),
+             "b": r.standard_normal(w_shape[0]).astype(np.float32)}
+    node = helper.make_node("Conv", ["x", "w", "b"], ["y"], name="conv", pads=[1, 1, 1, 1])
+    shape = list(feeds[0]["x"].shape)
+    model = make_model([node], [vi("x", shape)], [vi("y", [shape[0], w_shape[0]] + shape[2:])], inits)
+    return model, save(model, tmp_path / "m.onnx"), write_samples(tmp_path / "data", feeds)
+
+
+def test_clipped_outliers_do_not_decide_the_weights(tmp_path):
+    """A clip range that cuts off one huge value per sample: the layer compensates its input's
+    rounding, not the clipping, so its weights stay near nearest rounding and fresh data does not
+    get worse (review finding: SQNR 19.9 -> -26.6 dB when the clipped tail was the target)."""
+    r = np.random.default_rng(1)
+    feeds = []
+    for i in range(8):
+        x = r.standard_normal((1, 4, 32, 32)).astype(np.float32)
+        x[0, i % 4, 5 + i, 7] = 1e5
+        feeds.append({"x": x})
+    model, path, data = _conv_case(tmp_path, feeds)
+    fresh = [{"x": r.standard_normal((1, 4, 32, 32)).astype(np.float32)} for _ in range(4)]
+    err, ints = {}, {}
+    for on in (False, True):
+        out = tmp_path / f"o{on}"
+        dipoorlet.quantize(model=path, input_dir=data, data_num=8, deploy="trt", output_dir=out,
+                           act_quant="percentile", percentile=99.9, gptq=on, skip_prof_layer=True)
+        q = onnx.load(str(out / "quant_model.onnx"))
+        ints[on] = next(numpy_helper.to_array(t) for t in q.graph.initializer if t.name.endswith("_quantized"))
+        err[on] = sum(float(np.sum((ort_run(model, f)[0] - ort_run(q, f)[0]).astype(np.float64) ** 2)) for f in fresh)
+    assert np.abs(ints[True].astype(int) - ints[False]).max() <= 2
+    assert err[True] <= err[False] * 1.05
+
+
+def test_each_channel_keeps_its_grid_ends(tmp_path):
+    """Backends that take the float weights of transformed_model.onnx and derive their own
+    per-channel scale (TensorRT: max |w| / 127) must find the grid and integers of quant_model."""
+    r = np.random.default_rng(4)
+    feeds = [{"x": (r.standard_normal((1, 6, 16, 16)) + 1.0).astype(np.float32)} for _ in range(8)]
+    model, path, data = _conv_case(tmp_path, feeds, w_shape=(16, 6, 3, 3))
+    out = tmp_path / "o"
+    dipoorlet.quantize(model=path, input_dir=data, data_num=8, deploy="trt", output_dir=out, act_quant="mse",
+                       w_bits=4, gptq=True, skip_prof_layer=True, equalize=False)
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["gptq"]["layers"] == 1
+    t = onnx.load(str(out / "transformed_model.onnx"))
+    w = next(numpy_helper.to_array(x) for x in t.graph.initializer if x.name == "w").astype(np.float64)
+    q = onnx.load(str(out / "quant_model.onnx"))
+    scale = next(numpy_helper.to_array(x) for x in q.graph.initializer if x.name.startswith("w") and x.name.endswith("_scale"))
+    ints = next(numpy_helper.to_array(x) for x in q.graph.initializer if x.name.endswith("_quantized"))
+    derived = np.abs(w).reshape(16, -1).max(axis=1) / 7
+    np.testing.assert_allclose(derived, scale, rtol=1e-6)
+    np.testing.assert_array_equal(np.rint(w / derived[:, None, None, None]), ints)
+    orig = next(numpy_helper.to_array(x) for x in model.graph.initializer if x.name == "w")
+    assert not np.array_equal(np.rint(orig / derived[:, None, None, None]), ints)   # rounding did change
+
+
+def test_weight_shared_with_a_float_node_is_left_alone(tmp_path):
+    """Two Convs read one weight, one is kept float: re-rounding the weight for the other would
+    change the float one in transformed_model.onnx (review finding)."""
+    r = np.random.default_rng(5)
+    inits = {"w": (r.standard_normal((4, 4, 3, 3)) * 0.3).astype(np.float32)}
+    nodes = [helper.make_node("Conv", ["x", "w"], ["a"], name="conv_a", pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["x", "w"], ["b"], name="conv_b", pads=[1, 1, 1, 1]),
+             helper.make_node("Add", ["a", "b"], ["y"], name="add")]
+    model = make_model(nodes, [vi("x", [1, 4, 8, 8])], [vi("y", [1, 4, 8, 8])], inits)
+    path = save(model, tmp_path / "m.onnx")
+    data = write_samples(tmp_path / "data", [{"x": rand((1, 4, 8, 8), i)} for i in range(6)])
+    out = tmp_path / "o"
+    dipoorlet.quantize(model=path, input_dir=data, data_num=6, deploy="trt", output_dir=out, gptq=True,
+                       skip_layers=("conv_a",), skip_prof_layer=True, equalize=False)
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["gptq"]["layers"] == 0 and "shared" in rep["gptq"]["skipped"]["conv_b"]
+
+
+def test_too_few_rows_for_the_inputs_is_not_fitted(tmp_path):
+    """A Gemm after global pooling sees one row per sample: with fewer rows than 4x its inputs
+    the fit would learn the samples, so the layer keeps nearest rounding and says why."""
+    model = tiny_cnn(seed=2)
+    path = save(model, tmp_path / "m.onnx")
+    data = write_samples(tmp_path / "data", input_feeds(model, 6, seed=1))
+    out = tmp_path / "o"
+    dipoorlet.quantize(model=path, input_dir=data, data_num=6, deploy="trt", output_dir=out, gptq=True,
+                       skip_prof_layer=True)
+    rep = json.loads((out / "report.json").read_text())
+    assert "too few to fit" in rep["gptq"]["skipped"]["fc"]
+    assert "fc" not in {r["node"] for r in rep["gptq"]["gain_db"]}
