@@ -9,7 +9,7 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from conftest import input_feeds, ort_run, save, tiny_cnn, write_samples
+from conftest import KERNEL_COS, input_feeds, ort_run, save, tiny_cnn, write_samples
 import dipoorlet
 from dipoorlet import platform as platforms
 from dipoorlet.cli import main
@@ -114,10 +114,12 @@ def test_qop_model_runs_is_smaller_and_agrees_with_qdq(case):
     assert {"QLinearConv", "QGemm"} & ops, ops
     assert os.path.getsize(out / "quant_model.onnx") < os.path.getsize(out / "quant_model_qdq.onnx")
     for f in feeds:
-        a, b = ort_run(qop, f, optimize=True)[0], ort_run(qdq, f)[0]
-        # integer kernels round once per op where QDQ rounds per tensor: agree to a few steps
-        assert np.abs(a - b).max() <= 0.05 * np.abs(b).max()
-        assert a.argmax() == b.argmax()
+        # the oracle is onnxruntime running the QDQ model in its own integer kernels (it fuses
+        # Q/DQ pairs into QLinearConv/QGemm): the same arithmetic on any CPU. Against the
+        # simulated QDQ model the integer kernels differ by more than rounding on processors
+        # without VNNI (u8 x s8 pairs saturate at 16 bits; 7% of the output on an AVX2-only EPYC)
+        a, b = ort_run(qop, f, optimize=True)[0], ort_run(qdq, f, optimize=True)[0]
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * np.abs(b).max())
 
 
 def _cos(a, b):
@@ -184,9 +186,9 @@ def test_qop_with_gemm_alpha_beta_and_batched_matmul_weights(tmp_path, plat, alp
         # per-column grid on a batched MatMul weight, which only -D ort avoids for that reason
         fused = plat == "ort" or rank == 2
         if fused:
-            assert _cos(ort_run(qdq, f, optimize=True)[0], b) > 0.99
+            assert _cos(ort_run(qdq, f, optimize=True)[0], b) > KERNEL_COS
         for optimize in (False, True) if fused else (False,):
-            assert _cos(ort_run(qop, f, optimize=optimize)[0], b) > 0.99
+            assert _cos(ort_run(qop, f, optimize=optimize)[0], b) > KERNEL_COS
 
 
 def test_user_spec_from_a_path(case, tmp_path):
