@@ -28,8 +28,8 @@ Each layer keeps the grid (scales, zero points) the plan gave it; only which gri
 weight takes, and its bias, change, and only where the statistics say E falls. The statistics
 are accumulated exactly (multiples of a fixed unit in units of the input's grid step, see
 :func:`statistics`): exact sums are the same in any order, so an MPI run gives the same weights
-as one process, byte for byte. Memory holds three K x K matrices per layer (K = input channels x
-kernel taps of one group) and at most ``FLUSH`` + ``MAX_POSITIONS`` patch columns per layer; the
+as one process, byte for byte. Memory holds two K x K matrices per layer (K = input channels x
+kernel taps of one group) and at most twice ``CHUNK`` patch columns per layer at a time; the
 pass exposes every such layer's input, before and after its Q/DQ, one sample at a time (as
 ``--bc`` does). Nothing grows with N.
 """
@@ -51,7 +51,8 @@ from dipoorlet.runtime import Runner
 log = logging.getLogger(__name__)
 
 MAX_POSITIONS = 1024      # Conv output positions (MatMul rows) sampled per sample and layer
-FLUSH = 256               # columns gathered (over samples) before one product is added
+CHUNK = 256               # columns gathered (over samples, or of one sample) per product
+EXACT32 = 2 ** 24         # float32 holds every integer below this exactly
 SEED = 20241123
 MIN_ROWS_PER_INPUT = 4    # a layer is fitted only on at least this many input rows per weight column
 DAMP = 0.01               # ridge and GPTQ damping, relative to the mean of H's diagonal
@@ -209,11 +210,13 @@ def patches(x: np.ndarray, lay: Layer, pick: np.ndarray | None = None) -> np.nda
     return cols.transpose(1, 2, 0).reshape(lay.group, (c // lay.group) * len(taps), -1)
 
 
-def gptq(W, H, scale, zp, qmin, qmax, fixed_last=False, damp=DAMP, block=128):
+def gptq(W, H, scale, zp, qmin, qmax, fixed_last=False, damp=DAMP, block=128, pin=None):
     """GPTQ over a batch of problems: W [G, R, K], H [G, K, K], scale/zp [G, R] (or scalars).
 
     Returns (dequantized weights [G, R, K] float64, integers [G, R, K]); with ``fixed_last`` the
-    last column (a bias) is processed last and never rounded (its integers are meaningless)."""
+    last column (a bias) is processed last and never rounded (its integers are meaningless).
+    ``pin`` = (mask, levels), both [G, R, K]: where mask is set the weight takes that level, and
+    its error is spread over the columns not yet rounded like any other."""
     G, R, K = W.shape
     W = np.array(W, dtype=np.float64)
     H = np.array(H, dtype=np.float64)
@@ -228,6 +231,9 @@ def gptq(W, H, scale, zp, qmin, qmax, fixed_last=False, damp=DAMP, block=128):
     perm = np.argsort(key, axis=1, kind="stable")      # act order: largest input energy first
     inv = np.argsort(perm, axis=1)
     W = np.take_along_axis(W, perm[:, None, :], axis=2)
+    if pin is not None:
+        pmask = np.take_along_axis(pin[0], perm[:, None, :], axis=2)
+        plev = np.take_along_axis(pin[1], perm[:, None, :], axis=2)
     H = H[np.arange(G)[:, None, None], perm[:, :, None], perm[:, None, :]]
     H[:, idx, idx] += damp * np.mean(H[:, idx, idx], axis=1)[:, None]
     Linv = np.linalg.inv(np.linalg.cholesky(H))
@@ -248,6 +254,8 @@ def gptq(W, H, scale, zp, qmin, qmax, fixed_last=False, damp=DAMP, block=128):
             w = W1[:, :, i]
             if col < rounded:
                 qi = np.clip(np.rint(w / s) + z, qmin, qmax)
+                if pin is not None:
+                    qi = np.where(pmask[:, :, col], plev[:, :, col], qi)
                 q = (qi - z) * s
                 Qi[:, :, col] = qi.astype(np.int64)
             else:
@@ -281,39 +289,59 @@ def targets(g, lay: Layer) -> tuple[np.ndarray, float]:
 
 
 def statistics(g, qmodel, layers, data, indices, comm, device) -> tuple[dict, dict, dict, int]:
-    """Per layer the summed (H, Hc) in units of the input's grid step, and (on rank 0) the
-    float model's part of the output energy, sum ||W x||^2 (sizes the report's dB only), and the
+    """Per layer the summed ``H = sum x~ x~^T`` (units of the input's grid step squared) and
+    ``R = sum (x - x~) x~^T`` (units of 1/256 of that), so ``Hc = H + R / 256``; (on rank 0) the
+    float model's part of the output energy, sum ||W x||^2 (sizes the report's dB only); and the
     number of input columns (positions) each layer saw.
 
-    The quantized input is an integer there (level - zero point), the input before rounding is
-    rounded to 1/256 of a step: every product and every partial sum is then a multiple of one
-    unit, held exactly by float64 while it stays below 2^53 units (checked against a bound on
-    every sample), so the sums are the same in any order and on any number of MPI processes.
+    The quantized input is an integer there (level - zero point) and the input before rounding
+    is rounded to 1/256 of a step, so its difference to the quantized one is an integer number of
+    1/256 steps, small where the input is not clipped and zero where it is. Products are taken in
+    float32 over at most as many columns as keep every partial sum an integer below 2^24 (exact),
+    then added in float64 (exact while below 2^53 units, checked against a bound on every
+    sample): the sums are the same in any order and on any number of MPI processes.
     ``sum ||W x||^2`` is summed per sample, gathered in sample order and added with math.fsum."""
     import math
 
     acc, bound, energy, mats = {}, {}, {}, {}
     for lay in layers:
         Wa, _ = targets(g, lay)
-        mats[lay.node] = Wa
+        K = Wa.shape[2] - (lay.bias is not None)
+        mats[lay.node] = (Wa[:, :, :K].astype(np.float32),
+                          Wa[:, :, K:].astype(np.float32) if lay.bias is not None else None)
         acc[lay.node] = np.zeros((2,) + Wa.shape[:1] + (Wa.shape[2], Wa.shape[2]))
-        bound[lay.node] = np.zeros(3)    # bounds of |H| and |Hc| entries, columns seen
+        bound[lay.node] = np.zeros(3)    # bounds of |H| and |R| entries, columns seen
         energy[lay.node] = []
-    limit = np.array([2.0 ** 53, 2.0 ** 45])    # in units of 1 and 2^-8
     pending = {lay.node: [] for lay in layers}
 
-    def flush(lay):
+    def flush(lay, everything=False):
         # a few samples' columns per product: small inputs (a MatMul's 20 tokens) would otherwise
         # spend the time adding K x K matrices, not multiplying
         buf = pending[lay.node]
-        if not buf:
+        if not buf or (not everything and sum(b[0].shape[2] for b in buf) < CHUNK):
             return
-        pq = np.concatenate([b[0] for b in buf], axis=2)
-        px = np.concatenate([b[1] for b in buf], axis=2)
+        parts = [b[0] for b in buf]
+        if lay.bias is not None:     # the bias column: a row of ones (its R row stays zero)
+            parts.append(np.ones((parts[0].shape[0], 1, sum(p.shape[2] for p in parts)), np.float32))
+            pq = np.concatenate([np.concatenate(parts[:-1], axis=2), parts[-1]], axis=1)
+        else:
+            pq = np.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
+        pr = np.concatenate([b[1] for b in buf], axis=2) if len(buf) > 1 else buf[0][1]
+        mq, mr = max(max(b[2] for b in buf), 1.0), max(max(b[3] for b in buf), 1.0)
         buf.clear()
-        a, pqt = acc[lay.node], np.swapaxes(pq, 1, 2)
-        a[0] += pq @ pqt
-        a[1] += px @ pqt
+        step = int(min(EXACT32 // (mq * mq), EXACT32 // (mr * mq)))
+        a = acc[lay.node]
+        k = pr.shape[1]
+        if step < 16:        # too wide a grid for exact float32 products: float64, exact to 2^53
+            qt = np.swapaxes(pq, 1, 2).astype(np.float64)
+            a[0] += pq.astype(np.float64) @ qt
+            a[1, :, :k] += pr.astype(np.float64) @ qt
+            return
+        for c in range(0, pq.shape[2], step):
+            q = pq[:, :, c:c + step]
+            qt = np.swapaxes(q, 1, 2)
+            a[0] += q @ qt
+            a[1, :, :k] += pr[:, :, c:c + step] @ qt
 
     tensors = sorted({lay.xq for lay in layers} | {lay.pre for lay in layers})
     runner = Runner(qmodel, tensors, types=g.types, optimize=False, device=device)
@@ -321,33 +349,45 @@ def statistics(g, qmodel, layers, data, indices, comm, device) -> tuple[dict, di
     for i in progress(indices, "gptq statistics", comm):
         got, _ = runner.run(data.sample(i), ranges=False)
         rng = np.random.default_rng(SEED + int(i))
+        units = {}      # per input tensor: (x~ in steps, (x - x~) in 1/256 steps), float32 integers
         for lay in layers:
-            xq, x = np.asarray(got[lay.xq]), np.asarray(got[lay.pre])
+            if lay.xq not in units:
+                inv = np.float32(1.0 / lay.step)
+                q = np.rint(np.asarray(got[lay.xq]).astype(np.float32) * inv)
+                # the input before rounding, clipped to the grid's range: the layer compensates
+                # its input's rounding, not the clipping the range method chose (a few clipped
+                # outliers would otherwise decide every weight)
+                r = np.asarray(got[lay.pre]).astype(np.float32) * inv
+                np.clip(r, np.float32(lay.qmin - lay.zero_point), np.float32(lay.qmax - lay.zero_point), out=r)
+                r *= np.float32(256.0)
+                np.rint(r, out=r)
+                r -= np.float32(256.0) * q                      # exact: integers below 2^24
+                units[lay.xq] = (q, r, float(np.abs(q).max(initial=0)), float(np.abs(r).max(initial=0)))
+            xq, xr, mq, mr = units[lay.xq]
             n = n_positions(xq, lay)
             pick = np.sort(rng.choice(n, MAX_POSITIONS, replace=False)) if n > MAX_POSITIONS else None
-            # gathered first, widened after: float64 copies of the picked columns only
-            pq = np.rint(patches(xq, lay, pick).astype(np.float64) / lay.step)
-            # the input before rounding, clipped to the grid's range: the layer compensates its
-            # input's rounding, not the clipping the range method chose (a few clipped outliers
-            # would otherwise decide every weight)
-            px = patches(x, lay, pick).astype(np.float64) / lay.step
-            px = np.rint(np.clip(px, lay.qmin - lay.zero_point, lay.qmax - lay.zero_point) * 256.0) / 256.0
-            if lay.bias is not None:
-                ones = np.ones((pq.shape[0], 1, pq.shape[2]))
-                pq, px = np.concatenate([pq, ones], axis=1), np.concatenate([px, ones], axis=1)
-            mq, mx = max(float(np.abs(pq).max(initial=0)), 1.0), max(float(np.abs(px).max(initial=0)), 1.0)
-            bound[lay.node] += pq.shape[2] * np.array([mq * mq, mx * mq, 1.0])
-            d = np.full(px.shape[1], lay.step)
-            if lay.bias is not None:
-                d[-1] = 1.0
-            energy[lay.node].append(float(np.sum((mats[lay.node] @ (px * d[None, :, None])) ** 2)))
-            pending[lay.node].append((pq, px))
-            if sum(b[0].shape[2] for b in pending[lay.node]) >= FLUSH:
+            pieces = [None] if pick is None else [pick[c:c + CHUNK] for c in range(0, len(pick), CHUNK)]
+            Wk, bias = mats[lay.node]
+            e = 0.0
+            for piece in pieces:      # gathered a piece at a time: bounded transient memory
+                pq, pr = patches(xq, lay, piece), patches(xr, lay, piece)
+                cols = pq.shape[2]
+                bound[lay.node] += cols * np.array([max(mq, 1.0) ** 2, mr * max(mq, 1.0), 1.0])
+                # the float model's output energy of this input (report only): x = x~ + r / 256
+                xv = pr * np.float32(lay.step / 256.0)
+                xv += pq * np.float32(lay.step)
+                y = Wk @ xv
+                if bias is not None:
+                    y += bias
+                e += float(np.sum(np.square(y, dtype=np.float64)))
+                pending[lay.node].append((pq, pr, mq, mr))
                 flush(lay)
+            energy[lay.node].append(e)
         count += 1
     rows = {}
+    limit = 2.0 ** 53
     for lay in layers:
-        flush(lay)
+        flush(lay, everything=True)
         acc[lay.node] = comm.allreduce_sum(acc[lay.node])
         total_bound = comm.allreduce_sum(bound[lay.node])   # every process decides alike
         if np.any(total_bound[:2] >= limit):
@@ -386,6 +426,8 @@ def reconstruct(g, places, plan, data, indices, comm, device="cpu") -> dict:
             skipped[lay.node] = (f"{rows[lay.node]} input rows for {K + has_b} inputs: too few to fit "
                                  f"(needs {MIN_ROWS_PER_INPUT}x; raise -N or --gptq_samples)")
             continue
+        stats[1] *= 1.0 / 256.0
+        stats[1] += stats[0]                        # Hc = H + R / 256
         stats *= d[None, None, :, None] * d[None, None, None, :]
         H, Hc = stats[0], stats[1]
         rtn = weight_matrix(((quantize_array(w, qp).astype(np.float64) - _bcast(qp.zero_point, qp.axis, w.ndim))
@@ -404,17 +446,18 @@ def reconstruct(g, places, plan, data, indices, comm, device="cpu") -> dict:
         H[:, idx, idx] -= reg[:, :, 0]
         scale = np.asarray(qp.scale, np.float64).reshape(G, R) if np.ndim(qp.scale) else float(qp.scale)
         zp = np.asarray(qp.zero_point, np.float64).reshape(G, R) if np.ndim(qp.zero_point) else float(qp.zero_point)
-        Q, Qi = gptq(target, H, scale, zp, qp.qmin, qp.qmax, fixed_last=has_b)
-        # each output channel's largest and smallest weight keep their nearest-rounding levels:
-        # a backend that derives the grid from transformed_model.onnx's weights (TensorRT's
-        # max |w| per channel) then finds the same grid and the same integers
+        # each output channel's largest and smallest weight keep their nearest-rounding levels
+        # (the others compensate them): a backend that derives the grid from
+        # transformed_model.onnx's weights (TensorRT's max |w| per channel) then finds the same
+        # grid and the same integers
         ri = weight_matrix(quantize_array(w, qp).astype(np.int64), lay)
         Wm = weight_matrix(w, lay)
+        mask = np.zeros((G, R, K + has_b), bool)
+        levels = np.zeros((G, R, K + has_b))
+        levels[:, :, :K] = ri
         for ends in (np.argmax(Wm, axis=2), np.argmin(Wm, axis=2)):
-            np.put_along_axis(Qi[:, :, :K], ends[:, :, None], np.take_along_axis(ri, ends[:, :, None], axis=2), axis=2)
-        s_b = np.broadcast_to(np.asarray(scale, np.float64), (G, R))[:, :, None]
-        z_b = np.broadcast_to(np.asarray(zp, np.float64), (G, R))[:, :, None]
-        Q[:, :, :K] = (Qi[:, :, :K] - z_b) * s_b
+            np.put_along_axis(mask, ends[:, :, None], True, axis=2)
+        Q, Qi = gptq(target, H, scale, zp, qp.qmin, qp.qmax, fixed_last=has_b, pin=(mask, levels))
         v_rtn, v_new = objective(Wa, rtn, Hc, H), objective(Wa, Q, Hc, H)
         del stats, H, Hc
         if not v_new < v_rtn:
