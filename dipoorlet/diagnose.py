@@ -227,7 +227,10 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False) -> str:
             return (f"weight rounding dominates{at}: {platform} quantizes weights per tensor and this layer's "
                     f"channel ranges are {spread:.0f}x apart (max / median), so most channels keep few levels; "
                     f"per-channel weights (the backend's per-channel mode where it has one, e.g. qnn or SNPE's "
-                    f"--use_per_channel_quantization) avoid it, or {keep}")
+                    f"--use_per_channel_quantization) avoid it"
+                    + ("" if gptq else "; where they must stay per tensor, --gptq chooses the rounding by "
+                       "this layer's output error")
+                    + f"; or {keep}")
         if gptq:
             return (f"weight rounding dominates{at}, after --gptq chose its rounding: its weights need more "
                     f"bits (--layer_bits {row.get('node', 'NODE')}=w8 where fewer were set), or {keep}")

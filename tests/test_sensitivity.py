@@ -340,6 +340,7 @@ def test_diagnosis_on_a_per_tensor_weight_platform_names_the_weight_channel_spre
     assert d["cause"] == "weights"
     assert d["weight_channel_spread"] == pytest.approx(spread.max() / np.median(spread), rel=1e-6)
     assert "snpe quantizes weights per tensor" in d["advice"] and "per-channel" in d["advice"]
+    assert "--gptq" in d["advice"]
     assert "TensorRT" not in d["advice"]
 
 
