@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(GPTQ on input statistics; one extra pass of the quantized model)")
     p.add_argument("--gptq_samples", type=int, default=None, metavar="K",
                    help="samples the --gptq statistics pass reads (default: all N)")
+    p.add_argument("--gptq_memory", type=float, default=256.0, metavar="MB",
+                   help="memory for --gptq's statistics (two K x K float64 matrices per layer); layers that "
+                        "do not fit share further passes over the samples (default 256)")
     p.add_argument("--no_equalize", action="store_true",
                    help="do not equalize per-channel activation ranges between Conv pairs nor smooth "
                         "MatMul/Conv inputs (on by default for platforms with per-channel weights), nor "
@@ -233,7 +236,7 @@ def _main(args, argv, state) -> int:
                           input_shapes=parse_input_shapes(args.input_shape), savefp=args.savefp,
                           skip_prof_layer=args.skip_prof_layer, trt_version=args.trt_version,
                           quant_format=args.quant_format, stpu_wg=args.stpu_wg, bias_correction=args.bc,
-                          gptq=args.gptq, gptq_samples=args.gptq_samples,
+                          gptq=args.gptq, gptq_samples=args.gptq_samples, gptq_memory=args.gptq_memory,
                           equalize=not args.no_equalize, shift=not args.no_shift, equalize_samples=args.eq_samples,
                           sens_samples=args.sens_samples, criterion=args.criterion, auto_skip=args.auto_skip,
                           max_float_layers=args.max_float_layers, fail_below=args.fail_below,

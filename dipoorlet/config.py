@@ -38,6 +38,7 @@ class QuantConfig:
     bias_correction: bool = False      # --bc
     gptq: bool = False                 # --gptq: output-aware weight rounding (reconstruct.py)
     gptq_samples: int | None = None    # --gptq_samples; None: all N
+    gptq_memory: float = 256.0         # --gptq_memory MB: statistics held at once (more passes beyond)
     equalize: bool = True              # --no_equalize turns activation equalization off
     equalize_samples: int | None = None  # --eq_samples; None: equalize.default_samples(N)
     shift: bool = True                 # --no_shift: no asymmetric-grid shift on symmetric backends
@@ -74,6 +75,9 @@ class QuantConfig:
         if self.gptq_samples is not None and (isinstance(self.gptq_samples, bool) or not isinstance(
                 self.gptq_samples, int) or self.gptq_samples < 1):
             raise ConfigError(f"--gptq_samples must be a positive integer, got {self.gptq_samples!r}")
+        if (isinstance(self.gptq_memory, bool) or not isinstance(self.gptq_memory, (int, float))
+                or not self.gptq_memory > 0 or self.gptq_memory == float("inf")):
+            raise ConfigError(f"--gptq_memory must be a positive number of MB, got {self.gptq_memory!r}")
         if not isinstance(self.max_float_layers, int) or self.max_float_layers < 1:
             raise ConfigError(f"--max_float_layers must be a positive integer, got {self.max_float_layers!r}")
         if self.auto_skip is not None:

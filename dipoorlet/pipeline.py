@@ -266,7 +266,7 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         t = time.perf_counter()
         k = min(cfg.data_num, cfg.gptq_samples or cfg.data_num)
         reconstructed = reconstruct.reconstruct(g, places, plan, data, shard(k, comm.rank, comm.world), comm,
-                                                cfg.device)
+                                                cfg.device, cfg.gptq_memory)
         timings["gptq_s"] = time.perf_counter() - t
     if plat.quantize_bias:
         plan_biases(g, places, plan)

@@ -55,6 +55,7 @@ CHUNK = 256               # columns gathered (over samples, or of one sample) pe
 EXACT32 = 2 ** 24         # float32 holds every integer below this exactly
 SEED = 20241123
 MIN_ROWS_PER_INPUT = 4    # a layer is fitted only on at least this many input rows per weight column
+MEMORY_MB = 256           # --gptq_memory: statistics held at once; more passes beyond it
 DAMP = 0.01               # ridge and GPTQ damping, relative to the mean of H's diagonal
 
 
@@ -288,7 +289,8 @@ def targets(g, lay: Layer) -> tuple[np.ndarray, float]:
     return np.concatenate([W, b], axis=2), ratio
 
 
-def statistics(g, qmodel, layers, data, indices, comm, device) -> tuple[dict, dict, dict, int]:
+def statistics(g, qmodel, layers, data, indices, comm, device,
+               label: str = "gptq statistics") -> tuple[dict, dict, dict, int]:
     """Per layer the summed ``H = sum x~ x~^T`` (units of the input's grid step squared) and
     ``R = sum (x - x~) x~^T`` (units of 1/256 of that), so ``Hc = H + R / 256``; (on rank 0) the
     float model's part of the output energy, sum ||W x||^2 (sizes the report's dB only); and the
@@ -346,7 +348,7 @@ def statistics(g, qmodel, layers, data, indices, comm, device) -> tuple[dict, di
     tensors = sorted({lay.xq for lay in layers} | {lay.pre for lay in layers})
     runner = Runner(qmodel, tensors, types=g.types, optimize=False, device=device)
     count = 0
-    for i in progress(indices, "gptq statistics", comm):
+    for i in progress(indices, label, comm):
         got, _ = runner.run(data.sample(i), ranges=False)
         rng = np.random.default_rng(SEED + int(i))
         units = {}      # per input tensor: (x~ in steps, (x - x~) in 1/256 steps), float32 integers
@@ -400,82 +402,129 @@ def statistics(g, qmodel, layers, data, indices, comm, device) -> tuple[dict, di
     return acc, consts, rows, total
 
 
-def reconstruct(g, places, plan, data, indices, comm, device="cpu") -> dict:
+def _solve(g, plan, lay: Layer, stats, const: float, rows: int, skipped: dict):
+    """One layer's GPTQ from its statistics; (node, error before, error after) where the new
+    rounding is kept, None where not (with the reason in ``skipped`` if it was not tried)."""
+    w = g.weight(lay.weight).astype(np.float64)
+    qp = plan.weights[lay.weight]
+    Wa, ratio = targets(g, lay)
+    G, R, K = Wa.shape[0], Wa.shape[1], Wa.shape[2] - (lay.bias is not None)
+    has_b = lay.bias is not None
+    # back to the tensors' own units: the weight columns act on x / step
+    d = np.full(K + has_b, lay.step)
+    if has_b:
+        d[-1] = 1.0
+    if rows < MIN_ROWS_PER_INPUT * (K + has_b):
+        skipped[lay.node] = (f"{rows} input rows for {K + has_b} inputs: too few to fit "
+                             f"(needs {MIN_ROWS_PER_INPUT}x; raise -N or --gptq_samples)")
+        return None
+    stats[1] *= 1.0 / 256.0
+    stats[1] += stats[0]                        # Hc = H + R / 256
+    stats *= d[None, None, :, None] * d[None, None, None, :]
+    H, Hc = stats[0], stats[1]
+    rtn = weight_matrix(((quantize_array(w, qp).astype(np.float64) - _bcast(qp.zero_point, qp.axis, w.ndim))
+                         * _bcast(qp.scale, qp.axis, w.ndim)), lay)
+    if has_b:
+        # the baseline is the bias the quantized model holds now (an activation shift or
+        # --bc may have changed it)
+        b_now = np.asarray(plan.values.get(lay.bias, g.weight(lay.bias)), np.float64).reshape(G, R, 1) * ratio
+        rtn = np.concatenate([rtn, b_now], axis=2)
+    idx = np.arange(K + has_b)
+    reg = DAMP * np.mean(H[:, idx, idx], axis=1)[:, None, None] + 1e-30
+    # W* = argmin ||Wa X - W' X~||^2 + reg ||W' - Wa||^2
+    rhs = np.swapaxes(Wa @ Hc + reg * Wa, 1, 2)
+    H[:, idx, idx] += reg[:, :, 0]
+    target = np.swapaxes(np.linalg.solve(H, rhs), 1, 2)
+    H[:, idx, idx] -= reg[:, :, 0]
+    scale = np.asarray(qp.scale, np.float64).reshape(G, R) if np.ndim(qp.scale) else float(qp.scale)
+    zp = np.asarray(qp.zero_point, np.float64).reshape(G, R) if np.ndim(qp.zero_point) else float(qp.zero_point)
+    # each output channel's largest and smallest weight keep their nearest-rounding levels
+    # (the others compensate them): a backend that derives the grid from
+    # transformed_model.onnx's weights (TensorRT's max |w| per channel) then finds the same
+    # grid and the same integers
+    ri = weight_matrix(quantize_array(w, qp).astype(np.int64), lay)
+    Wm = weight_matrix(w, lay)
+    mask = np.zeros((G, R, K + has_b), bool)
+    levels = np.zeros((G, R, K + has_b))
+    levels[:, :, :K] = ri
+    for ends in (np.argmax(Wm, axis=2), np.argmin(Wm, axis=2)):
+        np.put_along_axis(mask, ends[:, :, None], True, axis=2)
+    Q, Qi = gptq(target, H, scale, zp, qp.qmin, qp.qmax, fixed_last=has_b, pin=(mask, levels))
+    v_rtn, v_new = objective(Wa, rtn, Hc, H), objective(Wa, Q, Hc, H)
+    del H, Hc
+    if not v_new < v_rtn:
+        return None
+    ints = from_matrix(Qi[:, :, :K], lay, w.shape)
+    value = ((ints - _bcast(qp.zero_point, qp.axis, w.ndim)) * _bcast(qp.scale, qp.axis, w.ndim))
+    plan.values[lay.weight] = value.astype(g.weight(lay.weight).dtype)
+    plan.value_owners[lay.weight] = lay.node
+    if has_b:
+        plan.values[lay.bias] = (Q[:, :, K].reshape(-1) / ratio).astype(g.weight(lay.bias).dtype)
+        plan.value_owners[lay.bias] = lay.node
+    # const: rank 0 only (it writes the report); nan elsewhere
+    return lay.node, const + v_rtn, const + v_new
+
+
+def stat_bytes(g, lay: Layer) -> int:
+    """Bytes of a layer's statistics (two K x K float64 matrices per group)."""
+    w = g.weight(lay.weight)
+    G = lay.group
+    K = (int(np.prod(w.shape[1:])) if lay.op_type == "Conv"
+         else (w.shape[1] if lay.op_type == "Gemm" and lay.trans_b else w.shape[0]))
+    K += lay.bias is not None
+    return 2 * G * K * K * 8
+
+
+def passes(g, layers, budget_bytes: int) -> list[list[Layer]]:
+    """Layers in graph order, split into passes whose statistics fit the budget (a layer larger
+    than the budget gets a pass of its own). The same on every process."""
+    out, cur, size = [], [], 0
+    for lay in layers:
+        b = stat_bytes(g, lay)
+        if cur and size + b > budget_bytes:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(lay)
+        size += b
+    if cur:
+        out.append(cur)
+    return out
+
+
+def reconstruct(g, places, plan, data, indices, comm, device="cpu", memory_mb: float = MEMORY_MB) -> dict:
     """Choose every eligible layer's weight rounding (and bias) by GPTQ; results go into
-    ``plan.values`` (owned by the layer, so a layer kept float keeps its own weights)."""
+    ``plan.values`` (owned by the layer, so a layer kept float keeps its own weights).
+
+    The statistics of all layers are gathered over the same quantized model (every layer
+    rounded to nearest), in as many passes over the samples as ``memory_mb`` needs: a layer's
+    result does not depend on which pass gathered it."""
     qmodel = insert_qdq(g, places, plan)
     layers, skipped = find_layers(g, places, plan, qmodel)
     if not layers:
         return {"layers": 0, "candidates": 0, "skipped": skipped}
-    acc, consts, rows, total = statistics(g, qmodel, layers, data, indices, comm, device)
-    if total == 0:
-        return {"layers": 0, "candidates": len(layers), "skipped": skipped}
-    changed = []
-    for lay in layers:
-        w = g.weight(lay.weight).astype(np.float64)
-        qp = plan.weights[lay.weight]
-        Wa, ratio = targets(g, lay)
-        G, R, K = Wa.shape[0], Wa.shape[1], Wa.shape[2] - (lay.bias is not None)
-        has_b = lay.bias is not None
-        # back to the tensors' own units: the weight columns act on x / step
-        d = np.full(K + has_b, lay.step)
-        if has_b:
-            d[-1] = 1.0
-        stats = acc.pop(lay.node)                   # freed layer by layer
-        if rows[lay.node] < MIN_ROWS_PER_INPUT * (K + has_b):
-            skipped[lay.node] = (f"{rows[lay.node]} input rows for {K + has_b} inputs: too few to fit "
-                                 f"(needs {MIN_ROWS_PER_INPUT}x; raise -N or --gptq_samples)")
-            continue
-        stats[1] *= 1.0 / 256.0
-        stats[1] += stats[0]                        # Hc = H + R / 256
-        stats *= d[None, None, :, None] * d[None, None, None, :]
-        H, Hc = stats[0], stats[1]
-        rtn = weight_matrix(((quantize_array(w, qp).astype(np.float64) - _bcast(qp.zero_point, qp.axis, w.ndim))
-                             * _bcast(qp.scale, qp.axis, w.ndim)), lay)
-        if has_b:
-            # the baseline is the bias the quantized model holds now (an activation shift or
-            # --bc may have changed it)
-            b_now = np.asarray(plan.values.get(lay.bias, g.weight(lay.bias)), np.float64).reshape(G, R, 1) * ratio
-            rtn = np.concatenate([rtn, b_now], axis=2)
-        idx = np.arange(K + has_b)
-        reg = DAMP * np.mean(H[:, idx, idx], axis=1)[:, None, None] + 1e-30
-        # W* = argmin ||Wa X - W' X~||^2 + reg ||W' - Wa||^2
-        rhs = np.swapaxes(Wa @ Hc + reg * Wa, 1, 2)
-        H[:, idx, idx] += reg[:, :, 0]
-        target = np.swapaxes(np.linalg.solve(H, rhs), 1, 2)
-        H[:, idx, idx] -= reg[:, :, 0]
-        scale = np.asarray(qp.scale, np.float64).reshape(G, R) if np.ndim(qp.scale) else float(qp.scale)
-        zp = np.asarray(qp.zero_point, np.float64).reshape(G, R) if np.ndim(qp.zero_point) else float(qp.zero_point)
-        # each output channel's largest and smallest weight keep their nearest-rounding levels
-        # (the others compensate them): a backend that derives the grid from
-        # transformed_model.onnx's weights (TensorRT's max |w| per channel) then finds the same
-        # grid and the same integers
-        ri = weight_matrix(quantize_array(w, qp).astype(np.int64), lay)
-        Wm = weight_matrix(w, lay)
-        mask = np.zeros((G, R, K + has_b), bool)
-        levels = np.zeros((G, R, K + has_b))
-        levels[:, :, :K] = ri
-        for ends in (np.argmax(Wm, axis=2), np.argmin(Wm, axis=2)):
-            np.put_along_axis(mask, ends[:, :, None], True, axis=2)
-        Q, Qi = gptq(target, H, scale, zp, qp.qmin, qp.qmax, fixed_last=has_b, pin=(mask, levels))
-        v_rtn, v_new = objective(Wa, rtn, Hc, H), objective(Wa, Q, Hc, H)
-        del stats, H, Hc
-        if not v_new < v_rtn:
-            continue
-        ints = from_matrix(Qi[:, :, :K], lay, w.shape)
-        value = ((ints - _bcast(qp.zero_point, qp.axis, w.ndim)) * _bcast(qp.scale, qp.axis, w.ndim))
-        plan.values[lay.weight] = value.astype(g.weight(lay.weight).dtype)
-        plan.value_owners[lay.weight] = lay.node
-        if has_b:
-            plan.values[lay.bias] = (Q[:, :, K].reshape(-1) / ratio).astype(g.weight(lay.bias).dtype)
-            plan.value_owners[lay.bias] = lay.node
-        const = consts.get(lay.node, float("nan"))          # rank 0 only: it writes the report
-        changed.append((lay.node, const + v_rtn, const + v_new))
+    groups = passes(g, layers, int(memory_mb * 2 ** 20))
+    if len(groups) > 1:
+        log.info("gptq: statistics of %d layers (%.0f MB) in %d passes of at most --gptq_memory %g MB "
+                 "(a larger single layer gets a pass of its own)", len(layers),
+                 sum(stat_bytes(g, lay) for lay in layers) / 2 ** 20, len(groups), memory_mb)
+    changed, total = [], 0
+    for gi, group in enumerate(groups):
+        label = "gptq statistics" if len(groups) == 1 else f"gptq statistics {gi + 1}/{len(groups)}"
+        acc, consts, rows, total = statistics(g, qmodel, group, data, indices, comm, device, label)
+        if total == 0:
+            return {"layers": 0, "candidates": len(layers), "skipped": skipped}
+        for lay in group:
+            stats = acc.pop(lay.node)                   # freed layer by layer
+            done = _solve(g, plan, lay, stats, consts.get(lay.node, float("nan")), rows[lay.node], skipped)
+            del stats
+            if done is not None:
+                changed.append(done)
+        del acc
     gains = [(n, 10 * np.log10(a / b) if a > 0 and b > 0 else float("nan")) for n, a, b in changed]
     gains.sort(key=lambda r: -r[1] if r[1] == r[1] else 0.0)
     log.info("gptq: %d of %d layers re-rounded over %d samples (%d left alone); largest error reductions: %s",
              len(changed), len(layers), total, len(skipped), ", ".join(f"{n} {db:.1f} dB" for n, db in gains[:5]))
-    return {"layers": len(changed), "candidates": len(layers), "samples": total,
+    return {"layers": len(changed), "candidates": len(layers), "samples": total, "passes": len(groups),
             "gain_db": [{"node": n, "db": round(float(db), 3) if db == db else None} for n, db in gains],
             "skipped": skipped}
 

@@ -311,3 +311,43 @@ def test_pinned_weights_keep_their_levels_and_the_others_compensate():
     err = lambda wq: float(np.sum(((W - wq) @ X) ** 2))
     assert err(Q[0]) < err(after * s[:, None])
     assert err(Q[0]) < err(ri * s[:, None])
+
+
+def test_memory_budget_splits_the_pass_without_changing_the_result(tmp_path):
+    """--gptq_memory below every layer's statistics: one pass per layer over the same
+    nearest-rounded model, and the same quantized model, byte for byte, as one pass."""
+    from dipoorlet import reconstruct
+
+    model = tiny_cnn(seed=6)
+    path = save(model, tmp_path / "m.onnx")
+    feeds = input_feeds(model, 8, seed=5)
+    data = write_samples(tmp_path / "data", feeds)
+    reps = {}
+    for mb in (256.0, 1e-4):
+        out = tmp_path / f"o{mb}"
+        res = dipoorlet.quantize(model=path, input_dir=data, data_num=8, deploy="trt", output_dir=out,
+                                 gptq=True, gptq_memory=mb, skip_prof_layer=True)
+        reps[mb] = (res.report["gptq"], (out / "quant_model.onnx").read_bytes())
+    assert reps[256.0][0]["passes"] == 1
+    assert reps[1e-4][0]["passes"] == reps[1e-4][0]["candidates"] == 3
+    assert reps[256.0][0]["gain_db"] and reps[256.0][0]["gain_db"] == reps[1e-4][0]["gain_db"]
+    assert reps[256.0][1] == reps[1e-4][1]
+    # the split itself: graph order, a budget of two layers' statistics holds two
+    from types import SimpleNamespace
+    fake = SimpleNamespace(weight=lambda name: np.zeros((4, 3, 3, 3)))
+    lays = [reconstruct.Layer(f"c{i}", "Conv", f"w{i}", None, "x", "xq", 1.0, 0.0) for i in range(5)]
+    size = reconstruct.stat_bytes(fake, lays[0])
+    assert size == 2 * 27 * 27 * 8
+    split = reconstruct.passes(fake, lays, 2 * size)
+    assert [[lay.node for lay in p] for p in split] == [["c0", "c1"], ["c2", "c3"], ["c4"]]
+    assert len(reconstruct.passes(fake, lays, 1)) == 5
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True, "big"])
+def test_gptq_memory_must_be_a_positive_number(tmp_path, bad):
+    from dipoorlet.config import QuantConfig
+    from dipoorlet.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--gptq_memory"):
+        QuantConfig(model=tmp_path / "m.onnx", input_dir=tmp_path, data_num=1, gptq=True,
+                    gptq_memory=bad, output_dir=tmp_path / "o")
