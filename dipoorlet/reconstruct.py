@@ -3,8 +3,8 @@
 Rounding every weight to its nearest grid point minimizes the weight's own error, not the layer
 output's. For a linear layer (Conv, Gemm, MatMul with a constant weight) the output error over
 the calibration data is a quadratic form in the weights, fixed by second moments of the layer's
-input. With ``x`` the layer's input in the quantized model *before* its Q/DQ and ``x̃`` after it
-(the value the layer reads),
+input. With ``x`` the layer's input in the quantized model *before* its Q/DQ, clipped to the
+grid's range, and ``x̃`` after it (the value the layer reads),
 
     E(Wq) = sum ||W x - Wq x̃||^2 = tr(W Hxx W^T) - 2 tr(W Hc Wq^T) + tr(Wq H Wq^T)
     H = sum x̃ x̃^T,   Hc = sum x x̃^T,   Hxx = sum x x^T
@@ -12,7 +12,8 @@ input. With ``x`` the layer's input in the quantized model *before* its Q/DQ and
 summed over samples and, for a Conv, over the input patches of up to ``MAX_POSITIONS`` output
 positions per sample (drawn with a seed per sample index). The weights minimizing E without a
 grid are ``W* = W Hc H^-1`` (ridge-regularized towards W): the layer compensates the rounding
-and clipping of its own input. E(Wq) = ||(Wq - W*) X̃||^2 + const, which GPTQ (Frantar et al.,
+of its own input (not its clipping, which the range method chose: a few clipped outliers would
+otherwise decide every weight). E(Wq) = ||(Wq - W*) X̃||^2 + const, which GPTQ (Frantar et al.,
 ICLR 2023) minimizes over the grid: columns are rounded in decreasing order of H's diagonal,
 each one's rounding error spread over the columns not yet rounded through the Cholesky factor of
 H^-1. A layer with a bias adds a column of ones that is never rounded, so the bias absorbs the
@@ -28,10 +29,11 @@ Each layer keeps the grid (scales, zero points) the plan gave it; only which gri
 weight takes, and its bias, change, and only where the statistics say E falls. The statistics
 are accumulated exactly (multiples of a fixed unit in units of the input's grid step, see
 :func:`statistics`): exact sums are the same in any order, so an MPI run gives the same weights
-as one process, byte for byte. Memory holds two K x K matrices per layer (K = input channels x
-kernel taps of one group) and at most twice ``CHUNK`` patch columns per layer at a time; the
-pass exposes every such layer's input, before and after its Q/DQ, one sample at a time (as
-``--bc`` does). Nothing grows with N.
+as one process, byte for byte. Memory holds two K x K matrices per layer of the current pass
+(K = input channels x kernel taps of one group; ``--gptq_memory`` sets how many layers share a
+pass) and at most ``CHUNK`` + ``MAX_POSITIONS`` patch columns per layer at a time; a pass
+exposes its layers' inputs, before and after their Q/DQ, one sample at a time (as ``--bc``
+does). Nothing grows with N.
 """
 from __future__ import annotations
 
@@ -293,15 +295,16 @@ def statistics(g, qmodel, layers, data, indices, comm, device,
                label: str = "gptq statistics") -> tuple[dict, dict, dict, int]:
     """Per layer the summed ``H = sum x~ x~^T`` (units of the input's grid step squared) and
     ``R = sum (x - x~) x~^T`` (units of 1/256 of that), so ``Hc = H + R / 256``; (on rank 0) the
-    float model's part of the output energy, sum ||W x||^2 (sizes the report's dB only); and the
+    error-free part of the output energy, sum ||W x||^2 with x the clipped input before its Q/DQ
+    (rounded to 1/256 of a step; sizes the report's dB only); and the
     number of input columns (positions) each layer saw.
 
     The quantized input is an integer there (level - zero point) and the input before rounding
     is rounded to 1/256 of a step, so its difference to the quantized one is an integer number of
     1/256 steps, small where the input is not clipped and zero where it is. Products are taken in
     float32 over at most as many columns as keep every partial sum an integer below 2^24 (exact),
-    then added in float64 (exact while below 2^53 units, checked against a bound on every
-    sample): the sums are the same in any order and on any number of MPI processes.
+    then added in float64 (exact while below 2^53 units: a bound summed over every sample is
+    checked after the MPI sum, the same on every process): the sums are the same in any order and on any number of MPI processes.
     ``sum ||W x||^2`` is summed per sample, gathered in sample order and added with math.fsum."""
     import math
 
@@ -375,7 +378,7 @@ def statistics(g, qmodel, layers, data, indices, comm, device,
                 pq, pr = patches(xq, lay, piece), patches(xr, lay, piece)
                 cols = pq.shape[2]
                 bound[lay.node] += cols * np.array([max(mq, 1.0) ** 2, mr * max(mq, 1.0), 1.0])
-                # the float model's output energy of this input (report only): x = x~ + r / 256
+                # the output energy of the clipped input (report only): x = x~ + r / 256
                 xv = pr * np.float32(lay.step / 256.0)
                 xv += pq * np.float32(lay.step)
                 y = Wk @ xv
@@ -504,7 +507,7 @@ def reconstruct(g, places, plan, data, indices, comm, device="cpu", memory_mb: f
         return {"layers": 0, "candidates": 0, "skipped": skipped}
     groups = passes(g, layers, int(memory_mb * 2 ** 20))
     if len(groups) > 1:
-        log.info("gptq: statistics of %d layers (%.0f MB) in %d passes of at most --gptq_memory %g MB "
+        log.info("gptq: statistics of %d layers (%.1f MB) in %d passes of at most --gptq_memory %g MB "
                  "(a larger single layer gets a pass of its own)", len(layers),
                  sum(stat_bytes(g, lay) for lay in layers) / 2 ** 20, len(groups), memory_mb)
     changed, total = [], 0

@@ -120,6 +120,7 @@ def test_qop_model_runs_is_smaller_and_agrees_with_qdq(case):
         # without VNNI (u8 x s8 pairs saturate at 16 bits; 7% of the output on an AVX2-only EPYC)
         a, b = ort_run(qop, f, optimize=True)[0], ort_run(qdq, f, optimize=True)[0]
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * np.abs(b).max())
+        assert _cos(a, ort_run(qdq, f)[0]) > KERNEL_COS       # and near the simulated model
 
 
 def _cos(a, b):
