@@ -441,8 +441,8 @@ def _solve(g, plan, lay: Layer, stats, const: float, rows: int, skipped: dict):
     H[:, idx, idx] -= reg[:, :, 0]
     scale = np.asarray(qp.scale, np.float64).reshape(G, R) if np.ndim(qp.scale) else float(qp.scale)
     zp = np.asarray(qp.zero_point, np.float64).reshape(G, R) if np.ndim(qp.zero_point) else float(qp.zero_point)
-    # each output channel's largest and smallest weight keep their nearest-rounding levels
-    # (the others compensate them): a backend that derives the grid from
+    # each grid's largest and smallest weight keep their nearest-rounding levels (the others
+    # compensate them): a backend that derives the grid from
     # transformed_model.onnx's weights (TensorRT's max |w| per channel) then finds the same
     # grid and the same integers
     ri = weight_matrix(quantize_array(w, qp).astype(np.int64), lay)
@@ -450,8 +450,12 @@ def _solve(g, plan, lay: Layer, stats, const: float, rows: int, skipped: dict):
     mask = np.zeros((G, R, K + has_b), bool)
     levels = np.zeros((G, R, K + has_b))
     levels[:, :, :K] = ri
-    for ends in (np.argmax(Wm, axis=2), np.argmin(Wm, axis=2)):
-        np.put_along_axis(mask, ends[:, :, None], True, axis=2)
+    if np.ndim(qp.scale):            # a grid per output channel: each channel's ends
+        for ends in (np.argmax(Wm, axis=2), np.argmin(Wm, axis=2)):
+            np.put_along_axis(mask, ends[:, :, None], True, axis=2)
+    else:                            # one grid for the tensor: the tensor's ends only
+        for end in (np.argmax(Wm), np.argmin(Wm)):
+            mask[np.unravel_index(end, Wm.shape)] = True
     Q, Qi = gptq(target, H, scale, zp, qp.qmin, qp.qmax, fixed_last=has_b, pin=(mask, levels))
     v_rtn, v_new = objective(Wa, rtn, Hc, H), objective(Wa, Q, Hc, H)
     del H, Hc

@@ -258,6 +258,37 @@ def test_each_channel_keeps_its_grid_ends(tmp_path):
     assert not np.array_equal(np.rint(orig / derived[:, None, None, None]), ints)   # rounding did change
 
 
+def test_one_grid_per_tensor_keeps_the_tensor_ends_only(tmp_path):
+    """snpe (one asymmetric weight grid per tensor): the tensor's min and max keep their levels,
+    so min/max of transformed_model's weights give back the grid; other channel ends may move."""
+    r = np.random.default_rng(4)
+    feeds = [{"x": (r.standard_normal((1, 6, 16, 16)) + 1.0).astype(np.float32)} for _ in range(8)]
+    model, path, data = _conv_case(tmp_path, feeds, w_shape=(16, 6, 3, 3))
+    # channel 0 spans 4x the others: their ends sit inside the grid, free to move
+    w0 = next(x for x in model.graph.initializer if x.name == "w")
+    arr = numpy_helper.to_array(w0).copy()
+    arr[0] *= 4.0
+    w0.CopyFrom(numpy_helper.from_array(arr, "w"))
+    path = save(model, tmp_path / "m.onnx")
+    out = tmp_path / "o"
+    dipoorlet.quantize(model=path, input_dir=data, data_num=8, deploy="snpe", output_dir=out, act_quant="mse",
+                       gptq=True, skip_prof_layer=True, equalize=False)
+    assert json.loads((out / "report.json").read_text())["gptq"]["layers"] == 1
+    t = onnx.load(str(out / "transformed_model.onnx"))
+    w = next(numpy_helper.to_array(x) for x in t.graph.initializer if x.name == "w").astype(np.float64)
+    orig = next(numpy_helper.to_array(x) for x in model.graph.initializer if x.name == "w").astype(np.float64)
+    q = onnx.load(str(out / "quant_model.onnx"))
+    scale = float(next(numpy_helper.to_array(x) for x in q.graph.initializer
+                       if x.name.startswith("w") and x.name.endswith("_scale")))
+    zp = float(next(numpy_helper.to_array(x) for x in q.graph.initializer
+                    if x.name.startswith("w") and x.name.endswith("_zero_point")))
+    lv = lambda v: np.rint(v / scale + zp)
+    assert lv(w.max()) == lv(orig.max()) and lv(w.min()) == lv(orig.min())
+    assert lv(w).max() == lv(orig).max() and lv(w).min() == lv(orig).min()
+    moved = [c for c in range(16) if lv(w[c]).max() != lv(orig[c]).max() or lv(w[c]).min() != lv(orig[c]).min()]
+    assert moved      # per-channel ends were free to move
+
+
 def test_weight_shared_with_a_float_node_is_left_alone(tmp_path):
     """Two Convs read one weight, one is kept float: re-rounding the weight for the other would
     change the float one in transformed_model.onnx (review finding)."""
