@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "layer's output error on the calibration data, its input's quantization included "
                         "(GPTQ on input statistics; one extra pass of the quantized model)")
     p.add_argument("--gptq_samples", type=int, default=None, metavar="K",
-                   help="samples the --gptq statistics pass reads (default: all N)")
+                   help="samples the --gptq statistics pass reads (default: N, at most 256)")
     p.add_argument("--gptq_memory", type=float, default=256.0, metavar="MB",
                    help="memory for --gptq's statistics (two K x K float64 matrices per layer); layers that "
                         "do not fit share further passes over the samples (default 256)")

@@ -37,7 +37,7 @@ class QuantConfig:
     stpu_wg: bool = False
     bias_correction: bool = False      # --bc
     gptq: bool = False                 # --gptq: output-aware weight rounding (reconstruct.py)
-    gptq_samples: int | None = None    # --gptq_samples; None: all N
+    gptq_samples: int | None = None    # --gptq_samples; None: N, at most 256
     gptq_memory: float = 256.0         # --gptq_memory MB: statistics held at once (more passes beyond)
     equalize: bool = True              # --no_equalize turns activation equalization off
     equalize_samples: int | None = None  # --eq_samples; None: equalize.default_samples(N)

@@ -264,7 +264,9 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         from dipoorlet import reconstruct
 
         t = time.perf_counter()
-        k = min(cfg.data_num, cfg.gptq_samples or cfg.data_num)
+        k = min(cfg.data_num, cfg.gptq_samples or reconstruct.DEFAULT_SAMPLES)
+        if k < cfg.data_num and not cfg.gptq_samples:
+            log.info("gptq: statistics over the first %d of %d samples (--gptq_samples to change)", k, cfg.data_num)
         reconstructed = reconstruct.reconstruct(g, places, plan, data, shard(k, comm.rank, comm.world), comm,
                                                 cfg.device, cfg.gptq_memory)
         timings["gptq_s"] = time.perf_counter() - t

@@ -57,6 +57,7 @@ CHUNK = 256               # columns gathered (over samples, or of one sample) pe
 EXACT32 = 2 ** 24         # float32 holds every integer below this exactly
 SEED = 20241123
 MIN_ROWS_PER_INPUT = 4    # a layer is fitted only on at least this many input rows per weight column
+DEFAULT_SAMPLES = 256     # --gptq_samples when not given (at most N)
 MEMORY_MB = 256           # --gptq_memory: statistics held at once; more passes beyond it
 DAMP = 0.01               # ridge and GPTQ damping, relative to the mean of H's diagonal
 

@@ -382,3 +382,17 @@ def test_gptq_memory_must_be_a_positive_number(tmp_path, bad):
     with pytest.raises(ConfigError, match="--gptq_memory"):
         QuantConfig(model=tmp_path / "m.onnx", input_dir=tmp_path, data_num=1, gptq=True,
                     gptq_memory=bad, output_dir=tmp_path / "o")
+
+
+def test_default_gptq_samples_are_capped(tmp_path, monkeypatch):
+    """Without --gptq_samples the statistics read N samples, at most DEFAULT_SAMPLES."""
+    from dipoorlet import reconstruct
+
+    monkeypatch.setattr(reconstruct, "DEFAULT_SAMPLES", 4)
+    model = tiny_cnn(seed=1)
+    path = save(model, tmp_path / "m.onnx")
+    data = write_samples(tmp_path / "data", input_feeds(model, 6, seed=2))
+    for n, given, expect in ((6, None, 4), (3, None, 3), (6, 5, 5)):
+        res = dipoorlet.quantize(model=path, input_dir=data, data_num=n, deploy="trt", output_dir=tmp_path / f"o{n}{given}",
+                                 gptq=True, gptq_samples=given, skip_prof_layer=True)
+        assert res.report["gptq"]["samples"] == expect
