@@ -38,6 +38,7 @@ does). Nothing grows with N.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -297,17 +298,17 @@ def statistics(g, qmodel, layers, data, indices, comm, device,
     """Per layer the summed ``H = sum x~ x~^T`` (units of the input's grid step squared) and
     ``R = sum (x - x~) x~^T`` (units of 1/256 of that), so ``Hc = H + R / 256``; (on rank 0) the
     error-free part of the output energy, sum ||W x||^2 with x the clipped input before its Q/DQ
-    (rounded to 1/256 of a step; sizes the report's dB only); and the
-    number of input columns (positions) each layer saw.
+    (rounded to 1/256 of a step; sizes the report's dB only); and the number of input columns
+    (positions) each layer saw.
 
     The quantized input is an integer there (level - zero point) and the input before rounding
     is rounded to 1/256 of a step, so its difference to the quantized one is an integer number of
     1/256 steps, small where the input is not clipped and zero where it is. Products are taken in
     float32 over at most as many columns as keep every partial sum an integer below 2^24 (exact),
     then added in float64 (exact while below 2^53 units: a bound summed over every sample is
-    checked after the MPI sum, the same on every process): the sums are the same in any order and on any number of MPI processes.
+    checked after the MPI sum, the same on every process): the sums are the same in any order
+    and on any number of MPI processes.
     ``sum ||W x||^2`` is summed per sample, gathered in sample order and added with math.fsum."""
-    import math
 
     acc, bound, energy, mats = {}, {}, {}, {}
     for lay in layers:
@@ -406,7 +407,7 @@ def statistics(g, qmodel, layers, data, indices, comm, device,
     return acc, consts, rows, total
 
 
-def _solve(g, plan, lay: Layer, stats, const: float, rows: int, skipped: dict):
+def _solve(g, plan, lay: Layer, stats, const: float, rows: int, skipped: dict, short: dict | None = None):
     """One layer's GPTQ from its statistics; (node, error before, error after) where the new
     rounding is kept, None where not (with the reason in ``skipped`` if it was not tried)."""
     w = g.weight(lay.weight).astype(np.float64)
@@ -421,6 +422,8 @@ def _solve(g, plan, lay: Layer, stats, const: float, rows: int, skipped: dict):
     if rows < MIN_ROWS_PER_INPUT * (K + has_b):
         skipped[lay.node] = (f"{rows} input rows for {K + has_b} inputs: too few to fit "
                              f"(needs {MIN_ROWS_PER_INPUT}x; raise -N or --gptq_samples)")
+        if short is not None:
+            short[lay.node] = (rows, MIN_ROWS_PER_INPUT * (K + has_b))
         return None
     stats[1] *= 1.0 / 256.0
     stats[1] += stats[0]                        # Hc = H + R / 256
@@ -515,7 +518,7 @@ def reconstruct(g, places, plan, data, indices, comm, device="cpu", memory_mb: f
         log.info("gptq: statistics of %d layers (%.1f MB) in %d passes of at most --gptq_memory %g MB "
                  "(a larger single layer gets a pass of its own)", len(layers),
                  sum(stat_bytes(g, lay) for lay in layers) / 2 ** 20, len(groups), memory_mb)
-    changed, total = [], 0
+    changed, total, short = [], 0, {}
     for gi, group in enumerate(groups):
         label = "gptq statistics" if len(groups) == 1 else f"gptq statistics {gi + 1}/{len(groups)}"
         acc, consts, rows, total = statistics(g, qmodel, group, data, indices, comm, device, label)
@@ -523,11 +526,17 @@ def reconstruct(g, places, plan, data, indices, comm, device="cpu", memory_mb: f
             return {"layers": 0, "candidates": len(layers), "skipped": skipped}
         for lay in group:
             stats = acc.pop(lay.node)                   # freed layer by layer
-            done = _solve(g, plan, lay, stats, consts.get(lay.node, float("nan")), rows[lay.node], skipped)
+            done = _solve(g, plan, lay, stats, consts.get(lay.node, float("nan")), rows[lay.node], skipped, short)
             del stats
             if done is not None:
                 changed.append(done)
         del acc
+    if short:
+        # rows grow with the samples: how many would fit every such layer
+        need = max(math.ceil(want * total / max(have, 1)) for have, want in short.values())
+        log.warning("gptq: %d of %d layers saw too few input rows to fit (fewer than %d per weight column); "
+                    "about %d samples would fit them all (-N, --gptq_samples)", len(short), len(layers),
+                    MIN_ROWS_PER_INPUT, need)
     gains = [(n, 10 * np.log10(a / b) if a > 0 and b > 0 else float("nan")) for n, a, b in changed]
     gains.sort(key=lambda r: -r[1] if r[1] == r[1] else 0.0)
     log.info("gptq: %d of %d layers re-rounded over %d samples (%d left alone); largest error reductions: %s",

@@ -307,18 +307,25 @@ def test_weight_shared_with_a_float_node_is_left_alone(tmp_path):
     assert rep["gptq"]["layers"] == 0 and "shared" in rep["gptq"]["skipped"]["conv_b"]
 
 
-def test_too_few_rows_for_the_inputs_is_not_fitted(tmp_path):
+def test_too_few_rows_for_the_inputs_is_not_fitted(tmp_path, caplog):
     """A Gemm after global pooling sees one row per sample: with fewer rows than 4x its inputs
-    the fit would learn the samples, so the layer keeps nearest rounding and says why."""
+    the fit would learn the samples, so the layer keeps nearest rounding and says why, and the
+    log says how many samples would fit it."""
     model = tiny_cnn(seed=2)
     path = save(model, tmp_path / "m.onnx")
     data = write_samples(tmp_path / "data", input_feeds(model, 6, seed=1))
     out = tmp_path / "o"
+    caplog.set_level("WARNING")
     dipoorlet.quantize(model=path, input_dir=data, data_num=6, deploy="trt", output_dir=out, gptq=True,
                        skip_prof_layer=True)
     rep = json.loads((out / "report.json").read_text())
     assert "too few to fit" in rep["gptq"]["skipped"]["fc"]
     assert "fc" not in {r["node"] for r in rep["gptq"]["gain_db"]}
+    node = next(n for n in model.graph.node if n.name == "fc")
+    w = next(numpy_helper.to_array(t) for t in model.graph.initializer if t.name == node.input[1])
+    k = w.shape[1] if any(a.name == "transB" and a.i for a in node.attribute) else w.shape[0]
+    inputs = k + (len(node.input) > 2)
+    assert f"about {4 * inputs} samples would fit them all" in caplog.text     # one row per sample
 
 
 def test_pinned_weights_keep_their_levels_and_the_others_compensate():
