@@ -534,9 +534,11 @@ def reconstruct(g, places, plan, data, indices, comm, device="cpu", memory_mb: f
     if short:
         # rows grow with the samples: how many would fit every such layer
         need = max(math.ceil(want * total / max(have, 1)) for have, want in short.values())
-        log.warning("gptq: %d of %d layers saw too few input rows to fit (fewer than %d per weight column); "
-                    "about %d samples would fit them all (-N, --gptq_samples)", len(short), len(layers),
-                    MIN_ROWS_PER_INPUT, need)
+        # a warning where it left nothing to gain; squeeze-and-excitation layers alone are routine
+        (log.warning if not changed else log.info)(
+            "gptq: %d of %d layers saw too few input rows to fit (fewer than %d per weight column); "
+            "about %d samples would fit them all (-N, --gptq_samples)", len(short), len(layers),
+            MIN_ROWS_PER_INPUT, need)
     gains = [(n, 10 * np.log10(a / b) if a > 0 and b > 0 else float("nan")) for n, a, b in changed]
     gains.sort(key=lambda r: -r[1] if r[1] == r[1] else 0.0)
     log.info("gptq: %d of %d layers re-rounded over %d samples (%d left alone); largest error reductions: %s",

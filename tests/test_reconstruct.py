@@ -315,7 +315,7 @@ def test_too_few_rows_for_the_inputs_is_not_fitted(tmp_path, caplog):
     path = save(model, tmp_path / "m.onnx")
     data = write_samples(tmp_path / "data", input_feeds(model, 6, seed=1))
     out = tmp_path / "o"
-    caplog.set_level("WARNING")
+    caplog.set_level("INFO")
     dipoorlet.quantize(model=path, input_dir=data, data_num=6, deploy="trt", output_dir=out, gptq=True,
                        skip_prof_layer=True)
     rep = json.loads((out / "report.json").read_text())
