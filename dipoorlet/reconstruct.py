@@ -353,11 +353,17 @@ def statistics(g, qmodel, layers, data, indices, comm, device,
     tensors = sorted({lay.xq for lay in layers} | {lay.pre for lay in layers})
     runner = Runner(qmodel, tensors, types=g.types, optimize=False, device=device)
     count = 0
+    last = {}
+    for li, lay in enumerate(layers):
+        last[lay.xq] = last[lay.pre] = li
+    done_after: dict[int, list] = {}
+    for t, li in last.items():
+        done_after.setdefault(li, []).append(t)
     for i in progress(indices, label, comm):
         got, _ = runner.run(data.sample(i), ranges=False)
         rng = np.random.default_rng(SEED + int(i))
         units = {}      # per input tensor: (x~ in steps, (x - x~) in 1/256 steps), float32 integers
-        for lay in layers:
+        for li, lay in enumerate(layers):
             if lay.xq not in units:
                 inv = np.float32(1.0 / lay.step)
                 q = np.rint(np.asarray(got[lay.xq]).astype(np.float32) * inv)
@@ -390,6 +396,9 @@ def statistics(g, qmodel, layers, data, indices, comm, device,
                 pending[lay.node].append((pq, pr, mq, mr))
                 flush(lay)
             energy[lay.node].append(e)
+            for t in done_after.get(li, ()):       # freed after their last layer: one sample's
+                got.pop(t, None)                   # activations are not all held twice
+                units.pop(t, None)
         count += 1
     rows = {}
     limit = 2.0 ** 53
