@@ -124,7 +124,7 @@ def _per_tensor_weight_spread(g, places, plan, node: str) -> float | None:
 
 def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equalize_on=True,
              equalized=(), smooth=True, k: int = DIAGNOSE_LAYERS, shifted=(), platform: str = "trt",
-             samples: int | None = None, gptq=()) -> list[dict]:
+             samples: int | None = None, gptq=(), method: str | None = None) -> list[dict]:
     """One row per layer among the ``k`` most sensitive that lose more than ``MIN_LOSS``.
     ``shifted``: dipoorlet.shift's rows; a shifted input is described by its source tensor (its
     channel ranges and its clip on the asymmetric grid), not by the shifted copy."""
@@ -209,12 +209,17 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
         spread = _per_tensor_weight_spread(g, places, plan, s.node)
         if spread is not None:
             row["weight_channel_spread"] = spread
-        row["advice"] = _advice(row, platform, row["node"] in set(gptq))
+        row["advice"] = _advice(row, platform, row["node"] in set(gptq), method)
         rows.append(row)
     return rows
 
 
-def _advice(row: dict, platform: str = "trt", gptq: bool = False) -> str:
+# range methods that may clip far inside what the data reaches (KL divergence, a percentile);
+# below this fraction of the largest channel value the advice names the method
+TIGHT_CLIP = 0.25
+
+
+def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | None = None) -> str:
     node = row["node"]
     runs = "TensorRT runs it in FP16" if platform == "trt" else f"if {platform} can run it in float or FP16"
     keep = f"keep it float with --skip_layers {node} ({runs})"
@@ -248,6 +253,11 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False) -> str:
             part.append(f"largest channel max{over} {a['channel_max']:.4g}, channel ranges "
                         f"{a['channel_spread']:.1f}x apart under one per-tensor scale")
         part.append(f"equalization: {a['equalization']}")
+        top = a.get("channel_max")
+        clip = max(abs(a["clip"][0]), abs(a["clip"][1])) if "shifted_from" in a else a.get("amax")
+        if method in ("entropy", "percentile") and top and clip is not None and clip < TIGHT_CLIP * top:
+            part.append(f"-A {method} clips it at {clip / top:.0%} of the largest value seen; "
+                        f"-A mse (the default) or hist clip by the rounding error they cost")
         facts.append("; ".join(part))
     lead = "activation rounding dominates" if row.get("cause") == "activations" else "quantizing it costs"
     return f"{lead} ({' / '.join(facts) or 'no quantized activation input'}); {keep}"

@@ -382,3 +382,23 @@ def test_layer_bits_on_a_node_left_float_is_reported(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="dipoorlet"):
         quantize_model(tmp_path, tiny_cnn(), n=3, layer_bits={"relu1": (4, 4)}, skip_prof_layer=True)
     assert "--layer_bits relu1" in caplog.text and "not quantized on trt" in caplog.text
+
+
+def test_advice_names_a_range_method_that_clips_far_inside_the_data():
+    """-A entropy clipping an input at 14% of its largest channel value (the PP-OCRv4 recognizer's
+    p2o.Add.103) is named as the cause, with the methods that clip by rounding error; a clip that
+    mse chose, or a mild one, is not."""
+    from dipoorlet.diagnose import _advice
+
+    act = {"tensor": "t", "amax": 0.0583, "channel_max": 0.4075, "channel_spread": 8.2,
+           "channel_samples": 4, "equalization": "blocked"}
+    row = {"node": "conv", "cause": "activations", "activations": [act]}
+    text = _advice(row, "trt", method="entropy")
+    assert "-A entropy clips it at 14% of the largest value seen" in text and "-A mse" in text
+    assert "clips it at" not in _advice(row, "trt", method="mse")
+    assert "clips it at" not in _advice(row, "trt", method=None)
+    mild = dict(act, amax=0.3)
+    assert "clips it at" not in _advice(dict(row, activations=[mild]), "trt", method="percentile")
+    shifted = {"shifted_from": "s", "clip": [-0.01, 0.05], "channel_max": 0.4, "channel_spread": 2.0,
+               "equalization": "n/a"}
+    assert "-A percentile clips it at 12%" in _advice(dict(row, activations=[shifted]), "trt", method="percentile")
