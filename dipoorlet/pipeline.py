@@ -268,7 +268,7 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         if k < cfg.data_num and not cfg.gptq_samples:
             log.info("gptq: statistics over the first %d of %d samples (--gptq_samples to change)", k, cfg.data_num)
         reconstructed = reconstruct.reconstruct(g, places, plan, data, shard(k, comm.rank, comm.world), comm,
-                                                cfg.device, cfg.gptq_memory)
+                                                cfg.device, cfg.gptq_memory, samples=k)
         timings["gptq_s"] = time.perf_counter() - t
     if plat.quantize_bias:
         plan_biases(g, places, plan)

@@ -140,6 +140,16 @@ def test_gptq_lowers_the_measured_layer_error_by_the_reported_amount(tmp_path):
     assert "gptq" in (tmp_path / "outTrue" / "report.md").read_text()
 
 
+def test_positions_per_sample_follow_the_rows_needed():
+    from dipoorlet import reconstruct as r
+
+    assert r.MIN_POSITIONS < r.MAX_POSITIONS
+    assert r.positions(100, 1) == r.MAX_POSITIONS                  # one sample: all it may give
+    assert r.positions(600, 100) == -(-r.ROWS_PER_INPUT * 600 // 100)   # rows per input decide
+    assert r.positions(100, 10_000_000) == r.MIN_POSITIONS         # never fewer than this
+    assert r.positions(3000, 32) == r.MAX_POSITIONS
+
+
 def test_statistics_are_exact_sums_in_any_order(tmp_path):
     """The MPI merge claim: statistics over samples 0..11 equal, bit for bit, the sum of those
     over two disjoint halves (float64 sums of exactly representable multiples)."""
@@ -166,15 +176,20 @@ def test_statistics_are_exact_sums_in_any_order(tmp_path):
     qmodel = insert_qdq(g, places, plan)
     layers, skipped = reconstruct.find_layers(g, places, plan, qmodel)
     assert {lay.node for lay in layers} == {"conv1", "conv2", "fc"} and not skipped
-    full, _, rows, n = reconstruct.statistics(g, qmodel, layers, data, list(range(12)), SingleProcess(), "cpu")
-    a, _, _, _ = reconstruct.statistics(g, qmodel, layers, data, [7, 3, 11, 0, 5, 9], SingleProcess(), "cpu")
-    b, _, _, _ = reconstruct.statistics(g, qmodel, layers, data, [1, 2, 4, 6, 8, 10], SingleProcess(), "cpu")
+    full, _, rows, n = reconstruct.statistics(g, qmodel, layers, data, list(range(12)), SingleProcess(), "cpu",
+                                                samples=12)
+    a, _, _, _ = reconstruct.statistics(g, qmodel, layers, data, [7, 3, 11, 0, 5, 9], SingleProcess(), "cpu",
+                                           samples=12)
+    b, _, _, _ = reconstruct.statistics(g, qmodel, layers, data, [1, 2, 4, 6, 8, 10], SingleProcess(), "cpu",
+                                           samples=12)
     assert n == 12
     for lay in layers:
         assert np.array_equal(full[lay.node], a[lay.node] + b[lay.node]), lay.node
     # and they are the layer's input moments: H's bias corner counts the positions
     conv1 = full["conv1"]
-    assert conv1[0][0, -1, -1] == 12 * 16 * 16 == rows["conv1"]
+    w1 = next(numpy_helper.to_array(t) for t in model.graph.initializer if t.name == "w1")
+    per_sample = min(16 * 16, reconstruct.positions(int(np.prod(w1.shape[1:])) + 1, 12))
+    assert conv1[0][0, -1, -1] == 12 * per_sample == rows["conv1"]
     assert rows["fc"] == 12
 
 
