@@ -341,19 +341,16 @@ def statistics(g, qmodel, layers, data, indices, comm, device,
         buf = pending[lay.node]
         if not buf or (not everything and sum(b[0].shape[2] for b in buf) < CHUNK):
             return
-        parts = [b[0] for b in buf]
-        if lay.bias is not None:     # the bias column: a row of ones (its R row stays zero)
-            parts.append(np.ones((parts[0].shape[0], 1, sum(p.shape[2] for p in parts)), np.float32))
-            pq = np.concatenate([np.concatenate(parts[:-1], axis=2), parts[-1]], axis=1)
-        else:
-            pq = np.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
+        pq = np.concatenate([b[0] for b in buf], axis=2) if len(buf) > 1 else buf[0][0]
         pr = np.concatenate([b[1] for b in buf], axis=2) if len(buf) > 1 else buf[0][1]
-        mq, mr = max(max(b[2] for b in buf), 1.0), max(max(b[3] for b in buf), 1.0)
+        if lay.bias is not None:     # the bias column: a row of ones (its R row stays zero)
+            pq = np.concatenate([pq, np.ones((pq.shape[0], 1, pq.shape[2]), np.float32)], axis=1)
+        mq, mr = max(b[2] for b in buf), max(max(b[3] for b in buf), 1.0)
         buf.clear()
         step = int(min(EXACT32 // (mq * mq), EXACT32 // (mr * mq)))
         a = acc[lay.node]
         k = pr.shape[1]
-        if step < 16:        # too wide a grid for exact float32 products: float64, exact to 2^53
+        if step < 16:        # wider than 8-bit grids: float32 would not be exact; float64 is to 2^53
             qt = np.swapaxes(pq, 1, 2).astype(np.float64)
             a[0] += pq.astype(np.float64) @ qt
             a[1, :, :k] += pr.astype(np.float64) @ qt
@@ -392,7 +389,8 @@ def statistics(g, qmodel, layers, data, indices, comm, device,
                 r *= np.float32(256.0)
                 np.rint(r, out=r)
                 r -= np.float32(256.0) * q                      # exact: integers below 2^24
-                units[lay.xq] = (q, r, float(np.abs(q).max(initial=0)), float(np.abs(r).max(initial=0)))
+                # bounds of |x~| (at least 1: the bias column of ones) and |x - x~|
+                units[lay.xq] = (q, r, max(float(np.abs(q).max(initial=0)), 1.0), float(np.abs(r).max(initial=0)))
             xq, xr, mq, mr = units[lay.xq]
             n = n_positions(xq, lay)
             cap = caps[lay.node]
@@ -403,7 +401,7 @@ def statistics(g, qmodel, layers, data, indices, comm, device,
             for piece in pieces:      # gathered a piece at a time: bounded transient memory
                 pq, pr = patches(xq, lay, piece), patches(xr, lay, piece)
                 cols = pq.shape[2]
-                bound[lay.node] += cols * np.array([max(mq, 1.0) ** 2, mr * max(mq, 1.0), 1.0])
+                bound[lay.node] += cols * np.array([mq * mq, mr * mq, 1.0])
                 # the output energy of the clipped input (report only): x = x~ + r / 256
                 xv = pr * np.float32(lay.step / 256.0)
                 xv += pq * np.float32(lay.step)
@@ -456,7 +454,8 @@ def _solve(g, plan, lay: Layer, stats, const: float, rows: int, skipped: dict, s
     stats[1] += stats[0]                        # Hc = H + R / 256
     stats *= d[None, None, :, None] * d[None, None, None, :]
     H, Hc = stats[0], stats[1]
-    rtn = weight_matrix(((quantize_array(w, qp).astype(np.float64) - _bcast(qp.zero_point, qp.axis, w.ndim))
+    ints_rtn = quantize_array(w, qp)                # nearest rounding: the baseline and the pins
+    rtn = weight_matrix(((ints_rtn.astype(np.float64) - _bcast(qp.zero_point, qp.axis, w.ndim))
                          * _bcast(qp.scale, qp.axis, w.ndim)), lay)
     if has_b:
         # the baseline is the bias the quantized model holds now (an activation shift or
@@ -476,7 +475,7 @@ def _solve(g, plan, lay: Layer, stats, const: float, rows: int, skipped: dict, s
     # compensate them): a backend that derives the grid from
     # transformed_model.onnx's weights (TensorRT's max |w| per channel) then finds the same
     # grid and the same integers
-    ri = weight_matrix(quantize_array(w, qp).astype(np.int64), lay)
+    ri = weight_matrix(ints_rtn.astype(np.int64), lay)
     Wm = weight_matrix(w, lay)
     mask = np.zeros((G, R, K + has_b), bool)
     levels = np.zeros((G, R, K + has_b))
@@ -505,10 +504,7 @@ def _solve(g, plan, lay: Layer, stats, const: float, rows: int, skipped: dict, s
 
 def stat_bytes(g, lay: Layer) -> int:
     """Bytes of a layer's statistics (two K x K float64 matrices per group)."""
-    w = g.weight(lay.weight)
-    G = lay.group
-    K = (int(np.prod(w.shape[1:])) if lay.op_type == "Conv"
-         else (w.shape[1] if lay.op_type == "Gemm" and lay.trans_b else w.shape[0]))
+    G, _, K = weight_matrix(g.weight(lay.weight), lay).shape
     K += lay.bias is not None
     return 2 * G * K * K * 8
 
