@@ -6,8 +6,10 @@
   converted with onnx's version converter.
 - ``remove_identities``: Identity nodes between tensors are bypassed so that a Q/DQ pair is not
   split from the op it belongs to.
-- ``fold_batchnorm``: an inference BatchNormalization right after a Conv is folded into the Conv's
-  weight and bias, as TensorRT and every other backend do before running int8. The weights are
+- ``fold_bias_add``: an Add of one constant per output channel right after a Conv or
+  ConvTranspose (paddle2onnx exports every ConvTranspose bias so) becomes the layer's bias.
+- ``fold_batchnorm``: an inference BatchNormalization right after a Conv or ConvTranspose is
+  folded into its weight and bias, as TensorRT and every other backend do before running int8. The weights are
   then quantized as the backend will hold them, and the Conv output the quantizer sees is the one
   the chip computes.
 
@@ -183,10 +185,98 @@ def remove_identities(g: Graph) -> int:
     return len(alias)
 
 
+def _out_channels(node, w: np.ndarray) -> int:
+    """Output channels of a Conv ([C_out, C_in/group, k...]) or ConvTranspose
+    ([C_in, C_out/group, k...]) weight."""
+    if node.op_type == "ConvTranspose":
+        return w.shape[1] * int(node_attr(node, "group", 1) or 1)
+    return w.shape[0]
+
+
+def _scale_out_channels(node, w: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """The weight with output channel c multiplied by k[c]."""
+    if node.op_type != "ConvTranspose":
+        return w * k.reshape((-1,) + (1,) * (w.ndim - 1))
+    group = int(node_attr(node, "group", 1) or 1)
+    cin, per = w.shape[0], w.shape[1]
+    # input channel i belongs to group i // (C_in/group), whose output channels are
+    # group * per + j for j < per
+    rows = (np.arange(cin) // (cin // group))[:, None] * per + np.arange(per)[None, :]
+    return w * k[rows].reshape(cin, per, *([1] * (w.ndim - 2)))
+
+
+def _set_layer_params(g: Graph, conv, w_new, b_new, tag: str) -> None:
+    base = conv.name or conv.output[0]
+    names = []
+    if w_new is not None:
+        names.append((1, fresh_name(g, f"{base}.weight_{tag}"), w_new))
+    names.append((2, fresh_name(g, f"{base}.bias_{tag}"), b_new))
+    for index, name, value in names:
+        g.graph.initializer.append(numpy_helper.from_array(value, name))
+        g.initializers[name] = g.graph.initializer[-1]
+        if index < len(conv.input):
+            conv.input[index] = name
+        else:
+            conv.input.append(name)
+
+
+def _foldable_layer(g: Graph, tensor: str, outputs: set):
+    """The Conv/ConvTranspose producing ``tensor`` when nothing else reads it and its weight
+    and bias are float32 constants; else None."""
+    conv = g.producer.get(tensor)
+    if conv is None or conv.op_type not in ("Conv", "ConvTranspose") or len(g.consumers.get(tensor, [])) != 1 \
+            or tensor in outputs or len(conv.input) < 2:
+        return None
+    params = [conv.input[1]] + ([conv.input[2]] if len(conv.input) > 2 and conv.input[2] else [])
+    if not all(g.is_constant(t) and g.elem_type(t) in (None, onnx.TensorProto.FLOAT) for t in params):
+        return None
+    if g.weight(conv.input[1]).ndim < 3:
+        return None
+    return conv
+
+
+def fold_bias_add(g: Graph) -> int:
+    """Fold ``Conv/ConvTranspose -> Add(constant)`` into the layer's bias where the constant is
+    one value per output channel (or one for all): paddle2onnx exports every ConvTranspose bias
+    this way. Backends' converters fold it (TensorRT, SNPE's and RKNN's squash the bias Add
+    into the convolution), so the quantizer should not see a tensor between them."""
+    folded = 0
+    outputs = set(g.output_names)
+    for add in list(g.graph.node):
+        if add.op_type != "Add" or len(add.input) != 2:
+            continue
+        for side in (0, 1):
+            conv = _foldable_layer(g, add.input[side], outputs)
+            other = add.input[1 - side]
+            if conv is None or not g.is_constant(other) or g.elem_type(other) not in (None, onnx.TensorProto.FLOAT):
+                continue
+            w = g.weight(conv.input[1])
+            c = g.weight(other).astype(np.float64)
+            rank, cout = w.ndim, _out_channels(conv, w)
+            if c.ndim > rank:
+                continue
+            shape = (1,) * (rank - c.ndim) + c.shape
+            if shape[0] != 1 or any(d != 1 for d in shape[2:]) or shape[1] not in (1, cout):
+                continue   # not one value per output channel
+            b = g.weight(conv.input[2]).astype(np.float64) if len(conv.input) > 2 and conv.input[2] else 0.0
+            b_new = (b + np.broadcast_to(c.reshape(-1), (cout,))).astype(np.float32)
+            _set_layer_params(g, conv, None, b_new, "addfold")
+            conv.output[0] = add.output[0]
+            g.graph.node.remove(add)
+            g.refresh()
+            folded += 1
+            break
+    if folded:
+        drop_unused_initializers(g.graph)
+        g.refresh()
+    return folded
+
+
 def fold_batchnorm(g: Graph) -> int:
-    """Fold ``Conv -> BatchNormalization`` into the Conv (W' = W k, b' = (b - mean) k + beta with
-    k = gamma / sqrt(var + eps)). Only when the Conv output feeds nothing else, every BN parameter
-    and the Conv weight/bias are float32 constants, and the BN is in inference mode."""
+    """Fold ``Conv/ConvTranspose -> BatchNormalization`` into the layer (W' = W k per output
+    channel, b' = (b - mean) k + beta with k = gamma / sqrt(var + eps)). Only when the layer's
+    output feeds nothing else, every BN parameter and the weight/bias are float32 constants,
+    and the BN is in inference mode."""
     folded = 0
     outputs = set(g.output_names)
     for bn in list(g.graph.node):
@@ -194,33 +284,22 @@ def fold_batchnorm(g: Graph) -> int:
             continue
         if node_attr(bn, "training_mode", 0):
             continue
-        conv = g.producer.get(bn.input[0])
-        if conv is None or conv.op_type != "Conv" or len(g.consumers.get(bn.input[0], [])) != 1 \
-                or bn.input[0] in outputs:
-            continue
-        params = list(bn.input[1:5]) + [conv.input[1]] + ([conv.input[2]] if len(conv.input) > 2 and conv.input[2] else [])
-        if not all(g.is_constant(t) and g.elem_type(t) in (None, onnx.TensorProto.FLOAT) for t in params):
+        conv = _foldable_layer(g, bn.input[0], outputs)
+        if conv is None or not all(g.is_constant(t) and g.elem_type(t) in (None, onnx.TensorProto.FLOAT)
+                                   for t in bn.input[1:5]):
             continue
         gamma, beta, mean, var = (g.weight(t).astype(np.float64) for t in bn.input[1:5])
         w = g.weight(conv.input[1]).astype(np.float64)
-        if gamma.ndim != 1 or gamma.shape[0] != w.shape[0]:
+        if gamma.ndim != 1 or gamma.shape[0] != _out_channels(conv, w):
             continue
         b = g.weight(conv.input[2]).astype(np.float64) if len(conv.input) > 2 and conv.input[2] else 0.0
         k = gamma / np.sqrt(var + float(node_attr(bn, "epsilon", 1e-5)))
-        w_new = (w * k.reshape((-1,) + (1,) * (w.ndim - 1))).astype(np.float32)
+        w_new = _scale_out_channels(conv, w, k).astype(np.float32)
         b_new = ((b - mean) * k + beta).astype(np.float32)
-        base = conv.name or conv.output[0]
-        w_name, b_name = fresh_name(g, f"{base}.weight_bnfold"), fresh_name(g, f"{base}.bias_bnfold")
-        g.graph.initializer.extend([numpy_helper.from_array(w_new, w_name), numpy_helper.from_array(b_new, b_name)])
-        g.initializers[w_name] = g.graph.initializer[-2]
-        g.initializers[b_name] = g.graph.initializer[-1]
-        conv.input[1] = w_name
-        if len(conv.input) > 2:
-            conv.input[2] = b_name
-        else:
-            conv.input.append(b_name)
+        _set_layer_params(g, conv, w_new, b_new, "bnfold")
         conv.output[0] = bn.output[0]
         g.graph.node.remove(bn)
+        g.refresh()
         folded += 1
     if folded:
         drop_unused_initializers(g.graph)
@@ -331,7 +410,11 @@ def prepare(g: Graph) -> dict:
     done["constants_to_initializers"] = constants_to_initializers(g)
     done["constants_folded"] = fold_constants(g)
     done["identities_removed"] = remove_identities(g)
+    # a bias Add between a convolution and its BatchNormalization first (paddle2onnx's
+    # ConvTranspose), then the BN, then an Add after a folded BN
+    done["bias_adds_folded"] = fold_bias_add(g)
     done["batchnorms_folded"] = fold_batchnorm(g)
+    done["bias_adds_folded"] += fold_bias_add(g)
     g.model = infer_shapes(g.model)
     g.refresh()
     return done

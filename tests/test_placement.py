@@ -80,7 +80,8 @@ def m_add_const():
         helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", pads=[1, 1, 1, 1]),
         helper.make_node("Add", ["c", "k"], ["y"], name="add"),
     ], [vi("x", [1, 3, 8, 8])], [vi("y", [1, 4, 8, 8])],
-        {"w": rand((4, 3, 3, 3), 1, 0.3), "b": rand((4,), 2, 0.1), "k": rand((1, 4, 1, 1), 3)})
+        # a constant per pixel: a per-channel one would be folded into the Conv's bias
+        {"w": rand((4, 3, 3, 3), 1, 0.3), "b": rand((4,), 2, 0.1), "k": rand((1, 1, 8, 8), 3)})
 
 
 def m_pad_conv():
@@ -423,7 +424,7 @@ def test_inserted_names_never_collide_with_the_models_own(tmp_path):
              helper.make_node("Add", ["c", "w_dq"], ["y"], name="post")]
     model = make_model(nodes, [vi("x", [1, 3, 4, 4])], [vi("y", [1, 2, 4, 4])],
                        {"x_scale": rand((1, 3, 1, 1), 1), "w": rand((2, 3, 1, 1), 2),
-                        "w_dq": rand((1, 2, 1, 1), 3)})
+                        "w_dq": rand((1, 1, 4, 4), 3)})   # per pixel: not a bias to fold
     feeds = input_feeds(model, 3)
     _, qm = quantize_model(tmp_path, model, feeds=feeds, skip_prof_layer=True)
     onnx.checker.check_model(qm)

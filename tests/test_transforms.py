@@ -76,6 +76,76 @@ def test_prepare_reports_folded_batchnorms():
     assert prepare.prepare(g)["batchnorms_folded"] == 1
 
 
+def deconv_add_bn(group=1, const_shape="chw", bn=True, stride=2, const_spatial=False):
+    """ConvTranspose (no bias) -> Add(constant) -> BatchNormalization -> Relu, as paddle2onnx
+    exports a DB head's upsampling."""
+    cin, per = 4, 3
+    cout = per * group
+    inits = {"w": rand((cin, per, 2, 2), 0, 0.4),
+             "gamma": rand((cout,), 1, 0.5) + 1.5, "beta": rand((cout,), 2, 0.3),
+             "mean": rand((cout,), 3, 0.2), "var": np.abs(rand((cout,), 4)) + 0.01}
+    shapes = {"chw": (cout, 1, 1), "nchw": (1, cout, 1, 1), "c": (cout,), "scalar": ()}
+    if const_spatial:
+        inits["bias"] = rand((cout, 2 * stride, 2 * stride), 5, 0.1)
+    else:
+        inits["bias"] = rand(shapes[const_shape], 5, 0.1) if shapes[const_shape] else np.float32(0.25)
+    nodes = [helper.make_node("ConvTranspose", ["x", "w"], ["d"], name="deconv", strides=[stride] * 2,
+                              group=group),
+             helper.make_node("Add", ["d", "bias"], ["a"], name="add")]
+    last = "a"
+    if bn:
+        nodes.append(helper.make_node("BatchNormalization", ["a", "gamma", "beta", "mean", "var"], ["n"],
+                                      name="bn", epsilon=1e-5))
+        last = "n"
+    else:
+        for k in ("gamma", "beta", "mean", "var"):
+            inits.pop(k)
+    nodes.append(helper.make_node("Relu", [last], ["y"], name="relu"))
+    return make_model(nodes, [vi("x", [1, cin, 2, 2])], [vi("y", [1, cout, 2 * stride, 2 * stride])], inits,
+                      opset=15)
+
+
+@pytest.mark.parametrize("group,const_shape", [(1, "chw"), (1, "nchw"), (2, "chw"), (1, "scalar")])
+def test_deconv_bias_add_and_batchnorm_fold_into_the_deconv(group, const_shape):
+    model = deconv_add_bn(group=group, const_shape=const_shape)
+    feed = {"x": rand((1, 4, 2, 2), 9)}
+    want = ort_run(model, feed)[0]
+    init = {t.name: onnx_to_array(t) for t in model.graph.initializer}
+    g = Graph(model)
+    done = prepare.prepare(g)
+    assert done["bias_adds_folded"] == 1 and done["batchnorms_folded"] == 1
+    assert [n.op_type for n in g.graph.node] == ["ConvTranspose", "Relu"]
+    deconv = g.graph.node[0]
+    assert len(deconv.input) == 3 and deconv.output[0] == "n"
+    np.testing.assert_allclose(ort_run(g.model, feed)[0], want, rtol=1e-5, atol=1e-5)
+    # the numpy oracle of the fold: per output channel k = gamma / sqrt(var + eps)
+    k = init["gamma"] / np.sqrt(init["var"] + 1e-5)
+    w_new = onnx_to_array(g.initializers[deconv.input[1]])
+    per = init["w"].shape[1]
+    for i in range(init["w"].shape[0]):
+        grp = i // (init["w"].shape[0] // group)
+        np.testing.assert_allclose(w_new[i], init["w"][i] * k[grp * per:(grp + 1) * per, None, None], rtol=1e-6)
+
+
+def test_conv_bias_add_folds_without_batchnorm():
+    model = deconv_add_bn(bn=False, const_shape="c")   # [C] broadcasts along the last axis: not per channel
+    g = Graph(model)
+    assert prepare.fold_bias_add(g) == 0
+    model = deconv_add_bn(bn=False, const_shape="chw")
+    feed = {"x": rand((1, 4, 2, 2), 9)}
+    want = ort_run(model, feed)[0]
+    g = Graph(model)
+    assert prepare.fold_bias_add(g) == 1
+    np.testing.assert_allclose(ort_run(g.model, feed)[0], want, rtol=1e-6, atol=1e-6)
+
+
+def test_bias_add_with_a_spatial_constant_is_not_folded():
+    g = Graph(deconv_add_bn(const_spatial=True))
+    done = prepare.prepare(g)
+    assert done["bias_adds_folded"] == 0 and done["batchnorms_folded"] == 0
+    assert [n.op_type for n in g.graph.node] == ["ConvTranspose", "Add", "BatchNormalization", "Relu"]
+
+
 # ----------------------------------------------------------------------------------- bias correction
 def _quantize(tmp_path, model, feeds, bc, deploy="trt", tag="", equalize=False):
     """Bias-correction runs: equalization off, so the skewed inputs keep the mean shift that
