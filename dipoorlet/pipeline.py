@@ -31,7 +31,7 @@ from dipoorlet.data import DataSource, input_specs, shard
 from dipoorlet.deploy import DeployContext, export_all
 from dipoorlet.dist import SingleProcess
 from dipoorlet.errors import ConfigError, ModelError, OutputError
-from dipoorlet.graph import Graph, save_model
+from dipoorlet.graph import Graph, node_attr, save_model
 from dipoorlet.qdq import insert_qdq
 from dipoorlet.qparams import QuantPlan, bias_qparams, levels, make_qparams, share_scales
 from dipoorlet.ranges import NEEDS_HISTOGRAM, RANGE_METHODS, RangeParams
@@ -137,7 +137,7 @@ def plan_biases(g: Graph, places, plan: QuantPlan) -> None:
         if src is None or src not in plan.activations or wp.tensor not in plan.weights:
             continue
         s_w = plan.weights[wp.tensor]
-        if node.op_type == "ConvTranspose" and s_w.axis is not None:
+        if node.op_type == "ConvTranspose" and s_w.axis is not None and int(node_attr(node, "group", 1) or 1) != 1:
             continue  # axis-1 weight scales do not line up with the bias channels when grouped
         shape = g.weight(bias).shape
         if len(shape) != 1 or (s_w.scale.size > 1 and shape[0] != s_w.scale.size):

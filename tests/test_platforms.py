@@ -309,3 +309,32 @@ def test_qop_that_cannot_run_at_all_leaves_the_qdq_model(case, monkeypatch, capl
     a, b = onnx.load(str(out / "quant_model.onnx")), onnx.load(str(out / "quant_model_qdq.onnx"))
     assert a.SerializeToString() == b.SerializeToString()
     assert "quant_model.onnx is the QDQ model" in caplog.text
+
+
+def test_conv_transpose_bias_is_int32_on_its_per_channel_weight_scales(tmp_path):
+    """A ConvTranspose's weight grids are per output channel (axis 1, group 1): its bias is held
+    as int32 on s_in * s_w[c], channel by channel, as for a Conv."""
+    from conftest import make_model, rand, vi
+    from onnx import helper
+
+    nodes = [helper.make_node("ConvTranspose", ["x", "w", "b"], ["y"], name="deconv", strides=[2, 2]),
+             helper.make_node("Relu", ["y"], ["out"], name="relu")]
+    model = make_model(nodes, [vi("x", [1, 3, 4, 4])], [vi("out", [1, 5, 8, 8])],
+                       {"w": rand((3, 5, 2, 2), 1, 0.3), "b": rand((5,), 2, 0.1)})
+    feeds = input_feeds(model, 4, seed=3)
+    data = write_samples(tmp_path / "data", feeds)
+    out = tmp_path / "out"
+    dipoorlet.quantize(model=save(model, tmp_path / "m.onnx"), input_dir=data, data_num=4, deploy="qnn",
+                       output_dir=out, skip_prof_layer=True)
+    qm = onnx.load(str(out / "quant_model.onnx"))
+    inits = {t.name: numpy_helper.to_array(t) for t in qm.graph.initializer}
+    deconv = next(n for n in qm.graph.node if n.name == "deconv")
+    bias_dq = next(n for n in qm.graph.node if n.output[0] == deconv.input[2])
+    weight_dq = next(n for n in qm.graph.node if n.output[0] == deconv.input[1])
+    input_dq = next(n for n in qm.graph.node if n.output[0] == deconv.input[0])
+    assert inits[bias_dq.input[0]].dtype == np.int32
+    s_w, s_x = inits[weight_dq.input[1]], inits[input_dq.input[1]]
+    assert s_w.shape == (5,)
+    np.testing.assert_allclose(inits[bias_dq.input[1]], s_x * s_w, rtol=1e-6)
+    b = inits[bias_dq.input[0]] * inits[bias_dq.input[1]].astype(np.float64)
+    np.testing.assert_allclose(b, rand((5,), 2, 0.1), atol=float(np.max(s_x * s_w)))
