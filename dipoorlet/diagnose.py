@@ -124,7 +124,8 @@ def _per_tensor_weight_spread(g, places, plan, node: str) -> float | None:
 
 def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equalize_on=True,
              equalized=(), smooth=True, k: int = DIAGNOSE_LAYERS, shifted=(), platform: str = "trt",
-             samples: int | None = None, gptq=(), method: str | None = None) -> list[dict]:
+             samples: int | None = None, gptq=(), method: str | None = None,
+             gptq_ran: bool = False) -> list[dict]:
     """One row per layer among the ``k`` most sensitive that lose more than ``MIN_LOSS``.
     ``shifted``: dipoorlet.shift's rows; a shifted input is described by its source tensor (its
     channel ranges and its clip on the asymmetric grid), not by the shifted copy."""
@@ -209,7 +210,9 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
         spread = _per_tensor_weight_spread(g, places, plan, s.node)
         if spread is not None:
             row["weight_channel_spread"] = spread
-        row["advice"] = _advice(row, platform, row["node"] in set(gptq), method)
+        row["advice"] = _advice(row, platform, row["node"] in set(gptq), method,
+                                gptq_hint=not gptq_ran and wsq is not None
+                                and s.op_type in ("Conv", "Gemm", "MatMul"))
         rows.append(row)
     return rows
 
@@ -219,7 +222,10 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
 TIGHT_CLIP = 0.25
 
 
-def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | None = None) -> str:
+def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | None = None,
+            gptq_hint: bool = False) -> str:
+    """``gptq_hint``: the layer has a constant weight and --gptq did not run, so it could re-round
+    that weight to compensate the rounding of the layer's input."""
     node = row["node"]
     runs = "TensorRT runs it in FP16" if platform == "trt" else f"if {platform} can run it in float or FP16"
     keep = f"keep it float with --skip_layers {node} ({runs})"
@@ -260,4 +266,6 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | 
                         f"-A mse (the default) or hist clip by the rounding error they cost")
         facts.append("; ".join(part))
     lead = "activation rounding dominates" if row.get("cause") == "activations" else "quantizing it costs"
-    return f"{lead} ({' / '.join(facts) or 'no quantized activation input'}); {keep}"
+    hint = ("; --gptq re-rounds its weights to compensate part of its input's rounding (one extra pass)"
+            if gptq_hint and row.get("activations") else "")
+    return f"{lead} ({' / '.join(facts) or 'no quantized activation input'}){hint}; {keep}"

@@ -290,7 +290,8 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
             g, places, plan, analysis["isolated"], data, shard(analysis["sens_samples"], comm.rank, comm.world),
             comm, cfg.device, equalize_on=eq_on, equalized=equalized, smooth="Mul" not in plat.quantize_ops,
             shifted=shifted, platform=plat.name, samples=analysis["sens_samples"], method=cfg.act_quant,
-            gptq={r["node"] for r in reconstructed["gain_db"]} if reconstructed and reconstructed.get("gain_db") else ())
+            gptq={r["node"] for r in reconstructed["gain_db"]} if reconstructed and reconstructed.get("gain_db") else (),
+            gptq_ran=reconstructed is not None)
     if analysis.get("auto_skip") is not None:
         places = places.restrict([n for n in places.quantized_nodes
                                   if n not in analysis["auto_skip"].float_layers])

@@ -188,6 +188,7 @@ def test_diagnosis_names_the_wide_channel_and_the_op_that_blocks_equalization(tm
     assert "Swish-style gate" in act["equalization"] and "swish" in act["equalization"]
     assert "smoothing" in act["equalization"] and "quantizes the Mul" in act["equalization"]
     assert "--skip_layers B" in b["advice"]
+    assert "--gptq re-rounds its weights" in b["advice"]      # B has a constant weight; --gptq did not run
     report_md = (tmp_path / "out" / "report.md").read_text()
     assert "## What limits accuracy" in report_md and "--skip_layers B" in report_md
 
@@ -402,3 +403,14 @@ def test_advice_names_a_range_method_that_clips_far_inside_the_data():
     shifted = {"shifted_from": "s", "clip": [-0.01, 0.05], "channel_max": 0.4, "channel_spread": 2.0,
                "equalization": "n/a"}
     assert "-A percentile clips it at 12%" in _advice(dict(row, activations=[shifted]), "trt", method="percentile")
+
+
+def test_advice_on_input_rounding_names_gptq_only_where_it_could_run():
+    from dipoorlet.diagnose import _advice
+
+    act = {"tensor": "t", "amax": 1.0, "equalization": "already equalized"}
+    row = {"node": "conv", "cause": "activations", "activations": [act]}
+    assert "--gptq re-rounds its weights" in _advice(row, "trt", gptq_hint=True)
+    assert "--gptq" not in _advice(row, "trt")
+    # nothing quantized at its input: nothing for the weights to compensate
+    assert "--gptq" not in _advice(dict(row, activations=[]), "trt", gptq_hint=True)
