@@ -212,7 +212,7 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
             row["weight_channel_spread"] = spread
         row["advice"] = _advice(row, platform, row["node"] in set(gptq), method,
                                 gptq_hint=not gptq_ran and wsq is not None
-                                and s.op_type in ("Conv", "Gemm", "MatMul"))
+                                and s.op_type in ("Conv", "ConvTranspose", "Gemm", "MatMul"))
         rows.append(row)
     return rows
 

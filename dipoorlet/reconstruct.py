@@ -100,9 +100,14 @@ def find_layers(g, places, plan, qmodel) -> tuple[list[Layer], dict]:
         node = g.node_by_name[name]
         op = node.op_type
         w = g.weight(wp.tensor)
-        if op not in ("Conv", "Gemm", "MatMul"):
+        if op not in ("Conv", "ConvTranspose", "Gemm", "MatMul"):
             continue
-        if (op == "Conv" and w.ndim < 3) or (op != "Conv" and w.ndim != 2):
+        if op == "ConvTranspose":
+            why = _unfit_deconv(node, w)
+            if why:
+                skipped[name] = why
+                continue
+        if (op in ("Conv", "ConvTranspose") and w.ndim < 3) or (op not in ("Conv", "ConvTranspose") and w.ndim != 2):
             skipped[name] = f"{w.ndim}-D weight"
             continue
         if op == "Gemm" and node_attr(node, "transA", 0):
@@ -122,7 +127,8 @@ def find_layers(g, places, plan, qmodel) -> tuple[list[Layer], dict]:
             skipped[name] = "its input has no per-tensor Q/DQ right before it"
             continue
         wq = plan.weights[wp.tensor]
-        rows = w.shape[0] if op == "Conv" else (w.shape[0] if op == "Gemm" and node_attr(node, "transB", 0)
+        rows = w.shape[0] if op == "Conv" else w.shape[1] if op == "ConvTranspose" else (
+            w.shape[0] if op == "Gemm" and node_attr(node, "transB", 0)
                                                  else w.shape[1])
         if np.ndim(wq.scale) and (wq.axis is None or np.size(wq.scale) != rows):
             skipped[name] = "weight grid not per output channel"
@@ -148,14 +154,43 @@ def find_layers(g, places, plan, qmodel) -> tuple[list[Layer], dict]:
             lay.strides = tuple(int(v) for v in node_attr(node, "strides", [1] * nd))
             lay.dilations = tuple(int(v) for v in node_attr(node, "dilations", [1] * nd))
             lay.pads = tuple(int(v) for v in node_attr(node, "pads", [0] * (2 * nd)))
+        elif op == "ConvTranspose":
+            lay.kernel = tuple(int(k) for k in w.shape[2:])
         elif op == "Gemm":
             lay.trans_b = bool(node_attr(node, "transB", 0))
         layers.append(lay)
     return layers, skipped
 
 
+def _unfit_deconv(node, w: np.ndarray) -> str | None:
+    """Why a ConvTranspose is not a set of independent 1x1 convolutions (None where it is):
+    with kernel = stride, no padding, group 1 and dilation 1 every output pixel reads one input
+    pixel, through the kernel tap of its phase, so the layer is a matrix product per pixel whose
+    rows are (output channel, tap)."""
+    nd = w.ndim - 2
+    kernel = [int(k) for k in w.shape[2:]]
+    if int(node_attr(node, "group", 1) or 1) != 1:
+        return "grouped ConvTranspose"
+    if node_attr(node, "auto_pad", "NOTSET") not in (b"NOTSET", "NOTSET"):
+        return "ConvTranspose with auto_pad"
+    if [int(v) for v in node_attr(node, "strides", [1] * nd)] != kernel \
+            or any(int(v) != 1 for v in node_attr(node, "dilations", [1] * nd)) \
+            or any(int(v) for v in node_attr(node, "pads", [0] * (2 * nd))) \
+            or any(int(v) for v in node_attr(node, "output_padding", [0] * nd)) \
+            or node_attr(node, "output_shape", None) is not None:
+        return "ConvTranspose whose taps overlap or are padded (only kernel = stride is fitted)"
+    return None
+
+
+def _taps(lay: Layer) -> int:
+    return int(np.prod(lay.kernel)) if lay.op_type == "ConvTranspose" else 1
+
+
 def weight_matrix(w: np.ndarray, lay: Layer) -> np.ndarray:
-    """The weight as [groups, output channels per group, K]."""
+    """The weight as [groups, output channels per group, K] (a ConvTranspose's rows are
+    (output channel, kernel tap), its K the input channels)."""
+    if lay.op_type == "ConvTranspose":
+        return np.moveaxis(w, 0, -1).reshape(1, -1, w.shape[0])
     if lay.op_type == "Conv":
         return w.reshape(lay.group, w.shape[0] // lay.group, -1)
     if lay.op_type == "Gemm" and lay.trans_b:
@@ -164,6 +199,8 @@ def weight_matrix(w: np.ndarray, lay: Layer) -> np.ndarray:
 
 
 def from_matrix(m: np.ndarray, lay: Layer, shape) -> np.ndarray:
+    if lay.op_type == "ConvTranspose":
+        return np.moveaxis(m[0].reshape(tuple(shape[1:]) + (shape[0],)), -1, 0)
     if lay.op_type == "Conv":
         return m.reshape(shape)
     if lay.op_type == "Gemm" and lay.trans_b:
@@ -172,6 +209,8 @@ def from_matrix(m: np.ndarray, lay: Layer, shape) -> np.ndarray:
 
 
 def n_positions(x: np.ndarray, lay: Layer) -> int:
+    if lay.op_type == "ConvTranspose":
+        return int(x.shape[0] * np.prod(x.shape[2:]))
     if lay.op_type != "Conv":
         return int(np.prod(x.shape[:-1]))
     nd = len(lay.kernel)
@@ -187,6 +226,9 @@ def patches(x: np.ndarray, lay: Layer, pick: np.ndarray | None = None) -> np.nda
     with the weight matrix (a Conv's zero-padded patch, a MatMul's row); ``pick`` selects
     positions (indices into batch x output positions, row-major). Only the picked patches are
     gathered."""
+    if lay.op_type == "ConvTranspose":     # every input pixel, as for a 1x1 Conv
+        cols = x.reshape(x.shape[0], x.shape[1], -1).transpose(1, 0, 2).reshape(x.shape[1], -1)
+        return (cols if pick is None else cols[:, pick])[None]
     if lay.op_type != "Conv":
         rows = x.reshape(-1, x.shape[-1])
         if pick is not None:
@@ -469,8 +511,11 @@ def _solve(g, plan, lay: Layer, stats, const: float, rows: int, skipped: dict, s
     H[:, idx, idx] += reg[:, :, 0]
     target = np.swapaxes(np.linalg.solve(H, rhs), 1, 2)
     H[:, idx, idx] -= reg[:, :, 0]
-    scale = np.asarray(qp.scale, np.float64).reshape(G, R) if np.ndim(qp.scale) else float(qp.scale)
-    zp = np.asarray(qp.zero_point, np.float64).reshape(G, R) if np.ndim(qp.zero_point) else float(qp.zero_point)
+    # a ConvTranspose's rows are (channel, tap): each channel's grid serves its taps' rows
+    scale = (np.repeat(np.asarray(qp.scale, np.float64), _taps(lay)).reshape(G, R) if np.ndim(qp.scale)
+             else float(qp.scale))
+    zp = (np.repeat(np.asarray(qp.zero_point, np.float64), _taps(lay)).reshape(G, R) if np.ndim(qp.zero_point)
+          else float(qp.zero_point))
     # each grid's largest and smallest weight keep their nearest-rounding levels (the others
     # compensate them): a backend that derives the grid from
     # transformed_model.onnx's weights (TensorRT's max |w| per channel) then finds the same
@@ -480,7 +525,7 @@ def _solve(g, plan, lay: Layer, stats, const: float, rows: int, skipped: dict, s
     mask = np.zeros((G, R, K + has_b), bool)
     levels = np.zeros((G, R, K + has_b))
     levels[:, :, :K] = ri
-    if np.ndim(qp.scale):            # a grid per output channel: each channel's ends
+    if np.ndim(qp.scale):            # a grid per output channel: each row's ends (a ConvTranspose channel's taps are rows of their own; its ends are among theirs)
         for ends in (np.argmax(Wm, axis=2), np.argmin(Wm, axis=2)):
             np.put_along_axis(mask, ends[:, :, None], True, axis=2)
     else:                            # one grid for the tensor: the tensor's ends only

@@ -418,3 +418,87 @@ def test_default_gptq_samples_are_capped(tmp_path, monkeypatch):
         res = dipoorlet.quantize(model=path, input_dir=data, data_num=n, deploy="trt", output_dir=tmp_path / f"o{n}{given}",
                                  gptq=True, gptq_samples=given, skip_prof_layer=True)
         assert res.report["gptq"]["samples"] == expect
+
+
+@pytest.mark.parametrize("kernel", [(2, 2), (3,), (2, 3)])
+@pytest.mark.parametrize("picked", [False, True])
+def test_deconv_with_kernel_equal_to_stride_is_a_product_per_input_pixel(kernel, picked):
+    """Oracle: onnx.reference's ConvTranspose. Row (channel, tap) of the weight matrix times
+    input pixel p is the output pixel that tap writes from p; from_matrix inverts weight_matrix."""
+    from dipoorlet.reconstruct import from_matrix
+
+    r = np.random.default_rng(5)
+    cin, cout = 4, 3
+    spatial = (5,) if len(kernel) == 1 else (5, 4)
+    x = r.standard_normal((2, cin) + spatial).astype(np.float32)
+    w = r.standard_normal((cin, cout) + kernel).astype(np.float32)
+    node = helper.make_node("ConvTranspose", ["x", "w"], ["y"], strides=list(kernel))
+    model = helper.make_model(helper.make_graph([node], "g", [vi("x", None)], [vi("y", None)],
+                                                [numpy_helper.from_array(w, "w")]))
+    y = ReferenceEvaluator(model).run(None, {"x": x})[0]
+    lay = Layer("d", "ConvTranspose", "w", None, "x", "x", 1.0, 0.0, kernel=kernel)
+    n = n_positions(x, lay)
+    assert n == 2 * int(np.prod(spatial))
+    m = weight_matrix(w.astype(np.float64), lay)
+    np.testing.assert_array_equal(from_matrix(m, lay, w.shape), w)
+    pick = np.sort(r.choice(n, 7, replace=False)) if picked else None
+    got = (m @ patches(x.astype(np.float64), lay, pick))[0]          # [cout * taps, pixels]
+    # the oracle: output pixel (i * k + tap) of input pixel i, per channel and tap
+    taps = list(np.ndindex(*kernel))
+    ref = np.empty((cout, len(taps), 2) + spatial)
+    for t, off in enumerate(taps):
+        sl = tuple(slice(o, None, k) for o, k in zip(off, kernel))
+        ref[:, t] = np.moveaxis(y[(slice(None), slice(None)) + sl], 1, 0)
+    ref = ref.reshape(cout * len(taps), -1)
+    np.testing.assert_allclose(got, ref if pick is None else ref[:, pick], atol=1e-4)
+
+
+def _single_deconv(tmp_path, strides=(2, 2), kernel=(2, 2), seed=0):
+    r = np.random.default_rng(seed)
+    inits = {"w": (r.standard_normal((12, 3) + kernel) * 0.2).astype(np.float32),
+             "b": (r.standard_normal(3) * 0.1).astype(np.float32)}
+    node = helper.make_node("ConvTranspose", ["x", "w", "b"], ["y"], name="deconv", strides=list(strides))
+    out_hw = [(6 - 1) * s + k for s, k in zip(strides, kernel)]
+    model = make_model([node], [vi("x", [1, 12, 6, 6])], [vi("y", [1, 3] + out_hw)], inits)
+    mix = r.standard_normal((12, 12))
+    feeds = [{"x": np.einsum("ij,njhw->nihw", mix, r.standard_normal((1, 12, 6, 6))).astype(np.float32) + 0.5}
+             for _ in range(12)]
+    return save(model, tmp_path / "m.onnx"), write_samples(tmp_path / "data", feeds), model, feeds
+
+
+def test_gptq_fits_a_deconv_and_keeps_its_grid(tmp_path):
+    """A DB head's 2x2 stride-2 ConvTranspose: re-rounded, the output error onnxruntime measures
+    falls by the reported gain, and TensorRT's per-channel scale (max |w| over each output
+    channel, axis 1) derived from transformed_model.onnx is the quantized model's."""
+    path, data, model, feeds = _single_deconv(tmp_path)
+    errs = {}
+    for on in (False, True):
+        out = tmp_path / f"out{on}"
+        dipoorlet.quantize(model=path, input_dir=data, data_num=len(feeds), deploy="trt", output_dir=out,
+                           act_quant="minmax", equalize=False, shift=False, gptq=on, w_bits=4,
+                           skip_prof_layer=True)
+        q = onnx.load(str(out / "quant_model.onnx"))
+        errs[on] = sum(float(np.sum((ort_run(model, f)[0].astype(np.float64)
+                                      - ort_run(q, f)[0].astype(np.float64)) ** 2)) for f in feeds)
+    rep = json.loads((tmp_path / "outTrue" / "report.json").read_text())
+    assert rep["gptq"]["layers"] == 1 and rep["gptq"]["gain_db"][0]["node"] == "deconv"
+    assert errs[True] < errs[False] * 0.9
+    assert rep["gptq"]["gain_db"][0]["db"] == pytest.approx(10 * np.log10(errs[False] / errs[True]), abs=0.05)
+    t = onnx.load(str(tmp_path / "outTrue" / "transformed_model.onnx"))
+    w = next(numpy_helper.to_array(x) for x in t.graph.initializer if x.name == "w").astype(np.float64)
+    q = onnx.load(str(tmp_path / "outTrue" / "quant_model.onnx"))
+    scale = next(numpy_helper.to_array(x) for x in q.graph.initializer if x.name == "w_scale")
+    ints = next(numpy_helper.to_array(x) for x in q.graph.initializer if x.name == "w_quantized")
+    derived = np.abs(np.moveaxis(w, 1, 0)).reshape(3, -1).max(axis=1) / 7
+    np.testing.assert_allclose(derived, scale, rtol=1e-6)
+    np.testing.assert_array_equal(np.rint(w / derived[None, :, None, None]), ints)
+
+
+def test_overlapping_deconv_is_left_alone_with_the_reason(tmp_path):
+    path, data, _, feeds = _single_deconv(tmp_path, strides=(2, 2), kernel=(3, 3))
+    out = tmp_path / "o"
+    dipoorlet.quantize(model=path, input_dir=data, data_num=len(feeds), deploy="trt", output_dir=out,
+                       gptq=True, skip_prof_layer=True)
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["gptq"]["layers"] == 0
+    assert "overlap" in rep["gptq"]["skipped"]["deconv"]
