@@ -6,8 +6,10 @@
   converted with onnx's version converter.
 - ``remove_identities``: Identity nodes between tensors are bypassed so that a Q/DQ pair is not
   split from the op it belongs to.
-- ``fold_bias_add``: an Add of one constant per output channel right after a Conv or
-  ConvTranspose (paddle2onnx exports every ConvTranspose bias so) becomes the layer's bias.
+- ``fold_into_conv``: an Add, Sub, Mul or Div by one constant per output channel right after a
+  Conv or ConvTranspose (paddle2onnx exports every ConvTranspose bias as such an Add, and
+  PP-LCNetV3's learnable affine block after a Conv as a Mul and an Add) goes into the layer's
+  weight and bias, as the backends' converters do.
 - ``fold_batchnorm``: an inference BatchNormalization right after a Conv or ConvTranspose is
   folded into its weight and bias, as TensorRT and every other backend do before running int8. The weights are
   then quantized as the backend will hold them, and the Conv output the quantizer sees is the one
@@ -235,22 +237,27 @@ def _foldable_layer(g: Graph, tensor: str, outputs: set):
     return conv
 
 
-def fold_bias_add(g: Graph) -> int:
-    """Fold ``Conv/ConvTranspose -> Add(constant)`` into the layer's bias where the constant is
-    one value per output channel (or one for all): paddle2onnx exports every ConvTranspose bias
-    this way. Backends' converters fold it (TensorRT, SNPE's and RKNN's squash the bias Add
-    into the convolution), so the quantizer should not see a tensor between them."""
+def fold_into_conv(g: Graph) -> int:
+    """Fold ``Conv/ConvTranspose -> Add/Sub/Mul/Div(constant)`` into the layer's weight and bias
+    where the constant is one value per output channel (or one for all), as the backends'
+    converters do before quantizing (SNPE's and QNN's squash the elementwise op into the
+    convolution, TensorRT fuses a scale, onnxruntime has ConvAddFusion and ConvMulFusion), so
+    the quantizer does not see a tensor between them: paddle2onnx exports every ConvTranspose
+    bias as an Add, and PP-LCNetV3's learnable affine block after a Conv as a Mul and an Add of
+    scalars. ``x + c``, ``x - c``: bias + c, bias - c; ``x * k``, ``x / k``: weight and bias
+    scaled per output channel (Sub and Div only with the layer's output first; never by 0)."""
     folded = 0
     outputs = set(g.output_names)
-    for add in list(g.graph.node):
-        if add.op_type != "Add" or len(add.input) != 2:
+    for op in list(g.graph.node):
+        if op.op_type not in ("Add", "Sub", "Mul", "Div") or len(op.input) != 2:
             continue
-        for side in (0, 1):
-            conv = _foldable_layer(g, add.input[side], outputs)
-            other = add.input[1 - side]
+        sides = (0, 1) if op.op_type in ("Add", "Mul") else (0,)
+        for side in sides:
+            conv = _foldable_layer(g, op.input[side], outputs)
+            other = op.input[1 - side]
             if conv is None or not g.is_constant(other) or g.elem_type(other) not in (None, onnx.TensorProto.FLOAT):
                 continue
-            w = g.weight(conv.input[1])
+            w = g.weight(conv.input[1]).astype(np.float64)
             c = g.weight(other).astype(np.float64)
             rank, cout = w.ndim, _out_channels(conv, w)
             if c.ndim > rank:
@@ -258,11 +265,22 @@ def fold_bias_add(g: Graph) -> int:
             shape = (1,) * (rank - c.ndim) + c.shape
             if shape[0] != 1 or any(d != 1 for d in shape[2:]) or shape[1] not in (1, cout):
                 continue   # not one value per output channel
-            b = g.weight(conv.input[2]).astype(np.float64) if len(conv.input) > 2 and conv.input[2] else 0.0
-            b_new = (b + np.broadcast_to(c.reshape(-1), (cout,))).astype(np.float32)
-            _set_layer_params(g, conv, None, b_new, "addfold")
-            conv.output[0] = add.output[0]
-            g.graph.node.remove(add)
+            c = np.broadcast_to(c.reshape(-1), (cout,))
+            if op.op_type == "Div" and not np.all(c != 0):
+                continue
+            b = g.weight(conv.input[2]).astype(np.float64) if len(conv.input) > 2 and conv.input[2] else np.zeros(cout)
+            w_new = None
+            if op.op_type == "Add":
+                b = b + c
+            elif op.op_type == "Sub":
+                b = b - c
+            else:
+                k = c if op.op_type == "Mul" else 1.0 / c
+                w_new = _scale_out_channels(conv, w, k).astype(np.float32)
+                b = b * k
+            _set_layer_params(g, conv, w_new, b.astype(np.float32), "fold")
+            conv.output[0] = op.output[0]
+            g.graph.node.remove(op)
             g.refresh()
             folded += 1
             break
@@ -411,10 +429,10 @@ def prepare(g: Graph) -> dict:
     done["constants_folded"] = fold_constants(g)
     done["identities_removed"] = remove_identities(g)
     # a bias Add between a convolution and its BatchNormalization first (paddle2onnx's
-    # ConvTranspose), then the BN, then an Add after a folded BN
-    done["bias_adds_folded"] = fold_bias_add(g)
+    # ConvTranspose), then the BN, then what follows a folded BN
+    done["elementwise_folded"] = fold_into_conv(g)
     done["batchnorms_folded"] = fold_batchnorm(g)
-    done["bias_adds_folded"] += fold_bias_add(g)
+    done["elementwise_folded"] += fold_into_conv(g)
     g.model = infer_shapes(g.model)
     g.refresh()
     return done

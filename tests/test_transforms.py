@@ -113,7 +113,7 @@ def test_deconv_bias_add_and_batchnorm_fold_into_the_deconv(group, const_shape):
     init = {t.name: onnx_to_array(t) for t in model.graph.initializer}
     g = Graph(model)
     done = prepare.prepare(g)
-    assert done["bias_adds_folded"] == 1 and done["batchnorms_folded"] == 1
+    assert done["elementwise_folded"] == 1 and done["batchnorms_folded"] == 1
     assert [n.op_type for n in g.graph.node] == ["ConvTranspose", "Relu"]
     deconv = g.graph.node[0]
     assert len(deconv.input) == 3 and deconv.output[0] == "n"
@@ -130,20 +130,66 @@ def test_deconv_bias_add_and_batchnorm_fold_into_the_deconv(group, const_shape):
 def test_conv_bias_add_folds_without_batchnorm():
     model = deconv_add_bn(bn=False, const_shape="c")   # [C] broadcasts along the last axis: not per channel
     g = Graph(model)
-    assert prepare.fold_bias_add(g) == 0
+    assert prepare.fold_into_conv(g) == 0
     model = deconv_add_bn(bn=False, const_shape="chw")
     feed = {"x": rand((1, 4, 2, 2), 9)}
     want = ort_run(model, feed)[0]
     g = Graph(model)
-    assert prepare.fold_bias_add(g) == 1
+    assert prepare.fold_into_conv(g) == 1
     np.testing.assert_allclose(ort_run(g.model, feed)[0], want, rtol=1e-6, atol=1e-6)
 
 
 def test_bias_add_with_a_spatial_constant_is_not_folded():
     g = Graph(deconv_add_bn(const_spatial=True))
     done = prepare.prepare(g)
-    assert done["bias_adds_folded"] == 0 and done["batchnorms_folded"] == 0
+    assert done["elementwise_folded"] == 0 and done["batchnorms_folded"] == 0
     assert [n.op_type for n in g.graph.node] == ["ConvTranspose", "Add", "BatchNormalization", "Relu"]
+
+
+def conv_then(ops, const_shape=(1,), group=1):
+    """Conv (3x3, pad 1, bias) followed by elementwise ops with constants, e.g.
+    [("Mul", 0), ("Add", 0)]: (op, which input the running tensor is)."""
+    cin, cout = 4, 6
+    inits = {"w": rand((cout, cin // group, 3, 3), 0, 0.4), "b": rand((cout,), 1, 0.1)}
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["t0"], name="conv", pads=[1] * 4, group=group)]
+    for i, (op, side) in enumerate(ops):
+        k = f"k{i}"
+        inits[k] = (rand(const_shape, 10 + i, 0.5) + 1.5) if const_shape else np.float32(1.7 + i)
+        ins = [f"t{i}", k] if side == 0 else [k, f"t{i}"]
+        nodes.append(helper.make_node(op, ins, [f"t{i + 1}"], name=f"{op.lower()}{i}"))
+    nodes.append(helper.make_node("Relu", [f"t{len(ops)}"], ["y"], name="relu"))
+    return make_model(nodes, [vi("x", [1, cin, 5, 5])], [vi("y", [1, cout, 5, 5])], inits, opset=15)
+
+
+@pytest.mark.parametrize("ops,const_shape,group", [
+    ([("Mul", 0), ("Add", 0)], (1,), 1),              # PP-LCNetV3's learnable affine block after a Conv
+    ([("Mul", 1), ("Add", 1)], (), 1),                # constants first, scalars
+    ([("Div", 0), ("Sub", 0)], (6, 1, 1), 1),         # per channel
+    ([("Mul", 0)], (1, 6, 1, 1), 2),                  # grouped
+])
+def test_elementwise_ops_with_constants_fold_into_the_conv(ops, const_shape, group):
+    model = conv_then(ops, const_shape, group)
+    feed = {"x": rand((1, 4, 5, 5), 9)}
+    want = ort_run(model, feed)[0]
+    g = Graph(model)
+    assert prepare.fold_into_conv(g) == len(ops)
+    assert [n.op_type for n in g.graph.node] == ["Conv", "Relu"]
+    np.testing.assert_allclose(ort_run(g.model, feed)[0], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("ops", [[("Sub", 1)], [("Div", 1)]])
+def test_constant_minus_or_over_the_conv_is_not_folded(ops):
+    g = Graph(conv_then(ops))
+    assert prepare.fold_into_conv(g) == 0
+
+
+def test_division_by_a_zero_channel_is_not_folded():
+    model = conv_then([("Div", 0)], (6, 1, 1))
+    k = next(t for t in model.graph.initializer if t.name == "k0")
+    arr = onnx_to_array(k).copy()
+    arr[2] = 0.0
+    k.CopyFrom(__import__("onnx").numpy_helper.from_array(arr, "k0"))
+    assert prepare.fold_into_conv(Graph(model)) == 0
 
 
 # ----------------------------------------------------------------------------------- bias correction
