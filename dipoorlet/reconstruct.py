@@ -1,7 +1,8 @@
 """Output-aware weight rounding from second-moment statistics (``--gptq``).
 
 Rounding every weight to its nearest grid point minimizes the weight's own error, not the layer
-output's. For a linear layer (Conv, Gemm, MatMul with a constant weight) the output error over
+output's. For a linear layer (Conv, Gemm, MatMul with a constant weight; a ConvTranspose whose
+kernel equals its stride, a product per input pixel) the output error over
 the calibration data is a quadratic form in the weights, fixed by second moments of the layer's
 input. With ``x`` the layer's input in the quantized model *before* its Q/DQ, clipped to the
 grid's range, and ``x̃`` after it (the value the layer reads),
@@ -24,7 +25,9 @@ Why the layer's *own* input and not the float model's: every layer is solved fro
 a target of the float model's input makes each layer also undo every upstream layer's error,
 which the upstream layers are undoing at the same time (measured: the PP-OCR classifier's
 agreement fell from 96.3% to 88.5%). Compensating only its own input's quantization counts every
-error once.
+error once. A sequential variant (session 11: float target, stage by stage, the layers upstream
+already re-rounded, so nothing is undone twice) lost too: the PP-OCRv4 detector's map cosine
+0.984 against 0.988, the classifier 95.3% against 96.0%.
 
 Each layer keeps the grid (scales, zero points) the plan gave it; only which grid point each
 weight takes, and its bias, change, and only where the statistics say E falls. The statistics
