@@ -211,8 +211,7 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
         if spread is not None:
             row["weight_channel_spread"] = spread
         row["advice"] = _advice(row, platform, row["node"] in set(gptq), method,
-                                gptq_hint=not gptq_ran and wsq is not None
-                                and s.op_type in ("Conv", "ConvTranspose", "Gemm", "MatMul"))
+                                gptq_hint=not gptq_ran and wsq is not None and _gptq_could_fit(g, s.node))
         rows.append(row)
     return rows
 
@@ -220,6 +219,14 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
 # range methods that may clip far inside what the data reaches (KL divergence, a percentile);
 # below this fraction of the largest channel value the advice names the method
 TIGHT_CLIP = 0.25
+
+
+def _gptq_could_fit(g, name: str) -> bool:
+    """Whether --gptq could re-round this node's weight (the graph's reasons only)."""
+    from dipoorlet.reconstruct import unfit_reason
+
+    node = g.node_by_name[name]
+    return len(node.input) > 1 and g.is_constant(node.input[1]) and unfit_reason(g, node, node.input[1]) is None
 
 
 def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | None = None,

@@ -70,20 +70,38 @@ def load_graph(cfg: QuantConfig) -> Graph:
     done = prepare.prepare(g)
     g.prepared = done
     log.info("model %s: opset %d (was %d), %d nodes, %d Constant weights moved to initializers, "
-             "%d constant subexpressions folded, %d BatchNormalization folded into Conv", cfg.model, g.opset,
+             "%d constant subexpressions folded, %d BatchNormalization and %d constant Add/Sub/Mul/Div folded "
+             "into Conv/ConvTranspose", cfg.model, g.opset,
              done["opset_from"], len(g.graph.node), done["constants_to_initializers"], done["constants_folded"],
-             done["batchnorms_folded"])
+             done["batchnorms_folded"], done["elementwise_folded"])
     if done["float16_widened"]:
         log.warning("model %s is float16: calibrated and written in float32 (%d weights, types and Casts "
                     "widened; inputs %s now float32); the backends build float32 Q/DQ models and run "
                     "the layers left float in FP16 when asked (e.g. TensorRT --fp16)", cfg.model,
                     done["float16_widened"], sorted(g.file_dtypes) or "none")
+    cfg = _follow_folds(cfg, g)
     missing = (set(cfg.skip_layers) | set(cfg.layer_bits)) - set(g.node_by_name)
     if missing:
         sample = ", ".join(sorted(g.node_by_name)[:5])
         raise ConfigError(f"--skip_layers/--layer_bits name {sorted(missing)}, which are not nodes of the model "
                           f"(nodes are named like: {sample}, ...); use node names, not tensor names")
-    return g
+    return g, cfg
+
+
+def _follow_folds(cfg: QuantConfig, g: Graph) -> QuantConfig:
+    """--skip_layers/--layer_bits naming a node that preparation folded into a Conv (a
+    BatchNormalization, a constant Add/Mul ...) apply to that Conv."""
+    folded = getattr(g, "folded_into", {})
+    moved = {n: folded[n] for n in list(cfg.skip_layers) + list(cfg.layer_bits) if n in folded}
+    if not moved:
+        return cfg
+    for n, conv in moved.items():
+        log.info("%s was folded into %s (as the backends fold it); --skip_layers/--layer_bits apply to %s",
+                 n, conv, conv)
+    skip = tuple(dict.fromkeys(moved.get(n, n) for n in cfg.skip_layers))
+    bits = {moved.get(n, n): v for n, v in cfg.layer_bits.items() if n in moved}
+    bits.update({n: v for n, v in cfg.layer_bits.items() if n not in moved})   # the Conv's own setting wins
+    return dataclasses.replace(cfg, skip_layers=skip, layer_bits=bits)
 
 
 def one_pass_minmax(cfg: QuantConfig) -> bool:
@@ -179,7 +197,7 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         log.warning("--gptq_samples applies with --gptq only; ignored")
     if cfg.stpu_wg and plat.name != "stpu":
         log.warning("--stpu_wg applies to -D stpu only; ignored on %s", plat.name)
-    g = load_graph(cfg)
+    g, cfg = load_graph(cfg)
     data = DataSource(cfg.input_dir, input_specs(g), cfg.data_num, cfg.input_shapes)
     indices = shard(cfg.data_num, comm.rank, comm.world)
     _declare_input_ranks(g, data)

@@ -222,11 +222,20 @@ def _set_layer_params(g: Graph, conv, w_new, b_new, tag: str) -> None:
             conv.input.append(name)
 
 
+def _record_fold(g: Graph, node, conv) -> None:
+    """``g.folded_into``: removed node name -> the layer it went into (options naming it follow)."""
+    if not hasattr(g, "folded_into"):
+        g.folded_into = {}
+    if node.name:
+        g.folded_into[node.name] = conv.name
+
+
 def _foldable_layer(g: Graph, tensor: str, outputs: set):
     """The Conv/ConvTranspose producing ``tensor`` when nothing else reads it and its weight
     and bias are float32 constants; else None."""
     conv = g.producer.get(tensor)
-    if conv is None or conv.op_type not in ("Conv", "ConvTranspose") or len(g.consumers.get(tensor, [])) != 1 \
+    if conv is None or conv.op_type not in ("Conv", "ConvTranspose") or conv.domain not in ("", "ai.onnx") \
+            or len(g.consumers.get(tensor, [])) != 1 \
             or tensor in outputs or len(conv.input) < 2:
         return None
     params = [conv.input[1]] + ([conv.input[2]] if len(conv.input) > 2 and conv.input[2] else [])
@@ -249,7 +258,7 @@ def fold_into_conv(g: Graph) -> int:
     folded = 0
     outputs = set(g.output_names)
     for op in list(g.graph.node):
-        if op.op_type not in ("Add", "Sub", "Mul", "Div") or len(op.input) != 2:
+        if op.op_type not in ("Add", "Sub", "Mul", "Div") or op.domain not in ("", "ai.onnx") or len(op.input) != 2:
             continue
         sides = (0, 1) if op.op_type in ("Add", "Mul") else (0,)
         for side in sides:
@@ -279,6 +288,7 @@ def fold_into_conv(g: Graph) -> int:
                 w_new = _scale_out_channels(conv, w, k).astype(np.float32)
                 b = b * k
             _set_layer_params(g, conv, w_new, b.astype(np.float32), "fold")
+            _record_fold(g, op, conv)
             conv.output[0] = op.output[0]
             g.graph.node.remove(op)
             g.refresh()
@@ -298,7 +308,7 @@ def fold_batchnorm(g: Graph) -> int:
     folded = 0
     outputs = set(g.output_names)
     for bn in list(g.graph.node):
-        if bn.op_type != "BatchNormalization" or any(o for o in bn.output[1:]):
+        if bn.op_type != "BatchNormalization" or bn.domain not in ("", "ai.onnx") or any(o for o in bn.output[1:]):
             continue
         if node_attr(bn, "training_mode", 0):
             continue
@@ -315,6 +325,7 @@ def fold_batchnorm(g: Graph) -> int:
         w_new = _scale_out_channels(conv, w, k).astype(np.float32)
         b_new = ((b - mean) * k + beta).astype(np.float32)
         _set_layer_params(g, conv, w_new, b_new, "bnfold")
+        _record_fold(g, bn, conv)
         conv.output[0] = bn.output[0]
         g.graph.node.remove(bn)
         g.refresh()

@@ -89,6 +89,28 @@ class Layer:
     trans_b: bool = False
 
 
+def unfit_reason(g, node, weight: str) -> str | None:
+    """Why GPTQ cannot fit this node whatever the data and grids (None where it may): the
+    reasons that depend only on the graph. :func:`find_layers` adds those of the plan."""
+    op = node.op_type
+    if op not in ("Conv", "ConvTranspose", "Gemm", "MatMul") or node.domain not in ("", "ai.onnx"):
+        return f"{op} is not a Conv, ConvTranspose, Gemm or MatMul"
+    w = g.weight(weight)
+    if op == "ConvTranspose":
+        why = _unfit_deconv(node, w)
+        if why:
+            return why
+    if (op in ("Conv", "ConvTranspose") and w.ndim < 3) or (op not in ("Conv", "ConvTranspose") and w.ndim != 2):
+        return f"{w.ndim}-D weight"
+    if op == "Gemm" and node_attr(node, "transA", 0):
+        return "Gemm with transA"
+    if op == "Conv" and node_attr(node, "auto_pad", "NOTSET") not in (b"NOTSET", "NOTSET"):
+        return "Conv with auto_pad"
+    if len(g.consumers.get(weight, [])) != 1:
+        return "weight shared with another node"
+    return None
+
+
 def find_layers(g, places, plan, qmodel) -> tuple[list[Layer], dict]:
     """The layers GPTQ can round, and why others are left alone (node -> reason)."""
     qnodes = {n.name: n for n in qmodel.graph.node}
@@ -105,22 +127,10 @@ def find_layers(g, places, plan, qmodel) -> tuple[list[Layer], dict]:
         w = g.weight(wp.tensor)
         if op not in ("Conv", "ConvTranspose", "Gemm", "MatMul"):
             continue
-        if op == "ConvTranspose":
-            why = _unfit_deconv(node, w)
-            if why:
-                skipped[name] = why
-                continue
-        if (op in ("Conv", "ConvTranspose") and w.ndim < 3) or (op not in ("Conv", "ConvTranspose") and w.ndim != 2):
-            skipped[name] = f"{w.ndim}-D weight"
-            continue
-        if op == "Gemm" and node_attr(node, "transA", 0):
-            skipped[name] = "Gemm with transA"
-            continue
-        if op == "Conv" and node_attr(node, "auto_pad", "NOTSET") not in (b"NOTSET", "NOTSET"):
-            skipped[name] = "Conv with auto_pad"
-            continue
-        if uses[wp.tensor] != 1 or len(g.consumers.get(wp.tensor, [])) != 1:
-            skipped[name] = "weight shared with another node"
+        why = unfit_reason(g, node, wp.tensor) or (
+            "weight shared with another node" if uses[wp.tensor] != 1 else None)
+        if why:
+            skipped[name] = why
             continue
         qnode = qnodes.get(name)
         xq = qnode.input[0] if qnode is not None else None

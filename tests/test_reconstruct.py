@@ -166,7 +166,7 @@ def test_statistics_are_exact_sums_in_any_order(tmp_path):
     feeds = input_feeds(model, 12, seed=3)
     data_dir = write_samples(tmp_path / "data", feeds)
     cfg = QuantConfig(model=path, input_dir=data_dir, data_num=12, act_quant="minmax", output_dir=tmp_path / "o")
-    g = load_graph(cfg)
+    g, cfg = load_graph(cfg)
     plat = platform_mod.load("trt")
     data = DataSource(data_dir, input_specs(g), 12, {})
     places = placement_mod.place(g, plat, ())
@@ -502,3 +502,24 @@ def test_overlapping_deconv_is_left_alone_with_the_reason(tmp_path):
     rep = json.loads((out / "report.json").read_text())
     assert rep["gptq"]["layers"] == 0
     assert "overlap" in rep["gptq"]["skipped"]["deconv"]
+
+
+def test_diagnosis_names_gptq_only_for_layers_it_can_fit(tmp_path):
+    """A padded 4x4 stride-2 ConvTranspose whose input rounding dominates: --gptq would skip it
+    (taps overlap), so the advice does not suggest it (review finding)."""
+    r = np.random.default_rng(0)
+    nodes = [helper.make_node("ConvTranspose", ["x", "wt", "b"], ["y"], name="deconv", strides=[2, 2],
+                              pads=[1, 1, 1, 1])]
+    model = make_model(nodes, [vi("x", [1, 8, 6, 6])], [vi("y", [1, 4, 12, 12])],
+                       {"wt": rand((8, 4, 4, 4), 3, 0.3), "b": rand((4,), 2, 0.1)})
+    feeds = []
+    for _ in range(6):
+        x = r.standard_normal((1, 8, 6, 6)).astype(np.float32)
+        x[0, 0] *= 60.0          # one wide channel: input rounding dominates
+        feeds.append({"x": x})
+    path, data = save(model, tmp_path / "m.onnx"), write_samples(tmp_path / "data", feeds)
+    res = dipoorlet.quantize(model=path, input_dir=data, data_num=len(feeds), deploy="trt", output_dir=tmp_path / "o",
+                             equalize=False, act_quant="minmax", sens_samples=4)
+    rows = {d["node"]: d for d in res.report["diagnosis"]}
+    assert rows["deconv"]["cause"] == "activations"
+    assert "--gptq" not in rows["deconv"]["advice"]

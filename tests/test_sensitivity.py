@@ -368,7 +368,7 @@ def test_a_softmax_output_is_scored_on_its_logits_through_identities(identities,
     from dipoorlet.config import QuantConfig
     from dipoorlet.pipeline import load_graph
 
-    loaded = load_graph(QuantConfig(model=path, input_dir=tmp_path, data_num=1))
+    loaded, _ = load_graph(QuantConfig(model=path, input_dir=tmp_path, data_num=1))
     scored = scored_tensor(loaded, out)
     assert scored != out and loaded.producer[scored].op_type in ("Gemm", "Reshape", "Flatten")
     g2 = Graph(infer_shapes(make_model(nodes[:1] + [helper.make_node("Relu", ["logits"], ["r"], name="relu")],

@@ -1095,3 +1095,35 @@ def test_side_files_name_only_tensors_of_a_written_float_model(tmp_path, deploy)
     assert weights and acts
     assert set(weights) <= names and set(acts) <= names
     assert any(w.endswith("_bnfold") for w in weights)
+
+
+def test_ops_of_another_domain_are_not_folded():
+    model = conv_then([("Mul", 0)])
+    mul = next(n for n in model.graph.node if n.op_type == "Mul")
+    mul.domain = "my.ops"
+    g = Graph(model)
+    assert prepare.fold_into_conv(g) == 0
+    assert [n.op_type for n in g.graph.node] == ["Conv", "Mul", "Relu"]
+
+
+def test_skip_layers_naming_a_folded_node_applies_to_its_conv(tmp_path, caplog):
+    """--skip_layers mul0 (a scalar Mul folded into conv) keeps conv float: the user named a node
+    of the model they gave, and the backend folds it into that Conv too."""
+    import logging
+
+    from conftest import input_feeds, quantize_model
+
+    model = conv_then([("Mul", 0), ("Add", 0)])
+    # a second Conv after the Relu, so that something is still quantized
+    model.graph.node.append(helper.make_node("Conv", ["y", "w2"], ["z"], name="conv2"))
+    model.graph.initializer.append(__import__("onnx").numpy_helper.from_array(rand((2, 6, 1, 1), 20, 0.3), "w2"))
+    model.graph.output[0].CopyFrom(vi("z", [1, 2, 5, 5]))
+    feeds = input_feeds(model, 3)
+    with caplog.at_level(logging.INFO, logger="dipoorlet"):
+        _, qm = quantize_model(tmp_path, model, feeds=feeds, skip_layers=["mul0"], layer_bits={"add1": (4, None)},
+                               skip_prof_layer=True)
+    conv = next(n for n in qm.graph.node if n.name == "conv")
+    assert not any(n.op_type == "DequantizeLinear" and n.output[0] == conv.input[1] for n in qm.graph.node)
+    assert "mul0 was folded into conv" in caplog.text and "add1 was folded into conv" in caplog.text
+    conv2 = next(n for n in qm.graph.node if n.name == "conv2")
+    assert any(n.op_type == "DequantizeLinear" and n.output[0] == conv2.input[1] for n in qm.graph.node)
