@@ -162,6 +162,10 @@ def plan_biases(g: Graph, places, plan: QuantPlan) -> None:
             continue  # e.g. a Gemm bias of shape (1, N) broadcast by the op: left float
         bqp = bias_qparams(plan.activations[src], s_w)
         value = np.asarray(plan.values.get(bias, g.weight(bias)), np.float64)
+        if np.any(np.abs(value) / bqp.scale.astype(np.float64) > bqp.qmax) \
+                and _widen_dead_channels(g, plan, wp.tensor, plan.activations[src], value, node_name):
+            s_w = plan.weights[wp.tensor]
+            bqp = bias_qparams(plan.activations[src], s_w)
         if np.any(np.abs(value) / bqp.scale.astype(np.float64) > bqp.qmax):
             # a near-constant input (an all-zero state, a mask) gives a tiny input scale: the
             # bias does not fit int32 on s_in * s_w, and saturating it would change the layer
@@ -170,6 +174,43 @@ def plan_biases(g: Graph, places, plan: QuantPlan) -> None:
             continue
         plan.weights[bias] = bqp
         places.weights[(node_name, 2)] = placement_mod.WeightPoint(bias, node_name, 2, plan.weights[bias].axis)
+
+
+DEAD_CHANNEL = 1e-4   # a channel whose largest |w| is below this fraction of the layer's is dead
+
+
+def _widen_dead_channels(g: Graph, plan: QuantPlan, weight: str, s_in, bias: np.ndarray, node_name: str) -> bool:
+    """Where a bias does not fit int32 on s_in * s_w only in output channels whose weights are
+    all but zero beside the layer's others (a pruned or dead channel: its per-channel scale is
+    tiny), widen those channels' weight scales until it fits, as onnxruntime's quantizer does:
+    their weights keep a grid far finer than any live channel's, and the bias (all but the
+    channel's whole output) goes to the backend as int32 like the others. Returns whether it
+    widened; a live channel is never touched."""
+    s_w = plan.weights[weight]
+    if s_w.axis is None or not np.ndim(s_w.scale):
+        return False
+    w = np.asarray(plan.values.get(weight, g.weight(weight)), np.float64)
+    wmax = np.abs(np.moveaxis(w, s_w.axis, 0)).reshape(w.shape[s_w.axis], -1).max(axis=1)
+    scale = s_w.scale.astype(np.float64)
+    s_x = float(np.max(s_in.scale))
+    lim = 2 ** 31 - 1
+    over = np.abs(bias) / (s_x * scale) > lim
+    need = np.abs(bias) / (s_x * lim) * (1 + 1e-6)
+    # dead: negligible beside the layer's other channels (a tiny input scale, e.g. an all-zero
+    # state, would make every channel overflow: nothing is dead then, and the bias stays float)
+    if wmax.shape != over.shape or not np.all(wmax[over] <= DEAD_CHANNEL * wmax.max()):
+        return False
+    wide = np.maximum(scale, need)
+    if np.all(np.log2(scale) == np.round(np.log2(scale))):     # a power-of-two backend stays on its grids
+        wide = 2.0 ** np.ceil(np.log2(wide))
+    new = np.where(over, wide, scale).astype(np.float32)
+    zp = s_w.zero_point.astype(np.float64)
+    lo = np.where(over, (s_w.qmin - zp) * new, s_w.lo).astype(np.float32)
+    hi = np.where(over, (s_w.qmax - zp) * new, s_w.hi).astype(np.float32)
+    plan.weights[weight] = dataclasses.replace(s_w, scale=new, lo=lo, hi=hi)
+    log.info("bias of %s: %d dead output channel(s) (largest |w| under %g of the layer's) get a wider "
+             "weight grid so that the bias fits int32 on s_in * s_w", node_name, int(over.sum()), DEAD_CHANNEL)
+    return True
 
 
 def plan_weights(g: Graph, places, plan: QuantPlan, plat, cfg: QuantConfig) -> None:

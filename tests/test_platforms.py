@@ -338,3 +338,44 @@ def test_conv_transpose_bias_is_int32_on_its_per_channel_weight_scales(tmp_path)
     np.testing.assert_allclose(inits[bias_dq.input[1]], s_x * s_w, rtol=1e-6)
     b = inits[bias_dq.input[0]] * inits[bias_dq.input[1]].astype(np.float64)
     np.testing.assert_allclose(b, rand((5,), 2, 0.1), atol=float(np.max(s_x * s_w)))
+
+
+@pytest.mark.parametrize("plat", ["qnn", "rk"])
+def test_a_dead_channels_bias_fits_int32_on_a_widened_weight_grid(tmp_path, plat):
+    """One output channel whose weights are all but zero (1e-12) and whose bias is 0.5: on
+    s_in * s_w the bias would need far more than int32. That channel's weight grid is widened
+    (still far finer than any live channel's) and the bias goes int32 like the others; the
+    other channels keep their grids, and the model still computes the float output. (An
+    all-zero input, where every channel overflows, keeps the bias float: test_qparams.)"""
+    from conftest import make_model, rand, vi
+    from onnx import helper
+
+    w = rand((4, 3, 3, 3), 1, 0.3)
+    w[2] = 1e-12
+    b = rand((4,), 2, 0.1)
+    b[2] = 0.5
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", pads=[1] * 4),
+             helper.make_node("Relu", ["c"], ["y"], name="relu")]
+    model = make_model(nodes, [vi("x", [1, 3, 6, 6])], [vi("y", [1, 4, 6, 6])], {"w": w, "b": b})
+    feeds = input_feeds(model, 4, seed=5)
+    data = write_samples(tmp_path / "data", feeds)
+    out = tmp_path / "out"
+    dipoorlet.quantize(model=save(model, tmp_path / "m.onnx"), input_dir=data, data_num=4, deploy=plat,
+                       output_dir=out, skip_prof_layer=True)
+    qm = onnx.load(str(out / "quant_model.onnx"))
+    inits = {t.name: numpy_helper.to_array(t) for t in qm.graph.initializer}
+    conv = next(n for n in qm.graph.node if n.name == "conv")
+    bias_dq = next(n for n in qm.graph.node if n.output[0] == conv.input[2])
+    weight_dq = next(n for n in qm.graph.node if n.output[0] == conv.input[1])
+    ints = inits[bias_dq.input[0]]
+    assert ints.dtype == np.int32
+    step = inits[bias_dq.input[1]].astype(np.float64)
+    assert np.all(np.abs(ints * step - b) <= step / 2 + 1e-9)
+    s_w = inits[weight_dq.input[1]]
+    live = np.abs(w.reshape(4, -1)).max(1)
+    zp = inits[weight_dq.input[2]].astype(np.float64)
+    span = (255.0 if zp.dtype == np.uint8 or np.any(zp > 0) else 254.0)
+    for c in (0, 1, 3):      # live channels keep the grid their range gives
+        assert s_w[c] == pytest.approx(2 * live[c] / span, rel=0.02)
+    assert s_w[2] > 1000 * 1e-12 / 127 and s_w[2] < 1e-4 * s_w.max()   # widened, still far finer than the rest
+    np.testing.assert_allclose(ort_run(qm, feeds[0])[0], ort_run(model, feeds[0])[0], atol=0.05)
