@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stpu_wg", action="store_true", help="stpu: Winograd F(2,3) for 3x3 stride-1 convolutions")
     p.add_argument("--sens_samples", type=int, default=8,
                    help="samples for isolated layer sensitivity and --auto_skip (default 8)")
+    p.add_argument("--prof_samples", type=int, default=None, metavar="K",
+                   help="samples the error profile (report tables, --fail_below) reads (default: all N "
+                        "up to 128; all N with --savefp)")
     p.add_argument("--criterion", default="cosine", choices=["cosine", "sqnr", "maxabs"],
                    help="how layers are ranked by sensitivity")
     p.add_argument("--auto_skip", default=None, metavar="TARGET",
@@ -238,7 +241,8 @@ def _main(args, argv, state) -> int:
                           quant_format=args.quant_format, stpu_wg=args.stpu_wg, bias_correction=args.bc,
                           gptq=args.gptq, gptq_samples=args.gptq_samples, gptq_memory=args.gptq_memory,
                           equalize=not args.no_equalize, shift=not args.no_shift, equalize_samples=args.eq_samples,
-                          sens_samples=args.sens_samples, criterion=args.criterion, auto_skip=args.auto_skip,
+                          sens_samples=args.sens_samples, prof_samples=args.prof_samples,
+                          criterion=args.criterion, auto_skip=args.auto_skip,
                           max_float_layers=args.max_float_layers, fail_below=args.fail_below,
                           w_bits=args.w_bits, a_bits=args.a_bits, layer_bits=parse_layer_bits(args.layer_bits),
                           device=args.device, debug=debug)

@@ -27,6 +27,7 @@ class QuantConfig:
     trt_version: str = "8601"
     quant_format: str = "QDQ"
     sens_samples: int = 8
+    prof_samples: int | None = None    # --prof_samples; None: N up to PROFILE_SAMPLES (all N with --savefp)
     criterion: str = "cosine"
     auto_skip: str | None = None
     max_float_layers: int = 10
@@ -63,6 +64,9 @@ class QuantConfig:
             raise ConfigError(f"--percentile must be in (50, 100], got {self.percentile}; e.g. 99.999")
         if not isinstance(self.sens_samples, int) or self.sens_samples < 1:
             raise ConfigError(f"--sens_samples must be a positive integer, got {self.sens_samples!r}")
+        if self.prof_samples is not None and (isinstance(self.prof_samples, bool) or not isinstance(
+                self.prof_samples, int) or self.prof_samples < 1):
+            raise ConfigError(f"--prof_samples must be a positive integer, got {self.prof_samples!r}")
         if self.criterion not in ("cosine", "sqnr", "maxabs"):
             raise ConfigError(f"--criterion must be cosine, sqnr or maxabs, got {self.criterion!r}")
         if self.equalize_samples is not None and (isinstance(self.equalize_samples, bool) or not isinstance(

@@ -104,6 +104,18 @@ def _follow_folds(cfg: QuantConfig, g: Graph) -> QuantConfig:
     return dataclasses.replace(cfg, skip_layers=skip, layer_bits=bits)
 
 
+PROFILE_SAMPLES = 128   # the error profile's default sample count, at most (--prof_samples)
+
+
+def profile_samples(cfg: QuantConfig) -> int:
+    """Samples the error profile reads: it reports and gates (--fail_below), so the first 128
+    estimate it well; a run over thousands of samples would otherwise spend as long again running
+    the float and the quantized model side by side. --savefp saves every sample's float outputs."""
+    if cfg.savefp:
+        return cfg.data_num
+    return min(cfg.data_num, cfg.prof_samples or PROFILE_SAMPLES)
+
+
 def one_pass_minmax(cfg: QuantConfig) -> bool:
     """Equalization statistics and -A minmax ranges from one pass (:func:`equalize.equalize_and_calibrate`;
     the statistics still read only the first --eq_samples / 64 samples)."""
@@ -373,8 +385,11 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
     savefp = _fp_saver(staging, g.output_names) if cfg.savefp else None
     try:
         t = time.perf_counter()
-        errors, out_cosines = profile.collect_errors(g, qmodel, data, indices, targets_prof, comm,
-                                                     cfg.device, savefp)
+        k = profile_samples(cfg)
+        if k < cfg.data_num:
+            log.info("profile: the first %d of %d samples (--prof_samples to change)", k, cfg.data_num)
+        errors, out_cosines = profile.collect_errors(g, qmodel, data, shard(k, comm.rank, comm.world),
+                                                     targets_prof, comm, cfg.device, savefp)
         timings["profile_s"] = time.perf_counter() - t
         if comm.rank != 0:
             return Result(out_dir, [], {}, [], timings)
@@ -393,7 +408,7 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
             files.append(_save_transformed(g, plan, staging / "transformed_model.onnx"))
         files += export_all(DeployContext(g, plan, places, plat, cfg), staging)
         meta = {"model": str(cfg.model), "platform": plat.name, "method": cfg.act_quant,
-                "samples": cfg.data_num,
+                "samples": cfg.data_num, "profile_samples": k,
                 "quantized_nodes": len(places.quantized_nodes),
                 "qdq_tensors": sum(1 for t in places.activations if t in plan.activations),
                 "weights": len(places.weights)}

@@ -138,7 +138,9 @@ def _iso(layer, key="isolated"):
 
 def markdown(report: dict) -> str:
     out = [f"# dipoorlet report: {report['model']}", "",
-           f"platform `{report['platform']}`, method `{report['method']}`, {report['samples']} samples, "
+           f"platform `{report['platform']}`, method `{report['method']}`, {report['samples']} samples"
+           + (f" (error profile over the first {report['profile_samples']})"
+              if report.get("profile_samples", report["samples"]) < report["samples"] else "") + ", "
            f"{report['quantized_nodes']} quantized nodes, {report['qdq_tensors']} Q/DQ activations", "",
            "## Network outputs", "",
            table(["output", "mean cosine", "min cosine", "SQNR dB", "max |err|"],

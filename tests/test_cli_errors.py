@@ -239,11 +239,16 @@ def two_npz_files(c):
     return ["2 .npz files", "one .npz"]
 
 
+def prof_samples_zero(c):
+    c.extra = ["--prof_samples", "0"]
+    return ["--prof_samples", "positive integer"]
+
+
 CASES = [missing_model, model_is_a_folder, not_onnx, external_data_missing, custom_op, input_dir_missing, input_folder_missing,
          too_few_files, bin_wrong_size, nan_in_sample, inf_in_npy, unknown_method, unknown_platform,
          output_not_writable, output_is_a_file, nothing_quantizable, skip_layer_unknown, input_shape_malformed, input_shape_unknown_name, zero_samples,
          weight_bits_above_8, npz_scalar, platform_not_utf8, platform_bits_16, trt_version_not_digits,
-         two_npz_files]
+         two_npz_files, prof_samples_zero]
 
 
 @pytest.mark.parametrize("breaker", CASES, ids=[f.__name__ for f in CASES])
