@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="samples for isolated layer sensitivity and --auto_skip (default 8)")
     p.add_argument("--prof_samples", type=int, default=None, metavar="K",
                    help="samples the error profile (report tables, --fail_below) reads (default: all N "
-                        "up to 128; all N with --savefp)")
+                        "up to 64, as the equalization statistics; all N with --savefp)")
     p.add_argument("--criterion", default="cosine", choices=["cosine", "sqnr", "maxabs"],
                    help="how layers are ranked by sensitivity")
     p.add_argument("--auto_skip", default=None, metavar="TARGET",

@@ -104,11 +104,11 @@ def _follow_folds(cfg: QuantConfig, g: Graph) -> QuantConfig:
     return dataclasses.replace(cfg, skip_layers=skip, layer_bits=bits)
 
 
-PROFILE_SAMPLES = 128   # the error profile's default sample count, at most (--prof_samples)
+PROFILE_SAMPLES = 64    # the error profile's default sample count, at most (--prof_samples)
 
 
 def profile_samples(cfg: QuantConfig) -> int:
-    """Samples the error profile reads: it reports and gates (--fail_below), so the first 128
+    """Samples the error profile reads: it reports and gates (--fail_below), so the first 64
     estimate it well; a run over thousands of samples would otherwise spend as long again running
     the float and the quantized model side by side. --savefp saves every sample's float outputs."""
     if cfg.savefp:
