@@ -31,7 +31,7 @@ from dipoorlet.data import DataSource, input_specs, shard
 from dipoorlet.deploy import DeployContext, export_all
 from dipoorlet.dist import SingleProcess
 from dipoorlet.errors import ConfigError, ModelError, OutputError
-from dipoorlet.graph import Graph, node_attr, save_model
+from dipoorlet.graph import Graph, save_model
 from dipoorlet.qdq import insert_qdq
 from dipoorlet.qparams import QuantPlan, bias_qparams, levels, make_qparams, share_scales
 from dipoorlet.ranges import NEEDS_HISTOGRAM, RANGE_METHODS, RangeParams
@@ -167,8 +167,8 @@ def plan_biases(g: Graph, places, plan: QuantPlan) -> None:
         if src is None or src not in plan.activations or wp.tensor not in plan.weights:
             continue
         s_w = plan.weights[wp.tensor]
-        if node.op_type == "ConvTranspose" and s_w.axis is not None and int(node_attr(node, "group", 1) or 1) != 1:
-            continue  # axis-1 weight scales do not line up with the bias channels when grouped
+        # a ConvTranspose gets a per-channel grid only with group 1 (placement.weight_axis), where
+        # its axis-1 scales line up with the bias channels as a Conv's do
         shape = g.weight(bias).shape
         if len(shape) != 1 or (s_w.scale.size > 1 and shape[0] != s_w.scale.size):
             continue  # e.g. a Gemm bias of shape (1, N) broadcast by the op: left float
@@ -404,7 +404,7 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
             files = [save_model(qmodel, staging / "quant_model.onnx")]
         renamed = any(t not in g.source_names for t in [*plan.activations, *plan.weights])
         if equalized or shifted or plan.values or renamed or g.prepared["float16_widened"] \
-                or g.prepared["batchnorms_folded"]:
+                or g.prepared["batchnorms_folded"] or g.prepared["elementwise_folded"]:
             files.append(_save_transformed(g, plan, staging / "transformed_model.onnx"))
         files += export_all(DeployContext(g, plan, places, plat, cfg), staging)
         meta = {"model": str(cfg.model), "platform": plat.name, "method": cfg.act_quant,

@@ -207,27 +207,32 @@ def _scale_out_channels(node, w: np.ndarray, k: np.ndarray) -> np.ndarray:
     return w * k[rows].reshape(cin, per, *([1] * (w.ndim - 2)))
 
 
-def _set_layer_params(g: Graph, conv, w_new, b_new, tag: str) -> None:
+def _layer_bias(g: Graph, conv, cout: int) -> np.ndarray:
+    """The layer's bias as float64 (zeros where it has none)."""
+    has = len(conv.input) > 2 and conv.input[2]
+    return g.weight(conv.input[2]).astype(np.float64) if has else np.zeros(cout)
+
+
+def _absorb(g: Graph, node, conv, w_new, b_new, tag: str) -> None:
+    """``node`` (right after ``conv``) is now part of it: the new weight (None: unchanged) and
+    bias go in as fresh initializers, ``conv`` writes ``node``'s output, ``node`` is removed.
+    ``g.folded_into`` records removed node name -> the layer it went into (options naming it
+    follow)."""
     base = conv.name or conv.output[0]
-    names = []
-    if w_new is not None:
-        names.append((1, fresh_name(g, f"{base}.weight_{tag}"), w_new))
-    names.append((2, fresh_name(g, f"{base}.bias_{tag}"), b_new))
-    for index, name, value in names:
+    params = [(1, w_new), (2, b_new)] if w_new is not None else [(2, b_new)]
+    for index, value in params:
+        name = fresh_name(g, f"{base}.{'weight' if index == 1 else 'bias'}_{tag}")
         g.graph.initializer.append(numpy_helper.from_array(value, name))
         g.initializers[name] = g.graph.initializer[-1]
         if index < len(conv.input):
             conv.input[index] = name
         else:
             conv.input.append(name)
-
-
-def _record_fold(g: Graph, node, conv) -> None:
-    """``g.folded_into``: removed node name -> the layer it went into (options naming it follow)."""
-    if not hasattr(g, "folded_into"):
-        g.folded_into = {}
     if node.name:
-        g.folded_into[node.name] = conv.name
+        g.__dict__.setdefault("folded_into", {})[node.name] = conv.name
+    conv.output[0] = node.output[0]
+    g.graph.node.remove(node)
+    g.refresh()
 
 
 def _foldable_layer(g: Graph, tensor: str, outputs: set):
@@ -277,7 +282,7 @@ def fold_into_conv(g: Graph) -> int:
             c = np.broadcast_to(c.reshape(-1), (cout,))
             if op.op_type == "Div" and not np.all(c != 0):
                 continue
-            b = g.weight(conv.input[2]).astype(np.float64) if len(conv.input) > 2 and conv.input[2] else np.zeros(cout)
+            b = _layer_bias(g, conv, cout)
             w_new = None
             if op.op_type == "Add":
                 b = b + c
@@ -287,11 +292,7 @@ def fold_into_conv(g: Graph) -> int:
                 k = c if op.op_type == "Mul" else 1.0 / c
                 w_new = _scale_out_channels(conv, w, k).astype(np.float32)
                 b = b * k
-            _set_layer_params(g, conv, w_new, b.astype(np.float32), "fold")
-            _record_fold(g, op, conv)
-            conv.output[0] = op.output[0]
-            g.graph.node.remove(op)
-            g.refresh()
+            _absorb(g, op, conv, w_new, b.astype(np.float32), "fold")
             folded += 1
             break
     if folded:
@@ -318,17 +319,14 @@ def fold_batchnorm(g: Graph) -> int:
             continue
         gamma, beta, mean, var = (g.weight(t).astype(np.float64) for t in bn.input[1:5])
         w = g.weight(conv.input[1]).astype(np.float64)
-        if gamma.ndim != 1 or gamma.shape[0] != _out_channels(conv, w):
+        cout = _out_channels(conv, w)
+        if gamma.ndim != 1 or gamma.shape[0] != cout:
             continue
-        b = g.weight(conv.input[2]).astype(np.float64) if len(conv.input) > 2 and conv.input[2] else 0.0
+        b = _layer_bias(g, conv, cout)
         k = gamma / np.sqrt(var + float(node_attr(bn, "epsilon", 1e-5)))
         w_new = _scale_out_channels(conv, w, k).astype(np.float32)
         b_new = ((b - mean) * k + beta).astype(np.float32)
-        _set_layer_params(g, conv, w_new, b_new, "bnfold")
-        _record_fold(g, bn, conv)
-        conv.output[0] = bn.output[0]
-        g.graph.node.remove(bn)
-        g.refresh()
+        _absorb(g, bn, conv, w_new, b_new, "bnfold")
         folded += 1
     if folded:
         drop_unused_initializers(g.graph)

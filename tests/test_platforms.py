@@ -311,6 +311,16 @@ def test_qop_that_cannot_run_at_all_leaves_the_qdq_model(case, monkeypatch, capl
     assert "quant_model.onnx is the QDQ model" in caplog.text
 
 
+def _layer_dequantizers(out, node_name):
+    """quant_model.onnx in ``out``: (model, initializers as arrays, the DequantizeLinear nodes
+    feeding the layer's input, weight and bias)."""
+    qm = onnx.load(str(out / "quant_model.onnx"))
+    inits = {t.name: numpy_helper.to_array(t) for t in qm.graph.initializer}
+    layer = next(n for n in qm.graph.node if n.name == node_name)
+    dqs = tuple(next(n for n in qm.graph.node if n.output[0] == layer.input[i]) for i in range(3))
+    return qm, inits, dqs
+
+
 def test_conv_transpose_bias_is_int32_on_its_per_channel_weight_scales(tmp_path):
     """A ConvTranspose's weight grids are per output channel (axis 1, group 1): its bias is held
     as int32 on s_in * s_w[c], channel by channel, as for a Conv."""
@@ -326,12 +336,7 @@ def test_conv_transpose_bias_is_int32_on_its_per_channel_weight_scales(tmp_path)
     out = tmp_path / "out"
     dipoorlet.quantize(model=save(model, tmp_path / "m.onnx"), input_dir=data, data_num=4, deploy="qnn",
                        output_dir=out, skip_prof_layer=True)
-    qm = onnx.load(str(out / "quant_model.onnx"))
-    inits = {t.name: numpy_helper.to_array(t) for t in qm.graph.initializer}
-    deconv = next(n for n in qm.graph.node if n.name == "deconv")
-    bias_dq = next(n for n in qm.graph.node if n.output[0] == deconv.input[2])
-    weight_dq = next(n for n in qm.graph.node if n.output[0] == deconv.input[1])
-    input_dq = next(n for n in qm.graph.node if n.output[0] == deconv.input[0])
+    qm, inits, (input_dq, weight_dq, bias_dq) = _layer_dequantizers(out, "deconv")
     assert inits[bias_dq.input[0]].dtype == np.int32
     s_w, s_x = inits[weight_dq.input[1]], inits[input_dq.input[1]]
     assert s_w.shape == (5,)
@@ -362,11 +367,7 @@ def test_a_dead_channels_bias_fits_int32_on_a_widened_weight_grid(tmp_path, plat
     out = tmp_path / "out"
     dipoorlet.quantize(model=save(model, tmp_path / "m.onnx"), input_dir=data, data_num=4, deploy=plat,
                        output_dir=out, skip_prof_layer=True)
-    qm = onnx.load(str(out / "quant_model.onnx"))
-    inits = {t.name: numpy_helper.to_array(t) for t in qm.graph.initializer}
-    conv = next(n for n in qm.graph.node if n.name == "conv")
-    bias_dq = next(n for n in qm.graph.node if n.output[0] == conv.input[2])
-    weight_dq = next(n for n in qm.graph.node if n.output[0] == conv.input[1])
+    qm, inits, (_, weight_dq, bias_dq) = _layer_dequantizers(out, "conv")
     ints = inits[bias_dq.input[0]]
     assert ints.dtype == np.int32
     step = inits[bias_dq.input[1]].astype(np.float64)
