@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fail_below", type=float, default=None, metavar="COSINE",
                    help="exit with code 3 when the network output cosine is below COSINE (for CI)")
     p.add_argument("--w_bits", type=int, default=None, help="weight bits for every layer (default: the platform's)")
-    p.add_argument("--a_bits", type=int, default=None, help="activation bits for every layer (2..8)")
+    p.add_argument("--a_bits", type=int, default=None, help="activation bits for every layer (2..8; 16 where the backend has 16-bit activations: qnn, snpe, ort)")
     p.add_argument("--layer_bits", nargs="+", default=[], metavar="NODE=wNaM",
                    help="per-layer bit widths, e.g. conv1=w8a8 fc=w4 (w or a may be left out)")
     p.add_argument("--trt_version", default="8601", help="version in the TensorRT calibration cache header")

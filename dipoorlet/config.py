@@ -89,18 +89,16 @@ class QuantConfig:
             parse_target(self.auto_skip)
         if self.fail_below is not None and not -1.0 <= self.fail_below <= 1.0:
             raise ConfigError(f"--fail_below is an output cosine in [-1, 1], got {self.fail_below}")
-        for name, value in (("--w_bits", self.w_bits), ("--a_bits", self.a_bits)):
-            if value is not None and not (isinstance(value, int) and 2 <= value <= 16):
-                raise ConfigError(f"{name} must be an integer in 2..8, got {value!r}")
-        for node, pair in self.layer_bits.items():
-            if any(b is not None and not 2 <= b <= 16 for b in pair):
-                raise ConfigError(f"--layer_bits {node}: bits must be in 2..8, got {pair}")
-        if (self.a_bits or 8) > 8 or any((p[1] or 8) > 8 for p in self.layer_bits.values()):
-            raise ConfigError("activation bits above 8 need int16 Q/DQ (opset 21), not supported yet; "
-                              "use --a_bits 2..8")
-        if (self.w_bits or 8) > 8 or any((p[0] or 8) > 8 for p in self.layer_bits.values()):
-            raise ConfigError("weight bits above 8 need int16 Q/DQ (opset 21), not supported yet; "
-                              "use --w_bits 2..8 (or --skip_layers to keep a layer float)")
+        if self.w_bits is not None and not (isinstance(self.w_bits, int) and 2 <= self.w_bits <= 8):
+            raise ConfigError(f"--w_bits must be an integer in 2..8, got {self.w_bits!r}")
+        if self.a_bits is not None and not (isinstance(self.a_bits, int) and (2 <= self.a_bits <= 8 or self.a_bits == 16)):
+            raise ConfigError(f"--a_bits must be an integer in 2..8, or 16 on a backend with 16-bit activations, "
+                              f"got {self.a_bits!r}")
+        for node, (wb, ab) in self.layer_bits.items():
+            if wb is not None and not 2 <= wb <= 8:
+                raise ConfigError(f"--layer_bits {node}: weight bits must be in 2..8, got w{wb}")
+            if ab is not None and not (2 <= ab <= 8 or ab == 16):
+                raise ConfigError(f"--layer_bits {node}: activation bits must be in 2..8 or 16, got a{ab}")
         for name, value in (("bias_correction (--bc)", self.bias_correction),
                             ("equalize (--no_equalize)", self.equalize)):
             if not isinstance(value, bool):

@@ -125,7 +125,7 @@ def _per_tensor_weight_spread(g, places, plan, node: str) -> float | None:
 def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equalize_on=True,
              equalized=(), smooth=True, k: int = DIAGNOSE_LAYERS, shifted=(), platform: str = "trt",
              samples: int | None = None, gptq=(), method: str | None = None,
-             gptq_ran: bool = False) -> list[dict]:
+             gptq_ran: bool = False, max_act_bits: int = 8) -> list[dict]:
     """One row per layer among the ``k`` most sensitive that lose more than ``MIN_LOSS``.
     ``shifted``: dipoorlet.shift's rows; a shifted input is described by its source tensor (its
     channel ranges and its clip on the asymmetric grid), not by the shifted copy."""
@@ -164,7 +164,7 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
             row["cause"] = "activations" if s.activation_only.sqnr_db < s.weight_only.sqnr_db else "weights"
         acts = []
         for t in inputs.get(s.node, []):
-            a = {"tensor": t, "amax": float(np.max(plan.activations[t].amax))}
+            a = {"tensor": t, "amax": float(np.max(plan.activations[t].amax)), "bits": int(plan.activations[t].bits)}
             m = t
             if t in source:
                 m = a["shifted_from"] = source[t]["tensor"]
@@ -211,7 +211,8 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
         if spread is not None:
             row["weight_channel_spread"] = spread
         row["advice"] = _advice(row, platform, row["node"] in set(gptq), method,
-                                gptq_hint=not gptq_ran and wsq is not None and _gptq_could_fit(g, s.node))
+                                gptq_hint=not gptq_ran and wsq is not None and _gptq_could_fit(g, s.node),
+                                max_act_bits=max_act_bits)
         rows.append(row)
     return rows
 
@@ -230,9 +231,10 @@ def _gptq_could_fit(g, name: str) -> bool:
 
 
 def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | None = None,
-            gptq_hint: bool = False) -> str:
+            gptq_hint: bool = False, max_act_bits: int = 8) -> str:
     """``gptq_hint``: the layer has a constant weight and --gptq did not run, so it could re-round
-    that weight to compensate the rounding of the layer's input."""
+    that weight to compensate the rounding of the layer's input. ``max_act_bits``: the widest
+    activation grid the platform runs (16: name --layer_bits NODE=a16 for activation losses)."""
     node = row["node"]
     runs = "TensorRT runs it in FP16" if platform == "trt" else f"if {platform} can run it in float or FP16"
     keep = f"keep it float with --skip_layers {node} ({runs})"
@@ -275,4 +277,8 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | 
     lead = "activation rounding dominates" if row.get("cause") == "activations" else "quantizing it costs"
     hint = ("; --gptq re-rounds its weights to compensate part of its input's rounding (one extra pass)"
             if gptq_hint and row.get("activations") else "")
+    narrow = [a for a in row.get("activations", []) if a.get("bits", 8) < max_act_bits]
+    if narrow and max_act_bits > 8:
+        hint += (f"; --layer_bits {node}=a{max_act_bits} gives its inputs {max_act_bits}-bit grids "
+                 f"({platform} runs them; --a_bits {max_act_bits} for every layer)")
     return f"{lead} ({' / '.join(facts) or 'no quantized activation input'}){hint}; {keep}"

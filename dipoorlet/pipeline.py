@@ -122,6 +122,17 @@ def one_pass_minmax(cfg: QuantConfig) -> bool:
     return cfg.act_quant == "minmax"
 
 
+def check_bits(cfg: QuantConfig, plat) -> None:
+    """--a_bits / --layer_bits asking for wider activations than the backend runs."""
+    wide = [("--a_bits", cfg.a_bits)] + [(f"--layer_bits {n}", b[1]) for n, b in cfg.layer_bits.items()]
+    for flag, bits in wide:
+        if bits is not None and bits > plat.activation.max_bits:
+            raise ConfigError(f"{flag} asks for {bits}-bit activations, but {plat.name} runs at most "
+                              f"{plat.activation.max_bits}-bit activations; use 2..{plat.activation.max_bits}, "
+                              "a backend with 16-bit activations (qnn, snpe, ort), or --skip_layers to keep "
+                              "the layer float")
+
+
 def rule_for(base, bits: int | None):
     """The platform's rule with another bit width (per-layer overrides, --a_bits/--w_bits)."""
     return base if bits is None or bits == base.bits else dataclasses.replace(base, bits=bits)
@@ -246,6 +257,7 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
     out_dir = Path(cfg.output_dir)
     check_output_dir(out_dir)
     plat = platform_mod.load(cfg.deploy)
+    check_bits(cfg, plat)
     if cfg.gptq_samples and not cfg.gptq:
         log.warning("--gptq_samples applies with --gptq only; ignored")
     if cfg.stpu_wg and plat.name != "stpu":
@@ -362,7 +374,7 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
             comm, cfg.device, equalize_on=eq_on, equalized=equalized, smooth="Mul" not in plat.quantize_ops,
             shifted=shifted, platform=plat.name, samples=analysis["sens_samples"], method=cfg.act_quant,
             gptq={r["node"] for r in reconstructed["gain_db"]} if reconstructed and reconstructed.get("gain_db") else (),
-            gptq_ran=reconstructed is not None)
+            gptq_ran=reconstructed is not None, max_act_bits=plat.activation.max_bits)
     if analysis.get("auto_skip") is not None:
         places = places.restrict([n for n in places.quantized_nodes
                                   if n not in analysis["auto_skip"].float_layers])

@@ -28,6 +28,9 @@ class TensorRule:
     # per-column grids on a batched (rank > 2) constant MatMul weight; onnxruntime's integer
     # MatMul kernels accept them on 2-D weights only
     per_channel_batched: bool = True
+    # activations: the widest grid the chip runs (16 where it has 16-bit activations, e.g. QNN's
+    # HTP: --a_bits 16 / --layer_bits NODE=a16); weights: always bits
+    max_bits: int = 8
 
 
 @dataclass(frozen=True)
@@ -56,11 +59,16 @@ _SCHEMA = {
 }
 _RULE_KEYS = {"bits": int, "symmetric": bool, "unsigned": bool, "per_channel": bool,
               "narrow_range": bool, "power_of_two": bool, "unsigned_nonnegative": bool,
-              "per_channel_batched": bool,
+              "per_channel_batched": bool, "max_bits": int,
               "quantize_network_output": bool}
 _OPS_KEYS = {"quantize": list, "weights": dict, "share_scale": list}
 _FUSION_KEYS = {"residual_add_producers": list, "residual_add_float_before": list, "pad_into": list, "activation_producers": list,
                 "activations": list}
+
+
+# side-file formats that can state a 16-bit activation grid (AIMET encodings carry a bitwidth;
+# the reference tool's clip files only ranges)
+WIDE_FORMATS = frozenset({"snpe", "qnn", "reference"})
 
 
 def platforms_dir() -> Path:
@@ -119,16 +127,25 @@ def _rule(d: dict, where: str, defaults: dict) -> TensorRule:
         if key in d and where.endswith("[activation]"):
             raise ConfigError(f"platform spec {where}: {key} applies to weights only; "
                               "activations are quantized per tensor")
+    if "max_bits" in d and not where.endswith("[activation]"):
+        raise ConfigError(f"platform spec {where}: max_bits applies to activations only "
+                          "(16-bit activation grids); weights are 2..8 bits")
     vals = {}
     for key, typ in _RULE_KEYS.items():
         if key == "quantize_network_output":
             if key in d:
                 _need(d, key, bool, where)
             continue
+        if key == "max_bits":
+            continue
         vals[key] = _need(d, key, typ, where) if key in d or key not in defaults else defaults[key]
-    if not 2 <= vals["bits"] <= 8:
-        raise ConfigError(f"platform spec {where}: bits must be 2..8 (int16 Q/DQ needs opset 21, "
-                          f"not supported yet), got {vals['bits']}")
+    act = where.endswith("[activation]")
+    if not (2 <= vals["bits"] <= 8 or (act and vals["bits"] == 16)):
+        raise ConfigError(f"platform spec {where}: bits must be 2..8{' or 16' if act else ''}, got {vals['bits']}")
+    vals["max_bits"] = _need(d, "max_bits", int, where) if "max_bits" in d else max(vals["bits"], 8)
+    if vals["max_bits"] not in (8, 16) or vals["max_bits"] < vals["bits"]:
+        raise ConfigError(f"platform spec {where}: max_bits must be 8 or 16 and at least bits, "
+                          f"got {vals['max_bits']}")
     if vals["unsigned"] and vals["symmetric"]:
         raise ConfigError(f"platform spec {where}: unsigned grids are asymmetric; set symmetric = false")
     if vals["unsigned_nonnegative"] and not vals["symmetric"]:
@@ -161,6 +178,11 @@ def parse(data: dict, source: str) -> Platform:
     for fmt in data["deploy"]:
         if not isinstance(fmt, str) or fmt not in FORMATS:
             raise ConfigError(f"platform spec {source}: deploy format {fmt!r} unknown; valid: {sorted(FORMATS)}")
+    narrow = sorted(set(data["deploy"]) - WIDE_FORMATS)
+    if act.max_bits > 8 and narrow:
+        raise ConfigError(f"platform spec {source}: deploy format {narrow[0]!r} holds 8-bit activation ranges "
+                          f"only, but [activation] allows {act.max_bits} bits; set bits and max_bits to 8 or "
+                          f"deploy with {', '.join(sorted(WIDE_FORMATS))}")
     return Platform(
         name=data["name"], description=data["description"], deploy=tuple(data["deploy"]),
         activation=act, weight=wt,

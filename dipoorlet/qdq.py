@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from dipoorlet.graph import Graph, drop_unused_initializers
+from dipoorlet.graph import Graph, drop_unused_initializers, opset_of
 from dipoorlet.placement import Placement
 from dipoorlet.qparams import QParams, QuantPlan, dequantize_array, quantize_array
 
@@ -90,7 +90,7 @@ def insert_qdq(g: Graph, placement: Placement, plan: QuantPlan) -> onnx.ModelPro
         if qp is None or not (point.uses or point.output):
             continue
         base = _base(tensor, taken, ACT_SUFFIXES)
-        q, extra, dq = _act_chain(graph, tensor, base, qp)
+        q, extra, dq = _act_chain(graph, tensor, base, qp, qdq_domain(model, qp))
         new_nodes[tensor] = [q, *extra, dq]
         for node_name, index in point.uses:
             nodes[node_name].input[index] = base + "_dq"
@@ -128,17 +128,32 @@ def insert_qdq(g: Graph, placement: Placement, plan: QuantPlan) -> onnx.ModelPro
     return model
 
 
-def _act_chain(graph, tensor: str, base: str, qp: QParams):
+MS_DOMAIN = "com.microsoft"
+
+
+def qdq_domain(model: onnx.ModelProto, qp: QParams) -> str:
+    """The domain of a grid's Q/DQ: the standard one, except a 16-bit grid below opset 21 (where
+    QuantizeLinear takes int8/uint8 only), which gets onnxruntime's com.microsoft Q/DQ, as its
+    own quantizer writes them for 16-bit activations (the model then imports that domain)."""
+    if qp.bits <= 8 or opset_of(model) >= 21:
+        return ""
+    if not any(imp.domain == MS_DOMAIN for imp in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    return MS_DOMAIN
+
+
+def _act_chain(graph, tensor: str, base: str, qp: QParams, domain: str = ""):
     """QuantizeLinear (-> integer Clip) -> DequantizeLinear for ``tensor``, output ``<base>_dq``;
     the scale/zero-point constants go into ``graph``, the nodes are returned, not inserted."""
     s = _const(graph, base + "_scale", qp.scale)
     z = _const(graph, base + "_zero_point", qp.zero_point)
     q_out = base + "_q"
-    q = helper.make_node("QuantizeLinear", [tensor, s, z], [q_out], name=base + "_QuantizeLinear")
+    q = helper.make_node("QuantizeLinear", [tensor, s, z], [q_out], name=base + "_QuantizeLinear", domain=domain)
     before = len(graph.node)
     q_src = _int_clip(graph, q_out, qp, base)
     extra = [graph.node.pop() for _ in range(len(graph.node) - before)][::-1]
-    dq = helper.make_node("DequantizeLinear", [q_src, s, z], [base + "_dq"], name=base + "_DequantizeLinear")
+    dq = helper.make_node("DequantizeLinear", [q_src, s, z], [base + "_dq"], name=base + "_DequantizeLinear",
+                          domain=domain)
     return q, extra, dq
 
 
@@ -285,7 +300,7 @@ class Switchboard:
                         if out == tensor:
                             node.output[i] = src
                 self.act_owners.add(owner)
-            q, extra, dq = _act_chain(graph, src, base, qp)
+            q, extra, dq = _act_chain(graph, src, base, qp, qdq_domain(model, qp))
             elem = self._elem_type(tensor)
             if point.output:
                 chain.append(_switch(mask(owner), src, [q, *extra, dq], tensor, elem, taken))

@@ -98,6 +98,8 @@ def convert(model: onnx.ModelProto, exclude=()) -> tuple[onnx.ModelProto, int]:
         zps = [_zero_point(v, d) for d in dqs]
         if any(z is None for z in zps):
             continue
+        if any(z.dtype not in (np.int8, np.uint8) for z in [*zps, yz]):
+            continue   # a 16-bit grid: onnxruntime's QLinear ops take 8-bit tensors only
         # onnxruntime's QLinear kernels give the output the activation input's type (a ti model
         # with an int8 input and a uint8 output, or an Add of int8 and uint8, has no kernel)
         acts = zps if node.op_type not in ("Conv", "MatMul", "Gemm") else zps[:1]

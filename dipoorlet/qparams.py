@@ -180,7 +180,12 @@ def share_scales(graph, plan: QuantPlan, ops) -> int:
             continue
         lo = min(float(np.min(plan.activations[t].lo)) for t in members)
         hi = max(float(np.max(plan.activations[t].hi)) for t in members)
-        shared = make_qparams(lo, hi, min(rules, key=lambda r: r.bits))
+        # mixed widths: a 16-bit member (--layer_bits NODE=a16) widens its group, else the
+        # narrowest wins (a4 asked for one member holds for the grid they share)
+        wide = [r for r in rules if r.bits > 8]
+        rule = max(wide, key=lambda r: r.bits) if wide else min(rules, key=lambda r: r.bits)
+        shared = make_qparams(lo, hi, rule)
         for t in members:
             plan.activations[t] = shared
+            plan.rules[t] = rule
     return sum(1 for m in groups.values() if len(m) > 1)

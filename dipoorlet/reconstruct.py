@@ -139,6 +139,10 @@ def find_layers(g, places, plan, qmodel) -> tuple[list[Layer], dict]:
         if qp is None or qp.axis is not None or np.ndim(qp.scale):
             skipped[name] = "its input has no per-tensor Q/DQ right before it"
             continue
+        if qp.bits > 8:
+            # its statistics are exact integer sums over 8-bit levels (products below 2^24)
+            skipped[name] = f"its input is on a {qp.bits}-bit grid (gptq fits layers with inputs of 8 bits or fewer)"
+            continue
         wq = plan.weights[wp.tensor]
         rows = w.shape[0] if op == "Conv" else w.shape[1] if op == "ConvTranspose" else (
             w.shape[0] if op == "Gemm" and node_attr(node, "transB", 0)

@@ -2,6 +2,7 @@
 does the quantized model score against the float one.
 
     python scripts/platforms.py [--tasks ocr_cls,ocr_det,vad,minilm] [--platforms trt,snpe,...] [-N 32]
+                                [--args="--a_bits 16"]
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def main(argv=None) -> int:
     ap.add_argument("-N", type=int, default=32)
     ap.add_argument("-A", default="mse")
     ap.add_argument("--out", default=str(ROOT / "scripts" / ".cache" / "platforms"))
+    ap.add_argument("--args", default="", help="extra dipoorlet flags for every run, e.g. '--a_bits 16'")
     a = ap.parse_args(argv)
     shared = default_shared()
     results = {}
@@ -36,7 +38,7 @@ def main(argv=None) -> int:
         for plat in a.platforms.split(","):
             out = Path(a.out) / f"{name}-{plat}"
             cmd = [sys.executable, "-m", "dipoorlet", "-M", str(task.model), "-I", str(task.calib_dir),
-                   "-N", str(a.N), "-D", plat, "-A", a.A, "-O", str(out), "--skip_prof_layer"]
+                   "-N", str(a.N), "-D", plat, "-A", a.A, "-O", str(out), "--skip_prof_layer"] + a.args.split()
             t = time.perf_counter()
             r = subprocess.run(cmd, capture_output=True, text=True)
             cell = {"rc": r.returncode, "wall_s": round(time.perf_counter() - t, 1)}

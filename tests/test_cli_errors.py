@@ -199,7 +199,22 @@ def zero_samples(c):
 
 def weight_bits_above_8(c):
     c.extra = ["--w_bits", "12"]
-    return ["weight bits above 8", "--w_bits"]
+    return ["--w_bits", "2..8", "12"]
+
+
+def activation_bits_12(c):
+    c.extra = ["--a_bits", "12"]
+    return ["--a_bits", "2..8", "16"]
+
+
+def activation_bits_16_on_trt(c):
+    c.extra = ["--a_bits", "16"]
+    return ["--a_bits", "16-bit activations", "trt runs at most 8-bit"]
+
+
+def layer_bits_a16_on_trt(c):
+    c.extra = ["--layer_bits", "conv=a16"]
+    return ["--layer_bits conv", "trt runs at most 8-bit"]
 
 
 def npz_scalar(c):
@@ -222,7 +237,16 @@ def platform_bits_16(c):
     src = (platforms_dir() / "trt.toml").read_text()
     spec.write_text(src.replace("bits = 8", "bits = 16", 1))
     c.args["-D"] = str(spec)
-    return ["chip16.toml", "bits must be 2..8"]
+    return ["chip16.toml", "deploy format 'trt' holds 8-bit activation ranges"]
+
+
+def platform_weight_bits_16(c):
+    spec = c.tmp / "w16.toml"
+    src = (platforms_dir() / "trt.toml").read_text()
+    at = src.index("[weight]")
+    spec.write_text(src[:at] + src[at:].replace("bits = 8", "bits = 16", 1))
+    c.args["-D"] = str(spec)
+    return ["w16.toml", "[weight]: bits must be 2..8"]
 
 
 def trt_version_not_digits(c):
@@ -247,7 +271,8 @@ def prof_samples_zero(c):
 CASES = [missing_model, model_is_a_folder, not_onnx, external_data_missing, custom_op, input_dir_missing, input_folder_missing,
          too_few_files, bin_wrong_size, nan_in_sample, inf_in_npy, unknown_method, unknown_platform,
          output_not_writable, output_is_a_file, nothing_quantizable, skip_layer_unknown, input_shape_malformed, input_shape_unknown_name, zero_samples,
-         weight_bits_above_8, npz_scalar, platform_not_utf8, platform_bits_16, trt_version_not_digits,
+         weight_bits_above_8, activation_bits_12, activation_bits_16_on_trt, layer_bits_a16_on_trt, npz_scalar,
+         platform_not_utf8, platform_bits_16, platform_weight_bits_16, trt_version_not_digits,
          two_npz_files, prof_samples_zero]
 
 

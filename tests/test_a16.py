@@ -1,0 +1,164 @@
+"""16-bit activations (W8A16, QNN's HTP mode for transformers and detectors): --a_bits 16 and
+--layer_bits NODE=a16 on backends whose spec allows them (max_bits = 16)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+import dipoorlet
+from conftest import input_feeds, ort_run, save, tiny_cnn, write_samples
+from dipoorlet.errors import ConfigError
+from dipoorlet.platform import load, parse, platforms_dir, tomllib
+
+
+def _run(tmp_path, model, deploy="qnn", n=6, **kw):
+    path = save(model, tmp_path / "m.onnx")
+    feeds = input_feeds(model, n, seed=3)
+    data = write_samples(tmp_path / "data", feeds)
+    out = tmp_path / f"out-{deploy}"
+    res = dipoorlet.quantize(model=path, input_dir=data, data_num=n, deploy=deploy, output_dir=out,
+                             skip_prof_layer=True, act_quant="minmax", **kw)
+    return res, out, onnx.load(str(out / "quant_model.onnx")), feeds
+
+
+def _zero_points(qm):
+    return {t.name[:-len("_zero_point")]: numpy_helper.to_array(t) for t in qm.graph.initializer
+            if t.name.endswith("_zero_point")}
+
+
+def _with_output(qm, tensor):
+    m = onnx.ModelProto()
+    m.CopyFrom(qm)
+    m.graph.output.append(onnx.helper.make_tensor_value_info(tensor, onnx.TensorProto.FLOAT, None))
+    return m
+
+
+def _cos(a, b):
+    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def test_a16_on_qnn_gives_uint16_grids_in_onnxruntime_domain_and_matches_numpy(tmp_path):
+    model = tiny_cnn()
+    _, out, qm, feeds = _run(tmp_path, model, a_bits=16)
+    onnx.checker.check_model(qm)
+    acts = [n for n in qm.graph.node if n.op_type == "QuantizeLinear"]
+    assert acts and all(n.domain == "com.microsoft" for n in acts)
+    assert any(i.domain == "com.microsoft" for i in qm.opset_import)
+    zps = _zero_points(qm)
+    assert zps["x"].dtype == np.uint16 and zps["r1"].dtype == np.uint16
+    assert zps["w1"].dtype == np.int8                      # weights stay 8-bit, standard DequantizeLinear
+    weight_dq = next(n for n in qm.graph.node if n.op_type == "DequantizeLinear" and n.input[0] == "w1_quantized")
+    assert weight_dq.domain == ""
+    # the grid, against numpy: x_dq = (clip(round(x / s) + zp, 0, 65535) - zp) * s
+    s = float(numpy_helper.to_array(next(t for t in qm.graph.initializer if t.name == "x_scale")))
+    zp = float(zps["x"])
+    for f in feeds[:2]:
+        got = ort_run(_with_output(qm, "x_dq"), f)[-1]
+        want = (np.clip(np.round(f["x"].astype(np.float32) / np.float32(s)) + zp, 0, 65535) - zp) * s
+        np.testing.assert_allclose(got, want, rtol=0, atol=s * 1e-3)
+    # the encodings state the 16-bit grid
+    enc = json.loads((out / "qnn_encodings.json").read_text())
+    x = enc["activation_encodings"]["x"][0]
+    assert x["bitwidth"] == 16 and x["offset"] == -int(zp)
+    assert x["min"] == pytest.approx(-zp * s, rel=1e-6) and x["max"] == pytest.approx((65535 - zp) * s, rel=1e-6)
+    assert enc["quantizer_args"]["activation_bitwidth"] == 16
+
+
+def test_a16_rounding_error_is_256x_finer_than_a8(tmp_path):
+    # no weights: every error is activation rounding (inputs, the Add's output on qnn's integer
+    # output), whose step shrinks 257x from 8 to 16 bits: mean square error ~66,000x lower
+    from conftest import make_model, vi
+    from onnx import helper
+    model = make_model([helper.make_node("Add", ["x", "y"], ["s"], name="add"),
+                        helper.make_node("Relu", ["s"], ["out"], name="relu")],
+                       [vi("x", [1, 4, 8, 8]), vi("y", [1, 4, 8, 8])], [vi("out", [1, 4, 8, 8])])
+    feeds = input_feeds(model, 6, seed=3)
+    floats = [ort_run(model, f)[0] for f in feeds]
+    err = {}
+    for bits in (8, 16):
+        _, _, qm, _ = _run(tmp_path / f"a{bits}", model, a_bits=bits)
+        err[bits] = np.mean([np.mean((ort_run(qm, f)[0] - y) ** 2) for f, y in zip(feeds, floats)])
+    assert 0 < err[16] < err[8] / 10000
+
+
+def test_opset_21_model_uses_the_standard_domain(tmp_path):
+    model = tiny_cnn(opset=21)
+    model.ir_version = 10
+    _, _, qm, feeds = _run(tmp_path, model, a_bits=16)
+    acts = [n for n in qm.graph.node if n.op_type == "QuantizeLinear"]
+    assert acts and all(n.domain == "" for n in acts)
+    assert not any(i.domain == "com.microsoft" for i in qm.opset_import)
+    assert _zero_points(qm)["x"].dtype == np.uint16
+    assert _cos(ort_run(qm, feeds[0])[0], ort_run(model, feeds[0])[0]) > 0.999
+
+
+def test_layer_bits_a16_widens_only_that_layers_inputs(tmp_path):
+    _, _, qm, _ = _run(tmp_path, tiny_cnn(), layer_bits={"conv2": (None, 16)})
+    zps = _zero_points(qm)
+    assert zps["p1"].dtype == np.uint16          # conv2's input (also the residual Add's: one grid)
+    assert zps["x"].dtype == np.uint8 and zps["r2"].dtype == np.uint8
+
+
+def test_gptq_leaves_a16_layers_alone_with_the_reason(tmp_path):
+    res, _, _, _ = _run(tmp_path, tiny_cnn(), a_bits=16, gptq=True)
+    text = json.dumps(res.report)
+    assert "16-bit grid" in text
+
+
+def test_qop_keeps_16_bit_layers_as_qdq(tmp_path):
+    _, out, qm, feeds = _run(tmp_path, tiny_cnn(), deploy="ort", a_bits=16, quant_format="QOP")
+    assert not {n.op_type for n in qm.graph.node} & {"QLinearConv", "QGemm", "QLinearAdd"}
+    qdq = onnx.load(str(out / "quant_model_qdq.onnx"))
+    np.testing.assert_allclose(ort_run(qm, feeds[0])[0], ort_run(qdq, feeds[0])[0], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("plat", ["trt", "atlas", "rk", "ti"])
+def test_backends_without_16_bit_activations_refuse_a16(tmp_path, plat):
+    with pytest.raises(ConfigError, match=f"{plat} runs at most 8-bit activations"):
+        _run(tmp_path, tiny_cnn(), deploy=plat, a_bits=16)
+
+
+def test_only_qnn_snpe_and_ort_ship_16_bit_activations():
+    wide = {p.stem for p in platforms_dir().glob("*.toml") if load(p.stem).activation.max_bits == 16}
+    assert wide == {"qnn", "snpe", "ort"}
+
+
+def _spec(name):
+    return tomllib.loads((platforms_dir() / f"{name}.toml").read_text())
+
+
+def test_spec_rejects_16_bit_weights_and_a16_with_an_8_bit_format():
+    d = _spec("qnn")
+    d["weight"]["bits"] = 16
+    with pytest.raises(ConfigError, match=r"\[weight\]: bits must be 2..8"):
+        parse(d, "w16.toml")
+    d = _spec("qnn")
+    d["weight"]["max_bits"] = 16
+    with pytest.raises(ConfigError, match="max_bits applies to activations only"):
+        parse(d, "wmax.toml")
+    d = _spec("trt")
+    d["activation"]["max_bits"] = 16
+    with pytest.raises(ConfigError, match="deploy format 'trt' holds 8-bit activation ranges"):
+        parse(d, "trt16.toml")
+    d = _spec("qnn")
+    d["activation"]["max_bits"] = 12
+    with pytest.raises(ConfigError, match="max_bits must be 8 or 16"):
+        parse(d, "q12.toml")
+    d = _spec("qnn")
+    d["activation"]["bits"] = 16          # a spec whose default is W8A16
+    assert parse(d, "a16.toml").activation.bits == 16
+
+
+def test_diagnosis_names_a16_where_the_backend_runs_it():
+    from dipoorlet.diagnose import _advice
+    row = {"node": "fc", "cause": "activations",
+           "activations": [{"tensor": "x", "amax": 3.0, "bits": 8, "equalization": "off"}]}
+    assert "--layer_bits fc=a16" in _advice(row, "qnn", max_act_bits=16)
+    assert "a16" not in _advice(row, "trt", max_act_bits=8)
+    row["activations"][0]["bits"] = 16            # already 16-bit: nothing wider to suggest
+    assert "a16" not in _advice(row, "qnn", max_act_bits=16)
