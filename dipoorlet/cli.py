@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the most sensitive layers float until the output meets TARGET "
                         "(e.g. 0.999 or cosine:0.999 or sqnr:30)")
     p.add_argument("--max_float_layers", type=int, default=10, help="at most this many float layers for --auto_skip")
+    p.add_argument("--auto_a16", default=None, metavar="TARGET",
+                   help="on backends with 16-bit activations (qnn, snpe, ort): give the most sensitive layers' "
+                        "inputs 16-bit grids until the output meets TARGET (mixed W8A8/W8A16)")
+    p.add_argument("--max_a16_layers", type=int, default=10, help="at most this many layers for --auto_a16")
     p.add_argument("--fail_below", type=float, default=None, metavar="COSINE",
                    help="exit with code 3 when the network output cosine is below COSINE (for CI)")
     p.add_argument("--w_bits", type=int, default=None, help="weight bits for every layer (default: the platform's)")
@@ -244,6 +248,7 @@ def _main(args, argv, state) -> int:
                           sens_samples=args.sens_samples, prof_samples=args.prof_samples,
                           criterion=args.criterion, auto_skip=args.auto_skip,
                           max_float_layers=args.max_float_layers, fail_below=args.fail_below,
+                          auto_a16=args.auto_a16, max_a16_layers=args.max_a16_layers,
                           w_bits=args.w_bits, a_bits=args.a_bits, layer_bits=parse_layer_bits(args.layer_bits),
                           device=args.device, debug=debug)
         check_model_path(cfg.model)  # before -O (default <model dir>/results) is created

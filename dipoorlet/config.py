@@ -31,6 +31,8 @@ class QuantConfig:
     criterion: str = "cosine"
     auto_skip: str | None = None
     max_float_layers: int = 10
+    auto_a16: str | None = None         # raise sensitive layers' inputs to 16 bits until the target
+    max_a16_layers: int = 10
     fail_below: float | None = None
     w_bits: int | None = None          # override the platform's weight bits
     a_bits: int | None = None          # override the platform's activation bits
@@ -87,6 +89,14 @@ class QuantConfig:
         if self.auto_skip is not None:
             from dipoorlet.sensitivity import parse_target
             parse_target(self.auto_skip)
+        if not isinstance(self.max_a16_layers, int) or self.max_a16_layers < 1:
+            raise ConfigError(f"--max_a16_layers must be a positive integer, got {self.max_a16_layers!r}")
+        if self.auto_a16 is not None:
+            from dipoorlet.sensitivity import parse_target
+            parse_target(self.auto_a16, flag="--auto_a16")
+            if self.auto_skip is not None:
+                raise ConfigError("--auto_skip and --auto_a16 both choose layers to treat apart; "
+                                  "use one (--layer_bits NODE=a16 and --skip_layers set layers by hand)")
         if self.fail_below is not None and not -1.0 <= self.fail_below <= 1.0:
             raise ConfigError(f"--fail_below is an output cosine in [-1, 1], got {self.fail_below}")
         if self.w_bits is not None and not (isinstance(self.w_bits, int) and 2 <= self.w_bits <= 8):

@@ -125,6 +125,8 @@ def one_pass_minmax(cfg: QuantConfig) -> bool:
 def check_bits(cfg: QuantConfig, plat) -> None:
     """--a_bits / --layer_bits asking for wider activations than the backend runs."""
     wide = [("--a_bits", cfg.a_bits)] + [(f"--layer_bits {n}", b[1]) for n, b in cfg.layer_bits.items()]
+    if cfg.auto_a16:
+        wide.append(("--auto_a16", 16))
     for flag, bits in wide:
         if bits is not None and bits > plat.activation.max_bits:
             raise ConfigError(f"{flag} asks for {bits}-bit activations, but {plat.name} runs at most "
@@ -386,6 +388,10 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
             reconstructed["layers"] = len(reconstructed["gain_db"])
             if floated:
                 reconstructed["kept_float_by_auto_skip"] = floated
+    if analysis.get("auto_a16") is not None and analysis["auto_a16"].float_layers:
+        changed = promote_a16(g, places, plan, stats, cfg, plat, analysis["auto_a16"].float_layers)
+        log.info("auto_a16: %d layers' inputs on 16-bit grids (%d tensors): %s", len(analysis["auto_a16"].float_layers),
+                 len(changed), ", ".join(analysis["auto_a16"].float_layers[:6]))
     timings["sensitivity_s"] = time.perf_counter() - t
     qmodel = insert_qdq(g, places, plan)
     _drop_shapeless_value_info(qmodel)
@@ -437,10 +443,11 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
 def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm) -> dict:
     """Isolated sensitivity, weight range spread and auto_skip, as the config asks."""
     out: dict = {"weight_spread": sensitivity.weight_spread(g, places)}
-    if cfg.skip_prof_layer and not cfg.auto_skip:
+    auto = cfg.auto_skip or cfg.auto_a16
+    if cfg.skip_prof_layer and not auto:
         return out
     n = min(cfg.sens_samples, cfg.data_num)
-    crit = sensitivity.parse_target(cfg.auto_skip)[0] if cfg.auto_skip else (
+    crit = sensitivity.parse_target(auto)[0] if auto else (
         "cosine" if cfg.criterion == "maxabs" else cfg.criterion)
     scorer = sensitivity.Scorer(g, data, shard(n, comm.rank, comm.world), comm, cfg.device, crit)
     out["sens_samples"] = n
@@ -449,7 +456,40 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm) -> dict:
         crit, target = sensitivity.parse_target(cfg.auto_skip)
         out["auto_skip"] = sensitivity.auto_skip(g, places, plan, scorer, out["isolated"], crit,
                                                  target, cfg.max_float_layers)
+    if cfg.auto_a16:
+        crit, target = sensitivity.parse_target(cfg.auto_a16, flag="--auto_a16")
+        out["auto_a16"] = sensitivity.auto_skip(g, places, plan, scorer, out["isolated"], crit,
+                                                target, cfg.max_a16_layers, activations_only=True)
     return out
+
+
+def promote_a16(g: Graph, places, plan: QuantPlan, stats, cfg: QuantConfig, plat, layers) -> list[str]:
+    """Give ``layers``' activation inputs 16-bit grids (--auto_a16's choice), from the same
+    statistics and range method; int32 biases on those inputs are planned again (their grid is
+    s_in * s_w). Returns the tensors whose grid changed."""
+    bits = dict(cfg.layer_bits)
+    for n in layers:
+        bits[n] = (bits.get(n, (None, None))[0], 16)
+    new = plan_activations(stats, dataclasses.replace(cfg, layer_bits=bits), plat, places)
+    if plat.share_scale:
+        share_scales(g, new, plat.share_scale)
+    changed = [t for t, qp in new.activations.items()
+               if t in plan.activations and qp.bits != plan.activations[t].bits]
+    for t in changed:
+        plan.activations[t] = new.activations[t]
+        plan.rules[t] = new.rules[t]
+    if plat.quantize_bias and changed:
+        moved = set(changed)
+        for (node_name, index), wp in list(places.weights.items()):
+            node = g.node_by_name[node_name]
+            src = node.input[0]
+            prod = g.producer.get(src)
+            reads = src in moved or (prod is not None and prod.op_type == "Pad" and prod.input[0] in moved)
+            if index == 2 and reads:
+                plan.weights.pop(wp.tensor, None)
+                del places.weights[(node_name, index)]
+        plan_biases(g, places, plan)
+    return changed
 
 
 def _save_transformed(g: Graph, plan, path: Path) -> Path:

@@ -114,6 +114,15 @@ def build(rows, places, meta: dict, analysis: dict | None = None, stats=None, pl
         rep["auto_skip"] = {"criterion": a.criterion, "target": a.target, "met": a.met,
                             "float_layers": a.float_layers, "before": _score(a.before),
                             "after": _score(a.after), "steps": a.steps}
+    a = analysis.get("auto_a16")
+    if a is not None:
+        # before/after and the steps score the layers' inputs left float, the stand-in for 16 bits;
+        # the outputs table above measures the model as written
+        rep["auto_a16"] = {"criterion": a.criterion, "target": a.target, "met": a.met,
+                           "a16_layers": a.float_layers, "before": _score(a.before),
+                           "after_estimated": _score(a.after),
+                           "steps": [{"a16_layer": st["float_layer"], "cosine": st["cosine"],
+                                      "sqnr_db": st["sqnr_db"], "kept": st["kept"]} for st in a.steps]}
     if stats is not None and plan is not None:
         focus = list(dict.fromkeys(rep["most_sensitive_layers"][:5] + worst_nodes[:5]))
         rep["activation_histograms"] = _histograms(focus, places, stats, plan,
@@ -179,6 +188,13 @@ def markdown(report: dict) -> str:
                 f"kept in float: {', '.join(a['float_layers']) or 'none'}; output cosine "
                 f"{a['before']['cosine']} → {a['after']['cosine']}, SQNR {a['before']['sqnr_db']} → "
                 f"{a['after']['sqnr_db']} dB"]
+    a = report.get("auto_a16")
+    if a:
+        out += ["", f"## auto_a16: target {a['criterion']} ≥ {a['target']} "
+                f"({'met' if a['met'] else 'NOT met'}, estimated with those inputs float)", "",
+                f"inputs on 16-bit grids: {', '.join(a['a16_layers']) or 'none'}; output cosine "
+                f"{a['before']['cosine']} → {a['after_estimated']['cosine']}, SQNR {a['before']['sqnr_db']} → "
+                f"{a['after_estimated']['sqnr_db']} dB (the outputs table measures the model as written)"]
     skipped = [d for d in report["decisions"] if not d["quantized"] and "not quantized on" not in d["reason"]]
     if skipped:
         out += ["", "## Nodes kept in float, and why", "",

@@ -175,7 +175,7 @@ class AutoSkipResult:
     met: bool = False
 
 
-def parse_target(text: str) -> tuple[str, float]:
+def parse_target(text: str, flag: str = "--auto_skip") -> tuple[str, float]:
     """``"0.999"`` or ``"cosine:0.999"`` / ``"sqnr:30"`` → (criterion, value)."""
     from dipoorlet.errors import ConfigError
 
@@ -184,18 +184,23 @@ def parse_target(text: str) -> tuple[str, float]:
     try:
         value = float(val)
     except ValueError:
-        raise ConfigError(f"--auto_skip {text!r}: expected a number or CRITERION:NUMBER, "
+        raise ConfigError(f"{flag} {text!r}: expected a number or CRITERION:NUMBER, "
                           "e.g. 0.999 or sqnr:30") from None
     if crit not in ("cosine", "sqnr"):
-        raise ConfigError(f"--auto_skip criterion {crit!r}: use cosine or sqnr")
+        raise ConfigError(f"{flag} criterion {crit!r}: use cosine or sqnr")
     if crit == "cosine" and not 0 < value <= 1:
-        raise ConfigError(f"--auto_skip cosine target must be in (0, 1], got {value}")
+        raise ConfigError(f"{flag} cosine target must be in (0, 1], got {value}")
     return crit, value
 
 
 def auto_skip(graph, places, plan, scorer: Scorer, sens: list[LayerSensitivity], criterion: str,
-              target: float, max_layers: int) -> AutoSkipResult:
-    """Keep the most sensitive layers float, one at a time, until the output meets ``target``."""
+              target: float, max_layers: int, activations_only: bool = False) -> AutoSkipResult:
+    """Keep the most sensitive layers float, one at a time, until the output meets ``target``.
+
+    ``activations_only`` (``--auto_a16``): a trial leaves only the layer's activation inputs
+    float and keeps its weights quantized, the stand-in for giving those inputs a 16-bit grid
+    (whose rounding error is 257 times finer than 8 bits'); the chosen layers' inputs then get
+    16-bit grids and the error profile measures the result."""
     quantized = list(places.quantized_nodes)
     sb, _ = scorer.board(places, plan)
     before = scorer.score_variant(places, plan, sb.owners, sb.owners)
@@ -206,12 +211,14 @@ def auto_skip(graph, places, plan, scorer: Scorer, sens: list[LayerSensitivity],
         if current.value(criterion) >= target or len(res.float_layers) >= max_layers:
             break
         keep = [n for n in quantized if n not in res.float_layers and n != node]
-        trial = scorer.score_variant(places, plan, keep, keep)
+        trial = scorer.score_variant(places, plan, keep, sb.owners if activations_only else keep)
         helped = trial.value(criterion) > current.value(criterion)
         res.steps.append({"float_layer": node, "cosine": trial.cosine, "sqnr_db": trial.sqnr_db,
                           "kept": helped})
-        log.info("auto_skip: %s float -> output cosine %.6f, SQNR %.2f dB%s", node, trial.cosine,
-                 trial.sqnr_db, "" if helped else " (no gain: quantized again)")
+        log.info("%s: %s %s -> output cosine %.6f, SQNR %.2f dB%s", "auto_a16" if activations_only else "auto_skip",
+                 node, "inputs float (as 16-bit)" if activations_only else "float", trial.cosine,
+                 trial.sqnr_db, "" if helped else (" (no gain: 8 bits again)" if activations_only
+                                                  else " (no gain: quantized again)"))
         if helped:
             res.float_layers.append(node)
             current = trial

@@ -162,3 +162,40 @@ def test_diagnosis_names_a16_where_the_backend_runs_it():
     assert "a16" not in _advice(row, "trt", max_act_bits=8)
     row["activations"][0]["bits"] = 16            # already 16-bit: nothing wider to suggest
     assert "a16" not in _advice(row, "qnn", max_act_bits=16)
+
+
+def test_auto_a16_promotes_the_chosen_layers_inputs_and_replans_their_biases(tmp_path):
+    model = tiny_cnn()
+    res, out, qm, feeds = _run(tmp_path / "auto", model, auto_a16="1.0", max_a16_layers=2, sens_samples=4)
+    rep = res.report["auto_a16"]
+    assert 1 <= len(rep["a16_layers"]) <= 2 and not rep["met"]
+    assert rep["after_estimated"]["cosine"] > rep["before"]["cosine"]
+    zps, nodes = _zero_points(qm), {n.name: n for n in qm.graph.node}
+    wide = {t for t, z in zps.items() if z.dtype == np.uint16}
+    assert wide and any(z.dtype == np.uint8 for t, z in zps.items() if not t.startswith(("w", "b")))
+    for layer in rep["a16_layers"]:              # every activation input of a promoted layer is 16-bit
+        for i in nodes[layer].input:
+            if i.endswith("_dq") and not i.startswith(("w", "b")):
+                assert i[:-3] in wide, (layer, i)
+    scales = {t.name[:-6]: numpy_helper.to_array(t) for t in qm.graph.initializer if t.name.endswith("_scale")}
+    for conv, x, w, b in (("conv1", "x", "w1", "b1"), ("conv2", "p1", "w2", "b2")):
+        if conv in rep["a16_layers"]:            # its int32 bias on the 16-bit input's scale
+            np.testing.assert_allclose(scales[b], scales[x] * scales[w], rtol=1e-6)
+            assert x in wide
+    # the same model as naming those layers by hand (--layer_bits NODE=a16)
+    _, _, qm_hand, _ = _run(tmp_path / "hand", model, layer_bits={n: (None, 16) for n in rep["a16_layers"]})
+    for f in feeds:
+        np.testing.assert_array_equal(ort_run(qm, f)[0], ort_run(qm_hand, f)[0])
+    md = (out / "report.md").read_text()
+    assert "auto_a16" in md and rep["a16_layers"][0] in md
+
+
+@pytest.mark.parametrize("kw, text", [
+    ({"deploy": "trt", "auto_a16": "0.99"}, "--auto_a16 asks for 16-bit activations, but trt"),
+    ({"auto_a16": "0.99", "auto_skip": "0.99"}, "use one"),
+    ({"auto_a16": "cos:0.9"}, "--auto_a16 criterion 'cos'"),
+    ({"auto_a16": "0.99", "max_a16_layers": 0}, "--max_a16_layers must be a positive integer"),
+])
+def test_auto_a16_bad_settings(tmp_path, kw, text):
+    with pytest.raises(ConfigError, match=text.replace("(", r"\(").replace("'", "'")):
+        _run(tmp_path, tiny_cnn(), **kw)
