@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--auto_a16", default=None, metavar="TARGET",
                    help="on backends with 16-bit activations (qnn, snpe, ort): give the most sensitive layers' "
                         "inputs 16-bit grids until the output meets TARGET (mixed W8A8/W8A16)")
-    p.add_argument("--max_a16_layers", type=int, default=10, help="at most this many layers for --auto_a16")
+    p.add_argument("--max_a16_layers", type=int, default=None,
+                   help="at most this many layers for --auto_a16 (default: as many as the target needs)")
     p.add_argument("--fail_below", type=float, default=None, metavar="COSINE",
                    help="exit with code 3 when the network output cosine is below COSINE (for CI)")
     p.add_argument("--w_bits", type=int, default=None, help="weight bits for every layer (default: the platform's)")

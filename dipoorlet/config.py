@@ -32,7 +32,7 @@ class QuantConfig:
     auto_skip: str | None = None
     max_float_layers: int = 10
     auto_a16: str | None = None         # raise sensitive layers' inputs to 16 bits until the target
-    max_a16_layers: int = 10
+    max_a16_layers: int | None = None   # None: as many as the target needs
     fail_below: float | None = None
     w_bits: int | None = None          # override the platform's weight bits
     a_bits: int | None = None          # override the platform's activation bits
@@ -89,7 +89,7 @@ class QuantConfig:
         if self.auto_skip is not None:
             from dipoorlet.sensitivity import parse_target
             parse_target(self.auto_skip)
-        if not isinstance(self.max_a16_layers, int) or self.max_a16_layers < 1:
+        if self.max_a16_layers is not None and (not isinstance(self.max_a16_layers, int) or self.max_a16_layers < 1):
             raise ConfigError(f"--max_a16_layers must be a positive integer, got {self.max_a16_layers!r}")
         if self.auto_a16 is not None:
             from dipoorlet.sensitivity import parse_target

@@ -458,8 +458,8 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm) -> dict:
                                                  target, cfg.max_float_layers)
     if cfg.auto_a16:
         crit, target = sensitivity.parse_target(cfg.auto_a16, flag="--auto_a16")
-        out["auto_a16"] = sensitivity.auto_skip(g, places, plan, scorer, out["isolated"], crit,
-                                                target, cfg.max_a16_layers, activations_only=True)
+        out["auto_a16"] = sensitivity.auto_a16(g, places, plan, scorer, out["isolated"], crit,
+                                               target, cfg.max_a16_layers)
     return out
 
 

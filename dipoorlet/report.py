@@ -121,8 +121,7 @@ def build(rows, places, meta: dict, analysis: dict | None = None, stats=None, pl
         rep["auto_a16"] = {"criterion": a.criterion, "target": a.target, "met": a.met,
                            "a16_layers": a.float_layers, "before": _score(a.before),
                            "after_estimated": _score(a.after),
-                           "steps": [{"a16_layer": st["float_layer"], "cosine": st["cosine"],
-                                      "sqnr_db": st["sqnr_db"], "kept": st["kept"]} for st in a.steps]}
+                           "steps": a.steps}
     if stats is not None and plan is not None:
         focus = list(dict.fromkeys(rep["most_sensitive_layers"][:5] + worst_nodes[:5]))
         rep["activation_histograms"] = _histograms(focus, places, stats, plan,

@@ -138,9 +138,9 @@ def html(rep: dict) -> str:
                 f"<p>inputs on 16-bit grids: <b>{esc(', '.join(a['a16_layers']) or 'none')}</b>; output cosine "
                 f"{_fmt(a['before']['cosine'], 6)} → {_fmt(a['after_estimated']['cosine'], 6)} with those inputs "
                 f"float (the outputs table measures the model as written)</p>",
-                _table(["step", "layer tried at 16 bits", "output cosine", "SQNR dB", "kept"],
-                       [[i + 1, esc(s["a16_layer"]), _fmt(s["cosine"], 6), _fmt(s["sqnr_db"], 2),
-                         "yes" if s.get("kept") else "no gain"] for i, s in enumerate(a["steps"])])]
+                _table(["trial", "most sensitive layers at 16 bits", "output cosine", "SQNR dB"],
+                       [[i + 1, s["a16_layers"], _fmt(s["cosine"], 6), _fmt(s["sqnr_db"], 2)]
+                        for i, s in enumerate(a["steps"])])]
     out += ["<h2>Error along the network</h2>", depth_plot(layers)]
     sens = {s["node"]: s for s in rep.get("sensitivity", [])}
     if rep.get("most_sensitive_layers"):

@@ -194,13 +194,8 @@ def parse_target(text: str, flag: str = "--auto_skip") -> tuple[str, float]:
 
 
 def auto_skip(graph, places, plan, scorer: Scorer, sens: list[LayerSensitivity], criterion: str,
-              target: float, max_layers: int, activations_only: bool = False) -> AutoSkipResult:
-    """Keep the most sensitive layers float, one at a time, until the output meets ``target``.
-
-    ``activations_only`` (``--auto_a16``): a trial leaves only the layer's activation inputs
-    float and keeps its weights quantized, the stand-in for giving those inputs a 16-bit grid
-    (whose rounding error is 257 times finer than 8 bits'); the chosen layers' inputs then get
-    16-bit grids and the error profile measures the result."""
+              target: float, max_layers: int) -> AutoSkipResult:
+    """Keep the most sensitive layers float, one at a time, until the output meets ``target``."""
     quantized = list(places.quantized_nodes)
     sb, _ = scorer.board(places, plan)
     before = scorer.score_variant(places, plan, sb.owners, sb.owners)
@@ -211,19 +206,67 @@ def auto_skip(graph, places, plan, scorer: Scorer, sens: list[LayerSensitivity],
         if current.value(criterion) >= target or len(res.float_layers) >= max_layers:
             break
         keep = [n for n in quantized if n not in res.float_layers and n != node]
-        trial = scorer.score_variant(places, plan, keep, sb.owners if activations_only else keep)
+        trial = scorer.score_variant(places, plan, keep, keep)
         helped = trial.value(criterion) > current.value(criterion)
         res.steps.append({"float_layer": node, "cosine": trial.cosine, "sqnr_db": trial.sqnr_db,
                           "kept": helped})
-        log.info("%s: %s %s -> output cosine %.6f, SQNR %.2f dB%s", "auto_a16" if activations_only else "auto_skip",
-                 node, "inputs float (as 16-bit)" if activations_only else "float", trial.cosine,
-                 trial.sqnr_db, "" if helped else (" (no gain: 8 bits again)" if activations_only
-                                                  else " (no gain: quantized again)"))
+        log.info("auto_skip: %s float -> output cosine %.6f, SQNR %.2f dB%s", node, trial.cosine,
+                 trial.sqnr_db, "" if helped else " (no gain: quantized again)")
         if helped:
             res.float_layers.append(node)
             current = trial
     res.after = current
     res.met = current.value(criterion) >= target
+    return res
+
+
+def auto_a16(graph, places, plan, scorer: Scorer, sens: list[LayerSensitivity], criterion: str,
+             target: float, max_layers: int | None) -> AutoSkipResult:
+    """The fewest most-sensitive layers whose inputs on 16-bit grids meet ``target`` (--auto_a16).
+
+    A trial leaves the activation inputs of the ``k`` most sensitive layers (isolated score) float
+    and keeps every weight quantized: the stand-in for 16-bit grids, whose rounding is 257 times
+    finer than 8 bits'. ``k`` doubles until the target is met (or ``max_layers``, default every
+    layer, is reached), then a bisection finds the smallest ``k`` that meets it: about
+    2 log2(k) trials instead of one per layer, so models whose loss is spread over many layers
+    (a recognizer, a transformer) get as many as they need. The chosen layers' inputs then get
+    16-bit grids and the error profile measures the model as written."""
+    quantized = list(places.quantized_nodes)
+    sb, _ = scorer.board(places, plan)
+    before = scorer.score_variant(places, plan, sb.owners, sb.owners)
+    res = AutoSkipResult(target, criterion, before, before)
+    order = [s.node for s in sorted(sens, key=lambda s: s.isolated.value(criterion))]
+    cap = len(order) if max_layers is None else min(max_layers, len(order))
+    tried: dict[int, OutputScore] = {0: before}
+
+    def trial(k: int) -> OutputScore:
+        if k not in tried:
+            wide = set(order[:k])
+            tried[k] = scorer.score_variant(places, plan, [n for n in quantized if n not in wide], sb.owners)
+            res.steps.append({"a16_layers": k, "cosine": tried[k].cosine, "sqnr_db": tried[k].sqnr_db})
+            log.info("auto_a16: the %d most sensitive layers' inputs float (as 16-bit) -> output cosine %.6f, "
+                     "SQNR %.2f dB", k, tried[k].cosine, tried[k].sqnr_db)
+        return tried[k]
+
+    ok = lambda k: trial(k).value(criterion) >= target
+    if ok(0) or cap == 0:
+        res.met = ok(0)
+        return res
+    lo, hi = 0, 1                      # lo fails; find a hi that meets the target
+    while not ok(hi):
+        lo = hi
+        if hi >= cap:
+            break
+        hi = min(2 * hi, cap)
+    if ok(hi):
+        while hi - lo > 1:             # smallest k in (lo, hi] that meets it
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+    else:                              # even ``cap`` layers miss it: take the best prefix tried
+        hi = max(tried, key=lambda k: (tried[k].value(criterion), -k))
+    res.float_layers = order[:hi]
+    res.after = tried[hi]
+    res.met = ok(hi)
     return res
 
 

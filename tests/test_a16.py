@@ -199,3 +199,31 @@ def test_auto_a16_promotes_the_chosen_layers_inputs_and_replans_their_biases(tmp
 def test_auto_a16_bad_settings(tmp_path, kw, text):
     with pytest.raises(ConfigError, match=text.replace("(", r"\(").replace("'", "'")):
         _run(tmp_path, tiny_cnn(), **kw)
+
+
+def test_auto_a16_search_finds_the_smallest_prefix_in_few_trials():
+    from types import SimpleNamespace
+    from dipoorlet.sensitivity import LayerSensitivity, OutputScore, auto_a16
+
+    nodes = [f"n{i}" for i in range(40)]
+    # n0 is the most sensitive; every layer's inputs at 16 bits add 0.001 to the output cosine
+    sens = [LayerSensitivity(n, "Conv", OutputScore(0.9 + 0.001 * i, 20.0, 0.0)) for i, n in enumerate(nodes)]
+    calls = []
+
+    class Scorer:
+        def board(self, places, plan):
+            return SimpleNamespace(owners=set(nodes)), None
+
+        def score_variant(self, places, plan, acts, weights):
+            assert set(weights) == set(nodes)                 # weights always quantized
+            wide = [n for n in nodes if n not in set(acts)]
+            assert wide == nodes[:len(wide)]                  # always a prefix of the ranking
+            calls.append(len(wide))
+            return OutputScore(0.98 + 0.001 * len(wide), 20.0, 0.0)
+
+    places = SimpleNamespace(quantized_nodes=nodes)
+    res = auto_a16(None, places, None, Scorer(), sens, "cosine", 0.9985, None)
+    assert res.met and res.float_layers == nodes[:19]           # 0.98 + 0.019 >= 0.9985 > 0.98 + 0.018
+    assert len(calls) <= 2 * 6 + 1
+    capped = auto_a16(None, places, None, Scorer(), sens, "cosine", 0.9985, 8)
+    assert not capped.met and capped.float_layers == nodes[:8]
