@@ -388,10 +388,17 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
             reconstructed["layers"] = len(reconstructed["gain_db"])
             if floated:
                 reconstructed["kept_float_by_auto_skip"] = floated
-    if analysis.get("auto_a16") is not None and analysis["auto_a16"].float_layers:
-        changed = promote_a16(g, places, plan, stats, cfg, plat, analysis["auto_a16"].float_layers)
-        log.info("auto_a16: %d layers' inputs on 16-bit grids (%d tensors): %s", len(analysis["auto_a16"].float_layers),
-                 len(changed), ", ".join(analysis["auto_a16"].float_layers[:6]))
+    a16 = analysis.get("auto_a16")
+    if a16 is not None and a16.float_layers:
+        changed = promote_a16(g, places, plan, stats, cfg, plat, a16.float_layers)
+        log.info("auto_a16: %d layers' inputs on 16-bit grids (%d of %d tensors): %s", len(a16.float_layers),
+                 len(changed), len(plan.activations), ", ".join(a16.float_layers[:6]))
+    if a16 is not None and not a16.met:
+        log.warning("auto_a16: target %s %s not met (%s %.6f with %d layers' inputs float over the %d sensitivity "
+                    "samples); %s", a16.criterion, a16.target, a16.criterion, a16.after.value(a16.criterion),
+                    len(a16.float_layers), analysis["sens_samples"],
+                    "what is left is the weights' rounding: --gptq, or --skip_layers"
+                    if len(a16.float_layers) >= len(places.quantized_nodes) else "a larger --max_a16_layers may meet it")
     timings["sensitivity_s"] = time.perf_counter() - t
     qmodel = insert_qdq(g, places, plan)
     _drop_shapeless_value_info(qmodel)
