@@ -171,7 +171,8 @@ def summary(result, cfg) -> str:
         lines += [f"  {d['node']}: {d['advice']}" for d in rep["diagnosis"][:3]]
     t = result.timings
     lines.append("")
-    lines.append(f"{rep['quantized_nodes']} nodes quantized, {rep['qdq_tensors']} activations and "
+    wide = f" ({rep['qdq_tensors_16bit']} 16-bit)" if rep.get("qdq_tensors_16bit") else ""
+    lines.append(f"{rep['quantized_nodes']} nodes quantized, {rep['qdq_tensors']} activations{wide} and "
                  f"{rep['weights']} weights with Q/DQ; "
                  + "".join(f"{label} {t[key]:.2f} s, " for key, label in
                            (("equalize_s", "equalization"), ("bias_correction_s", "bias correction"),

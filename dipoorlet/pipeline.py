@@ -436,6 +436,8 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
                 "samples": cfg.data_num, "profile_samples": k,
                 "quantized_nodes": len(places.quantized_nodes),
                 "qdq_tensors": sum(1 for t in places.activations if t in plan.activations),
+                "qdq_tensors_16bit": sum(1 for t in places.activations
+                                         if t in plan.activations and plan.activations[t].bits > 8),
                 "weights": len(places.weights)}
         rep = report.build(rows, places, meta, analysis, stats, plan, out_cosines)
         files += report.write(staging, rep)

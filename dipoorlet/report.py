@@ -149,7 +149,8 @@ def markdown(report: dict) -> str:
            f"platform `{report['platform']}`, method `{report['method']}`, {report['samples']} samples"
            + (f" (error profile over the first {report['profile_samples']})"
               if report.get("profile_samples", report["samples"]) < report["samples"] else "") + ", "
-           f"{report['quantized_nodes']} quantized nodes, {report['qdq_tensors']} Q/DQ activations", "",
+           f"{report['quantized_nodes']} quantized nodes, {report['qdq_tensors']} Q/DQ activations"
+           + (f" ({report['qdq_tensors_16bit']} on 16-bit grids)" if report.get('qdq_tensors_16bit') else ""), "",
            "## Network outputs", "",
            table(["output", "mean cosine", "min cosine", "SQNR dB", "max |err|"],
                  [[o["tensor"], o["cosine"], o["min_cosine"], o["sqnr_db"], o["max_abs_err"]]

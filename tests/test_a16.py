@@ -172,6 +172,7 @@ def test_auto_a16_promotes_the_chosen_layers_inputs_and_replans_their_biases(tmp
     assert rep["after_estimated"]["cosine"] > rep["before"]["cosine"]
     zps, nodes = _zero_points(qm), {n.name: n for n in qm.graph.node}
     wide = {t for t, z in zps.items() if z.dtype == np.uint16}
+    assert res.report["qdq_tensors_16bit"] == len(wide)
     assert wide and any(z.dtype == np.uint8 for t, z in zps.items() if not t.startswith(("w", "b")))
     for layer in rep["a16_layers"]:              # every activation input of a promoted layer is 16-bit
         for i in nodes[layer].input:
