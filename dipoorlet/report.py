@@ -183,23 +183,23 @@ def markdown(report: dict) -> str:
                       [[w["node"], w["channels"], round(w["spread"], 2)] for w in report["weight_spread"]])]
     a = report.get("auto_skip")
     if a:
-        out += ["", f"## auto_skip: target {a['criterion']} ≥ {a['target']} "
-                f"({'met' if a['met'] else 'NOT met'})", "",
-                f"kept in float: {', '.join(a['float_layers']) or 'none'}; output cosine "
-                f"{a['before']['cosine']} → {a['after']['cosine']}, SQNR {a['before']['sqnr_db']} → "
-                f"{a['after']['sqnr_db']} dB"]
+        out += _auto_section("auto_skip", a, "", "kept in float", a["float_layers"], a["after"], "")
     a = report.get("auto_a16")
     if a:
-        out += ["", f"## auto_a16: target {a['criterion']} ≥ {a['target']} "
-                f"({'met' if a['met'] else 'NOT met'}, estimated with those inputs float)", "",
-                f"inputs on 16-bit grids: {', '.join(a['a16_layers']) or 'none'}; output cosine "
-                f"{a['before']['cosine']} → {a['after_estimated']['cosine']}, SQNR {a['before']['sqnr_db']} → "
-                f"{a['after_estimated']['sqnr_db']} dB (the outputs table measures the model as written)"]
+        out += _auto_section("auto_a16", a, ", estimated with those inputs float", "inputs on 16-bit grids",
+                             a["a16_layers"], a["after_estimated"], " (the outputs table measures the model as written)")
     skipped = [d for d in report["decisions"] if not d["quantized"] and "not quantized on" not in d["reason"]]
     if skipped:
         out += ["", "## Nodes kept in float, and why", "",
                 table(["node", "op", "reason"], [[d["node"], d["op_type"], d["reason"]] for d in skipped[:50]])]
     return "\n".join(out) + "\n"
+
+
+def _auto_section(name, a, how, label, layers, after, note) -> list[str]:
+    """The markdown lines of an --auto_skip / --auto_a16 result."""
+    return ["", f"## {name}: target {a['criterion']} ≥ {a['target']} ({'met' if a['met'] else 'NOT met'}{how})", "",
+            f"{label}: {', '.join(layers) or 'none'}; output cosine {a['before']['cosine']} → {after['cosine']}, "
+            f"SQNR {a['before']['sqnr_db']} → {after['sqnr_db']} dB{note}"]
 
 
 def _transforms(report: dict) -> list[str]:

@@ -86,6 +86,16 @@ def bar_plot(counts, lo, hi, title, clip=None, width=420, height=170) -> str:
     return "".join(parts)
 
 
+def _auto_section(name, a, how, label, layers, after, note, head, rows) -> list[str]:
+    """The HTML of an --auto_skip / --auto_a16 result: heading, summary, one row per trial."""
+    status = '<span class=ok>met</span>' if a["met"] else '<span class=bad>not met</span>'
+    return [f"<h2>{name}: {esc(a['criterion'])} ≥ {esc(a['target'])} — {status}{how}</h2>",
+            f"<p>{label}: <b>{esc(', '.join(layers) or 'none')}</b>; output cosine "
+            f"{_fmt(a['before']['cosine'], 6)} → {_fmt(after['cosine'], 6)}, SQNR "
+            f"{_fmt(a['before']['sqnr_db'], 2)} → {_fmt(after['sqnr_db'], 2)} dB{note}</p>",
+            _table(head, rows)]
+
+
 def _table(headers, rows) -> str:
     head = "".join(f"<th>{esc(h)}</th>" for h in headers)
     body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
@@ -123,24 +133,18 @@ def html(rep: dict) -> str:
                 *[f"<li>{esc(line[2:])}</li>" for line in transforms if line.startswith("- ")], "</ul>"]
     a = rep.get("auto_skip")
     if a:
-        status = '<span class=ok>met</span>' if a["met"] else '<span class=bad>not met</span>'
-        out += [f"<h2>auto_skip: {esc(a['criterion'])} ≥ {esc(a['target'])} — {status}</h2>",
-                f"<p>kept in float: <b>{esc(', '.join(a['float_layers']) or 'none')}</b>; output cosine "
-                f"{_fmt(a['before']['cosine'], 6)} → {_fmt(a['after']['cosine'], 6)}, SQNR "
-                f"{_fmt(a['before']['sqnr_db'], 2)} → {_fmt(a['after']['sqnr_db'], 2)} dB</p>",
-                _table(["step", "layer tried in float", "output cosine", "SQNR dB", "kept float"],
-                       [[i + 1, esc(s["float_layer"]), _fmt(s["cosine"], 6), _fmt(s["sqnr_db"], 2),
-                         "yes" if s.get("kept") else "no gain"] for i, s in enumerate(a["steps"])])]
+        out += _auto_section("auto_skip", a, "", "kept in float", a["float_layers"], a["after"], "",
+                             ["step", "layer tried in float", "output cosine", "SQNR dB", "kept float"],
+                             [[i + 1, esc(s["float_layer"]), _fmt(s["cosine"], 6), _fmt(s["sqnr_db"], 2),
+                               "yes" if s.get("kept") else "no gain"] for i, s in enumerate(a["steps"])])
     a = rep.get("auto_a16")
     if a:
-        status = '<span class=ok>met</span>' if a["met"] else '<span class=bad>not met</span>'
-        out += [f"<h2>auto_a16: {esc(a['criterion'])} ≥ {esc(a['target'])} — {status} (estimated)</h2>",
-                f"<p>inputs on 16-bit grids: <b>{esc(', '.join(a['a16_layers']) or 'none')}</b>; output cosine "
-                f"{_fmt(a['before']['cosine'], 6)} → {_fmt(a['after_estimated']['cosine'], 6)} with those inputs "
-                f"float (the outputs table measures the model as written)</p>",
-                _table(["trial", "most sensitive layers at 16 bits", "output cosine", "SQNR dB"],
-                       [[i + 1, s["a16_layers"], _fmt(s["cosine"], 6), _fmt(s["sqnr_db"], 2)]
-                        for i, s in enumerate(a["steps"])])]
+        out += _auto_section("auto_a16", a, " (estimated)", "inputs on 16-bit grids", a["a16_layers"],
+                             a["after_estimated"], " with those inputs float (the outputs table measures the "
+                             "model as written)",
+                             ["trial", "most sensitive layers at 16 bits", "output cosine", "SQNR dB"],
+                             [[i + 1, s["a16_layers"], _fmt(s["cosine"], 6), _fmt(s["sqnr_db"], 2)]
+                              for i, s in enumerate(a["steps"])])
     out += ["<h2>Error along the network</h2>", depth_plot(layers)]
     sens = {s["node"]: s for s in rep.get("sensitivity", [])}
     if rep.get("most_sensitive_layers"):

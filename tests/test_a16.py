@@ -132,25 +132,22 @@ def _spec(name):
     return tomllib.loads((platforms_dir() / f"{name}.toml").read_text())
 
 
-def test_spec_rejects_16_bit_weights_and_a16_with_an_8_bit_format():
+@pytest.mark.parametrize("spec, section, key, value, text", [
+    ("qnn", "weight", "bits", 16, r"\[weight\]: bits must be 2..8"),
+    ("qnn", "weight", "max_bits", 16, "max_bits applies to activations only"),
+    ("trt", "activation", "max_bits", 16, "deploy format 'trt' holds 8-bit activation ranges"),
+    ("qnn", "activation", "max_bits", 12, "max_bits must be 8 or 16"),
+])
+def test_spec_rejects_16_bit_weights_and_a16_with_an_8_bit_format(spec, section, key, value, text):
+    d = _spec(spec)
+    d[section][key] = value
+    with pytest.raises(ConfigError, match=text):
+        parse(d, "chip.toml")
+
+
+def test_spec_may_default_to_16_bit_activations():
     d = _spec("qnn")
-    d["weight"]["bits"] = 16
-    with pytest.raises(ConfigError, match=r"\[weight\]: bits must be 2..8"):
-        parse(d, "w16.toml")
-    d = _spec("qnn")
-    d["weight"]["max_bits"] = 16
-    with pytest.raises(ConfigError, match="max_bits applies to activations only"):
-        parse(d, "wmax.toml")
-    d = _spec("trt")
-    d["activation"]["max_bits"] = 16
-    with pytest.raises(ConfigError, match="deploy format 'trt' holds 8-bit activation ranges"):
-        parse(d, "trt16.toml")
-    d = _spec("qnn")
-    d["activation"]["max_bits"] = 12
-    with pytest.raises(ConfigError, match="max_bits must be 8 or 16"):
-        parse(d, "q12.toml")
-    d = _spec("qnn")
-    d["activation"]["bits"] = 16          # a spec whose default is W8A16
+    d["activation"]["bits"] = 16
     assert parse(d, "a16.toml").activation.bits == 16
 
 
