@@ -129,10 +129,17 @@ def check_bits(cfg: QuantConfig, plat) -> None:
         wide.append(("--auto_a16", 16))
     for flag, bits in wide:
         if bits is not None and bits > plat.activation.max_bits:
+            keep = "" if flag in ("--a_bits", "--auto_a16") else ", or --skip_layers to keep the layer float"
             raise ConfigError(f"{flag} asks for {bits}-bit activations, but {plat.name} runs at most "
-                              f"{plat.activation.max_bits}-bit activations; use 2..{plat.activation.max_bits}, "
-                              "a backend with 16-bit activations (qnn, snpe, ort), or --skip_layers to keep "
-                              "the layer float")
+                              f"{plat.activation.max_bits}-bit activations; use 2..{plat.activation.max_bits} "
+                              f"or a backend with 16-bit activations (qnn, snpe, ort){keep}")
+    if cfg.auto_a16 and (cfg.gptq or cfg.bias_correction):
+        raise ConfigError("--auto_a16 with --gptq/--bc: those fit the weights to the 8-bit inputs before the "
+                          "search; run --auto_a16 first, then again with --layer_bits NODE=a16 for the layers "
+                          "it chose (report.json: auto_a16.a16_layers) and --gptq/--bc")
+    if cfg.auto_a16 and cfg.shift and shift_mod.applicable(plat):
+        raise ConfigError(f"--auto_a16 on {plat.name}: its activation shift renames the tensors the search "
+                          "would widen; add --no_shift")
 
 
 def rule_for(base, bits: int | None):
@@ -150,13 +157,24 @@ def plan_activations(stats, cfg: QuantConfig, plat, places=None) -> QuantPlan:
             log.warning("tensor %s reaches %s/%s on the calibration data; it stays float", t,
                         st.minmax.lo, st.minmax.hi)
             continue
-        owners = places.activations[t].owners if places is not None and t in places.activations else []
+        point = places.activations.get(t) if places is not None else None
+        # the nodes whose --layer_bits decide this grid: its readers, and the producer of a network
+        # output quantized in place (a layer's aM covers the activations it owns, output included)
+        owners = list(point.owners) if point is not None else []
+        if point is not None and point.output and t in places.output_owners:
+            owners.append(places.output_owners[t])
         bits = [cfg.layer_bits[o][1] for o in owners if o in cfg.layer_bits and cfg.layer_bits[o][1]]
-        rule = rule_for(plat.activation, min(bits) if bits else cfg.a_bits)
+        # readers asking different widths share one grid: 16 bits where one asks for it (as in
+        # shared MaxPool/Concat groups), else the narrowest
+        pick = (max(bits) if max(bits) > 8 else min(bits)) if bits else cfg.a_bits
+        rule = rule_for(plat.activation, pick)
         nonneg = rule.unsigned_nonnegative and st.minmax.lo >= 0
         qmin, qmax = levels(rule)
         steps = 2**rule.bits - 1 if nonneg else (qmax if rule.symmetric else qmax - qmin)
-        params = RangeParams(qmax=steps, threshold=cfg.threshold, percentile=cfg.percentile)
+        # entropy compares the clipped histogram with its 128-level (int8) requantization; a 16-bit
+        # grid has more levels than the 2048 bins hold, so its search keeps the whole range
+        params = RangeParams(qmax=steps, threshold=cfg.threshold, percentile=cfg.percentile,
+                             quant_bins=128 if rule.bits <= 8 else cfg.bins)
         lo, hi = method(st, params)
         plan.activations[t] = make_qparams(lo, hi, rule)
         plan.rules[t] = rule
@@ -262,6 +280,8 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
     check_bits(cfg, plat)
     if cfg.gptq_samples and not cfg.gptq:
         log.warning("--gptq_samples applies with --gptq only; ignored")
+    if cfg.max_a16_layers is not None and not cfg.auto_a16:
+        log.warning("--max_a16_layers applies with --auto_a16 only; ignored")
     if cfg.stpu_wg and plat.name != "stpu":
         log.warning("--stpu_wg applies to -D stpu only; ignored on %s", plat.name)
     g, cfg = load_graph(cfg)
@@ -368,6 +388,17 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         analysis["equalization"] = equalized
     if shifted:
         analysis["shift"] = shifted
+    a16 = analysis.get("auto_a16")
+    if a16 is not None and a16.float_layers:   # before the diagnosis, which then sees the 16-bit grids
+        changed = promote_a16(g, places, plan, stats, cfg, plat, a16.float_layers)
+        log.info("auto_a16: %d layers' inputs on 16-bit grids (%d of %d tensors): %s", len(a16.float_layers),
+                 len(changed), len(plan.activations), ", ".join(a16.float_layers[:6]))
+    if a16 is not None and not a16.met:
+        log.warning("auto_a16: target %s %s not met (%s %.6f with %d layers' inputs float over the %d sensitivity "
+                    "samples); %s", a16.criterion, a16.target, a16.criterion, a16.after.value(a16.criterion),
+                    len(a16.float_layers), analysis["sens_samples"],
+                    "what is left is the weights' rounding: --gptq, or --skip_layers"
+                    if len(a16.float_layers) >= len(places.quantized_nodes) else "a larger --max_a16_layers may meet it")
     if analysis.get("isolated"):
         from dipoorlet import diagnose
 
@@ -388,17 +419,6 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
             reconstructed["layers"] = len(reconstructed["gain_db"])
             if floated:
                 reconstructed["kept_float_by_auto_skip"] = floated
-    a16 = analysis.get("auto_a16")
-    if a16 is not None and a16.float_layers:
-        changed = promote_a16(g, places, plan, stats, cfg, plat, a16.float_layers)
-        log.info("auto_a16: %d layers' inputs on 16-bit grids (%d of %d tensors): %s", len(a16.float_layers),
-                 len(changed), len(plan.activations), ", ".join(a16.float_layers[:6]))
-    if a16 is not None and not a16.met:
-        log.warning("auto_a16: target %s %s not met (%s %.6f with %d layers' inputs float over the %d sensitivity "
-                    "samples); %s", a16.criterion, a16.target, a16.criterion, a16.after.value(a16.criterion),
-                    len(a16.float_layers), analysis["sens_samples"],
-                    "what is left is the weights' rounding: --gptq, or --skip_layers"
-                    if len(a16.float_layers) >= len(places.quantized_nodes) else "a larger --max_a16_layers may meet it")
     timings["sensitivity_s"] = time.perf_counter() - t
     qmodel = insert_qdq(g, places, plan)
     _drop_shapeless_value_info(qmodel)
@@ -465,7 +485,9 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm) -> dict:
         crit, target = sensitivity.parse_target(cfg.auto_skip)
         out["auto_skip"] = sensitivity.auto_skip(g, places, plan, scorer, out["isolated"], crit,
                                                  target, cfg.max_float_layers)
-    if cfg.auto_a16:
+    if cfg.auto_a16 and cfg.a_bits == 16:
+        log.warning("--auto_a16 with --a_bits 16: every activation is 16-bit already; nothing to choose")
+    elif cfg.auto_a16:
         crit, target = sensitivity.parse_target(cfg.auto_a16, flag="--auto_a16")
         out["auto_a16"] = sensitivity.auto_a16(g, places, plan, scorer, out["isolated"], crit,
                                                target, cfg.max_a16_layers)
@@ -478,7 +500,8 @@ def promote_a16(g: Graph, places, plan: QuantPlan, stats, cfg: QuantConfig, plat
     s_in * s_w). Returns the tensors whose grid changed."""
     bits = dict(cfg.layer_bits)
     for n in layers:
-        bits[n] = (bits.get(n, (None, None))[0], 16)
+        if bits.get(n, (None, None))[1] is None:     # an explicit --layer_bits NODE=aM stands
+            bits[n] = (bits.get(n, (None, None))[0], 16)
     new = plan_activations(stats, dataclasses.replace(cfg, layer_bits=bits), plat, places)
     if plat.share_scale:
         share_scales(g, new, plat.share_scale)

@@ -66,8 +66,8 @@ _FUSION_KEYS = {"residual_add_producers": list, "residual_add_float_before": lis
                 "activations": list}
 
 
-# side-file formats that can state a 16-bit activation grid (AIMET encodings carry a bitwidth;
-# the reference tool's clip files only ranges)
+# side-file formats that hold a 16-bit activation grid: AIMET encodings carry its bitwidth; the
+# reference tool's clip files carry ranges only, which mean the same at any width
 WIDE_FORMATS = frozenset({"snpe", "qnn", "reference"})
 
 

@@ -40,7 +40,9 @@ def levels(rule: TensorRule) -> tuple[int, int]:
     b = rule.bits
     if rule.unsigned:
         return 0, 2**b - 1
-    if rule.narrow_range:
+    if rule.narrow_range and b <= 8:
+        # a 16-bit grid keeps its full range: between Q and DQ the narrower one would need an
+        # integer Clip, which onnxruntime has no int16 kernel for (one level of 65,536)
         return -(2 ** (b - 1) - 1), 2 ** (b - 1) - 1
     return -(2 ** (b - 1)), 2 ** (b - 1) - 1
 

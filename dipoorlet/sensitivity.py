@@ -188,6 +188,8 @@ def parse_target(text: str, flag: str = "--auto_skip") -> tuple[str, float]:
                           "e.g. 0.999 or sqnr:30") from None
     if crit not in ("cosine", "sqnr"):
         raise ConfigError(f"{flag} criterion {crit!r}: use cosine or sqnr")
+    if not math.isfinite(value):
+        raise ConfigError(f"{flag} {text!r}: the target must be a finite number")
     if crit == "cosine" and not 0 < value <= 1:
         raise ConfigError(f"{flag} cosine target must be in (0, 1], got {value}")
     return crit, value

@@ -225,3 +225,58 @@ def test_auto_a16_search_finds_the_smallest_prefix_in_few_trials():
     assert len(calls) <= 2 * 6 + 1
     capped = auto_a16(None, places, None, Scorer(), sens, "cosine", 0.9985, 8)
     assert not capped.met and capped.float_layers == nodes[:8]
+
+
+def test_layer_bits_a16_covers_the_layers_quantized_network_output(tmp_path):
+    from conftest import conv_model
+    _, _, qm, _ = _run(tmp_path, conv_model(), layer_bits={"conv": (None, 16)})
+    zps = _zero_points(qm)
+    assert zps["x"].dtype == np.uint16 and zps["y"].dtype == np.uint16   # qnn quantizes the output in place
+
+
+def test_auto_a16_keeps_an_explicit_layer_bits_setting(tmp_path):
+    res, _, qm, _ = _run(tmp_path, tiny_cnn(), auto_a16="1.0", sens_samples=2, layer_bits={"conv1": (None, 4)})
+    assert "conv1" in res.report["auto_a16"]["a16_layers"]      # an unreachable target: every layer chosen
+    zps = _zero_points(qm)
+    assert zps["x"].dtype == np.uint8                          # conv1's input stays on its 4-bit grid
+    assert zps["r2"].dtype == np.uint16
+
+
+def test_16_bit_grids_keep_the_full_range_and_entropy_the_whole_range():
+    from dipoorlet.platform import TensorRule
+    from dipoorlet.qparams import levels
+    from dipoorlet.ranges import RANGE_METHODS, RangeParams
+    from conftest import stats_from
+    assert levels(TensorRule(bits=16, symmetric=True, narrow_range=True)) == (-32768, 32767)
+    assert levels(TensorRule(bits=8, symmetric=True, narrow_range=True)) == (-127, 127)
+    x = np.random.default_rng(0).standard_t(2, 200_000).astype(np.float32)
+    st = stats_from(x)
+    lo, hi = RANGE_METHODS["entropy"](st, RangeParams(qmax=65535, quant_bins=2048))
+    assert (lo, hi) == (st.minmax.lo, st.minmax.hi)
+
+
+@pytest.mark.parametrize("kw, text", [
+    ({"auto_a16": "0.99", "gptq": True}, "--auto_a16 with --gptq/--bc"),
+    ({"auto_a16": "0.99", "bias_correction": True}, "--auto_a16 with --gptq/--bc"),
+    ({"auto_a16": "sqnr:nan"}, "finite"),
+])
+def test_auto_a16_refused_combinations(tmp_path, kw, text):
+    with pytest.raises(ConfigError, match=text):
+        _run(tmp_path, tiny_cnn(), **kw)
+
+
+def test_auto_a16_with_a_bits_16_skips_the_search(tmp_path, caplog):
+    res, _, _, _ = _run(tmp_path, tiny_cnn(), auto_a16="0.99", a_bits=16, sens_samples=2)
+    assert "auto_a16" not in res.report and "nothing to choose" in caplog.text
+
+
+def test_auto_a16_on_a_shifting_backend_asks_for_no_shift(tmp_path):
+    spec = (platforms_dir() / "trt.toml").read_text().replace('deploy = ["trt", "reference"]', 'deploy = ["reference"]')
+    at = spec.index("[activation]") + len("[activation]")
+    path = tmp_path / "sym16.toml"
+    path.write_text(spec[:at] + "\nmax_bits = 16" + spec[at:])
+    with pytest.raises(ConfigError, match="--no_shift"):
+        _run(tmp_path, tiny_cnn(), deploy=str(path), auto_a16="0.99")
+    res, _, qm, _ = _run(tmp_path / "ok", tiny_cnn(), deploy=str(path), auto_a16="1.0", shift=False, sens_samples=2)
+    assert res.report["auto_a16"]["a16_layers"]
+    assert any(z.dtype == np.int16 for z in _zero_points(qm).values())     # symmetric 16-bit grids
