@@ -222,17 +222,40 @@ def _absorb(g: Graph, node, conv, w_new, b_new, tag: str) -> None:
     params = [(1, w_new), (2, b_new)] if w_new is not None else [(2, b_new)]
     for index, value in params:
         name = fresh_name(g, f"{base}.{'weight' if index == 1 else 'bias'}_{tag}")
-        g.graph.initializer.append(numpy_helper.from_array(value, name))
+        t = numpy_helper.from_array(value, name)
+        g.graph.initializer.append(t)
         g.initializers[name] = g.graph.initializer[-1]
+        g.types[name] = (t.data_type, list(t.dims))
         if index < len(conv.input):
+            _drop_consumer(g, conv.input[index], conv)
             conv.input[index] = name
         else:
             conv.input.append(name)
+        g.consumers[name].append(conv)
     if node.name:
         g.__dict__.setdefault("folded_into", {})[node.name] = conv.name
+    # the maps follow the edit here: a whole g.refresh() per fold made the folds quadratic in
+    # the graph's size (53 folds took 0.2 s of a 1.1 s run on the PP-OCR classifier)
+    for inp in node.input:
+        _drop_consumer(g, inp, node)
+    for out in [conv.output[0], *node.output]:
+        g.producer.pop(out, None)
     conv.output[0] = node.output[0]
+    g.producer[node.output[0]] = conv
     g.graph.node.remove(node)
-    g.refresh()
+    if node.name and g.node_by_name.get(node.name) is node:
+        del g.node_by_name[node.name]
+        if any(n.name == node.name for n in g.graph.node):
+            g.refresh()   # another node shares the name: the full rebuild picks the first
+
+
+def _drop_consumer(g: Graph, tensor: str, node) -> None:
+    """Remove ``node`` (by identity) from the readers of ``tensor``."""
+    left = [c for c in g.consumers.get(tensor, []) if c is not node]
+    if left:
+        g.consumers[tensor] = left
+    else:
+        g.consumers.pop(tensor, None)
 
 
 def _foldable_layer(g: Graph, tensor: str, outputs: set):

@@ -1127,3 +1127,48 @@ def test_skip_layers_naming_a_folded_node_applies_to_its_conv(tmp_path, caplog):
     assert "mul0 was folded into conv" in caplog.text and "add1 was folded into conv" in caplog.text
     conv2 = next(n for n in qm.graph.node if n.name == "conv2")
     assert any(n.op_type == "DequantizeLinear" and n.output[0] == conv2.input[1] for n in qm.graph.node)
+
+
+def _maps(g):
+    """The graph maps as comparable values: nodes by their position in the graph (each mapped
+    node must be one of the graph's own, not a detached copy)."""
+    nodes = list(g.graph.node)
+
+    def pos(node):
+        hits = [i for i, n in enumerate(nodes) if n == node]
+        assert hits, f"{node.name} is in the maps but not in the graph"
+        return hits[0]
+    return ({k: pos(v) for k, v in g.producer.items()},
+            {k: sorted(map(pos, v)) for k, v in g.consumers.items() if v},
+            {k: pos(v) for k, v in g.node_by_name.items()},
+            {t.name: g.types.get(t.name) for t in g.graph.initializer})
+
+
+@pytest.mark.parametrize("fold", ["bn", "elementwise"])
+def test_folds_keep_the_graph_maps_as_a_full_rebuild_gives_them(fold, monkeypatch):
+    """The folds update producer/consumer/name maps in place instead of rebuilding them per
+    fold; before the final rebuild they must already equal what it gives, with a constant that
+    another node also reads and two nodes sharing a name."""
+    if fold == "bn":
+        model = conv_bn()
+        model.graph.node.append(helper.make_node("Add", ["y", "beta"], ["z"], name="relu"))
+        fn = prepare.fold_batchnorm
+    else:
+        model = conv_then([("Mul", 0), ("Add", 0)], (1,), 1)
+        model.graph.node.append(helper.make_node("Mul", ["y", "k0"], ["z"], name="mul0"))
+        fn = prepare.fold_into_conv
+    model.graph.output[0].name = "z"
+    g = Graph(model)
+    seen = []
+    real = Graph.refresh
+
+    def checked(self):
+        before = _maps(self)
+        real(self)
+        seen.append((before, _maps(self)))
+
+    monkeypatch.setattr(Graph, "refresh", checked)
+    assert fn(g) >= 1
+    assert seen, "the fold never rebuilt the maps at the end"
+    before, after = seen[-1]   # (a fold of a node sharing its name rebuilds them on the way)
+    assert before == after
