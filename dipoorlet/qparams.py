@@ -9,6 +9,7 @@ get a Clip between Q and DQ so onnxruntime simulates the narrower grid exactly.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -121,6 +122,8 @@ class QuantPlan:
     # constant -> the node whose quantization it compensates; applied only while that node's
     # weight is quantized (a layer kept float by --skip_layers/auto_skip keeps its own bias)
     value_owners: dict = field(default_factory=dict)
+    # activation -> the width --layer_bits asked for it (absent: the backend's or --a_bits)
+    asked_bits: dict = field(default_factory=dict)
 
     def restricted(self, placement) -> "QuantPlan":
         """The grids ``placement`` still uses (after ``--auto_skip`` kept layers float), so side
@@ -186,6 +189,14 @@ def share_scales(graph, plan: QuantPlan, ops) -> int:
         # narrowest wins (a4 asked for one member holds for the grid they share)
         wide = [r for r in rules if r.bits > 8]
         rule = max(wide, key=lambda r: r.bits) if wide else min(rules, key=lambda r: r.bits)
+        lost = sorted(t for t in members if plan.asked_bits.get(t, rule.bits) < rule.bits)
+        if lost:   # --layer_bits asked a narrower width for a member than the grid they share
+            logging.getLogger("dipoorlet").warning(
+                "--layer_bits: %s share one grid with %d other tensor(s) (pass-through ops keep their "
+                "input's grid on this backend) and take its %d bits, not the %s asked; give every "
+                "reader of the group the same width to change it", ", ".join(lost[:4]),
+                len(members) - len(lost), rule.bits,
+                "/".join(str(b) for b in sorted({plan.asked_bits[t] for t in lost})))
         shared = make_qparams(lo, hi, rule)
         for t in members:
             plan.activations[t] = shared

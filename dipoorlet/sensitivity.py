@@ -223,7 +223,7 @@ def auto_skip(graph, places, plan, scorer: Scorer, sens: list[LayerSensitivity],
 
 
 def auto_a16(graph, places, plan, scorer: Scorer, sens: list[LayerSensitivity], criterion: str,
-             target: float, max_layers: int | None) -> AutoSkipResult:
+             target: float, max_layers: int | None, fixed: set = frozenset()) -> AutoSkipResult:
     """The fewest most-sensitive layers whose inputs on 16-bit grids meet ``target`` (--auto_a16).
 
     A trial leaves the activation inputs of the ``k`` most sensitive layers (isolated score) float
@@ -233,12 +233,14 @@ def auto_a16(graph, places, plan, scorer: Scorer, sens: list[LayerSensitivity], 
     smallest ``k`` that meets it: about
     2 log2(k) trials instead of one per layer, so models whose loss is spread over many layers
     (a recognizer, a transformer) get as many as they need. The chosen layers' inputs then get
-    16-bit grids and the error profile measures the model as written."""
+    16-bit grids and the error profile measures the model as written. Layers in ``fixed``
+    (an explicit --layer_bits NODE=aM) are not candidates: the promotion would not change them,
+    and a trial that scored them as 16-bit would report a target the written model misses."""
     quantized = list(places.quantized_nodes)
     sb, _ = scorer.board(places, plan)
     before = scorer.score_variant(places, plan, sb.owners, sb.owners)
     res = AutoSkipResult(target, criterion, before, before)
-    order = [s.node for s in sorted(sens, key=lambda s: s.isolated.value(criterion))]
+    order = [s.node for s in sorted(sens, key=lambda s: s.isolated.value(criterion)) if s.node not in fixed]
     cap = len(order) if max_layers is None else min(max_layers, len(order))
     tried: dict[int, OutputScore] = {0: before}
 

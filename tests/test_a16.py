@@ -225,6 +225,10 @@ def test_auto_a16_search_finds_the_smallest_prefix_in_few_trials():
     assert len(calls) <= 2 * 6 + 1
     capped = auto_a16(None, places, None, Scorer(), sens, "cosine", 0.9985, 8)
     assert not capped.met and capped.float_layers == nodes[:8]
+    # a layer with an explicit --layer_bits NODE=aM is no candidate: the prefixes skip it
+    nodes.remove("n1")
+    fixed = auto_a16(None, places, None, Scorer(), sens, "cosine", 0.9985, 8, fixed={"n1"})
+    assert "n1" not in fixed.float_layers and fixed.float_layers == nodes[:8]
 
 
 def test_layer_bits_a16_covers_the_layers_quantized_network_output(tmp_path):
@@ -236,7 +240,8 @@ def test_layer_bits_a16_covers_the_layers_quantized_network_output(tmp_path):
 
 def test_auto_a16_keeps_an_explicit_layer_bits_setting(tmp_path):
     res, _, qm, _ = _run(tmp_path, tiny_cnn(), auto_a16="1.0", sens_samples=2, layer_bits={"conv1": (None, 4)})
-    assert "conv1" in res.report["auto_a16"]["a16_layers"]      # an unreachable target: every layer chosen
+    chosen = res.report["auto_a16"]["a16_layers"]
+    assert chosen and "conv1" not in chosen    # an unreachable target: every layer chosen but the fixed one
     zps = _zero_points(qm)
     assert zps["x"].dtype == np.uint8                          # conv1's input stays on its 4-bit grid
     assert zps["r2"].dtype == np.uint16
@@ -280,3 +285,43 @@ def test_auto_a16_on_a_shifting_backend_asks_for_no_shift(tmp_path):
     res, _, qm, _ = _run(tmp_path / "ok", tiny_cnn(), deploy=str(path), auto_a16="1.0", shift=False, sens_samples=2)
     assert res.report["auto_a16"]["a16_layers"]
     assert any(z.dtype == np.int16 for z in _zero_points(qm).values())     # symmetric 16-bit grids
+
+
+def test_a_narrower_width_lost_to_a_shared_grid_is_warned(tmp_path, caplog):
+    """tiny_cnn's MaxPool shares one grid between its input and output on qnn: conv2=a8 under
+    --a_bits 16 cannot hold for the pooled tensor alone, and the log says so."""
+    with caplog.at_level("WARNING", logger="dipoorlet"):
+        _, _, qm, _ = _run(tmp_path, tiny_cnn(), a_bits=16, layer_bits={"conv2": (None, 8)})
+    assert _zero_points(qm)["p1"].dtype == np.uint16
+    assert any("p1 share one grid" in r.getMessage() and "not the 8 asked" in r.getMessage()
+               for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dipoorlet"):   # a16 asked for one member: no request lost
+        _run(tmp_path / "b", tiny_cnn(), layer_bits={"conv2": (None, 16)})
+    assert not any("share one grid" in r.getMessage() for r in caplog.records)
+
+
+def _two_layers(op):
+    from onnx import helper
+    from conftest import make_model, rand, vi
+    if op == "Gemm":
+        inits = {"w": rand((32, 16), 1, 0.3), "b": rand((32,), 2, 0.1), "w2": rand((8, 32), 3, 0.3)}
+        first = helper.make_node("Gemm", ["x", "w", "b"], ["h"], name="fc1", transB=1)
+        second = helper.make_node("Gemm", ["r", "w2"], ["y"], name="fc2", transB=1)
+    else:
+        inits = {"w": rand((16, 32), 1, 0.3), "w2": rand((32, 8), 3, 0.3)}
+        first = helper.make_node("MatMul", ["x", "w"], ["h"], name="fc1")
+        second = helper.make_node("MatMul", ["r", "w2"], ["y"], name="fc2")
+    nodes = [first, helper.make_node("Relu", ["h"], ["r"], name="relu"), second]
+    return make_model(nodes, [vi("x", [4, 16])], [vi("y", [4, 8])], inits, opset=17)
+
+
+@pytest.mark.parametrize("op, deploy, warned", [("MatMul", "ort", True), ("Gemm", "ort", False),
+                                                 ("MatMul", "qnn", False)])
+def test_ort_warns_that_its_default_session_requantizes_16_bit_matmul_inputs(tmp_path, caplog, op, deploy, warned):
+    with caplog.at_level("WARNING", logger="dipoorlet"):
+        _run(tmp_path, _two_layers(op), deploy=deploy, a_bits=16)
+    hits = [r.getMessage() for r in caplog.records if "MatMulNBits" in r.getMessage()]
+    assert bool(hits) == warned
+    if warned:
+        assert "fc1, fc2" in hits[0] and "session.qdq_matmulnbits_accuracy_level" in hits[0]
