@@ -637,6 +637,11 @@ def _to_qop(qmodel, feed: dict):
         log.warning("--quant_format QOP: %s; quant_model.onnx is the QDQ model", exc)
         return qmodel
     log.info("--quant_format QOP: %d ops converted to QLinear form; the rest stay QDQ", converted)
+    unq = qop.unquantized_outputs(qmodel)
+    if unq:
+        log.info("--quant_format QOP: %d Conv/MatMul/Gemm stay QDQ because this backend leaves their "
+                 "output float (a QLinear op needs an output grid); their readers: %s", sum(unq.values()),
+                 ", ".join(f"{k} x{n}" for k, n in sorted(unq.items(), key=lambda kv: -kv[1])[:5]))
     if excluded:
         log.warning("--quant_format QOP: onnxruntime has no integer kernel for %d ops as converted; "
                     "they stay QDQ (%s)", len(excluded), ", ".join(excluded[:5]))

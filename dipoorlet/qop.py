@@ -65,6 +65,21 @@ def _axis(node) -> int | None:
     return next((a.i for a in node.attribute if a.name == "axis"), None)
 
 
+def unquantized_outputs(model: onnx.ModelProto) -> dict[str, int]:
+    """Weighted ops (Conv/MatMul/Gemm) with dequantized inputs whose output is not quantized,
+    counted by the op type that reads it: a QLinear op needs an output grid, and a backend that
+    quantizes only some ops' inputs gives none to a layer whose reader it leaves float."""
+    v = _View(model)
+    readers: dict[str, int] = {}
+    for node in model.graph.node:
+        if node.op_type in ("Conv", "MatMul", "Gemm") and v.dq(node.input[0]) is not None \
+                and _output_q(v, node)[0] is None:
+            users = v.cons.get(node.output[0], [])
+            key = "/".join(sorted({u.op_type for u in users})) or "network output"
+            readers[key] = readers.get(key, 0) + 1
+    return readers
+
+
 def convert(model: onnx.ModelProto, exclude=()) -> tuple[onnx.ModelProto, int]:
     """A QOperator copy of a QDQ model and the number of ops converted (nodes named in
     ``exclude`` stay QDQ)."""

@@ -380,3 +380,25 @@ def test_a_dead_channels_bias_fits_int32_on_a_widened_weight_grid(tmp_path, plat
         assert s_w[c] == pytest.approx(2 * live[c] / span, rel=0.02)
     assert s_w[2] > 1000 * 1e-12 / 127 and s_w[2] < 1e-4 * s_w.max()   # widened, still far finer than the rest
     np.testing.assert_allclose(ort_run(qm, feeds[0])[0], ort_run(model, feeds[0])[0], atol=0.05)
+
+
+def test_qop_names_why_layers_feeding_a_float_op_stay_qdq(tmp_path, caplog):
+    """A Conv whose reader the backend leaves float (PRelu on ort) gets no output grid, so it
+    cannot become a QLinearConv: the log says so and names the reader (MTCNN's nets are all
+    Conv -> PRelu; the log said only "0 ops converted")."""
+    from onnx import helper
+    from conftest import make_model, quantize_model, rand, vi
+    from dipoorlet import qop
+
+    inits = {"w1": rand((4, 3, 3, 3), 1, 0.3), "b1": rand((4,), 2, 0.1), "a": np.full((4, 1, 1), 0.25, np.float32),
+             "w2": rand((2, 4, 1, 1), 3, 0.3), "b2": rand((2,), 4, 0.1)}
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1] * 4),
+             helper.make_node("PRelu", ["c1", "a"], ["p1"], name="prelu"),
+             helper.make_node("Conv", ["p1", "w2", "b2"], ["y"], name="conv2")]
+    model = make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("y", [1, 2, 8, 8])], inits, opset=13)
+    with caplog.at_level("INFO", logger="dipoorlet"):
+        quantize_model(tmp_path, model, deploy="ort", quant_format="QOP")
+    qdq = onnx.load(str(tmp_path / "out" / "quant_model_qdq.onnx"))
+    assert qop.unquantized_outputs(qdq) == {"PRelu": 1, "network output": 1}   # ort leaves outputs float
+    assert any("stay QDQ because this backend leaves their output float" in r.getMessage()
+               and "PRelu x1" in r.getMessage() for r in caplog.records)
