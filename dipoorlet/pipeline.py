@@ -71,9 +71,10 @@ def load_graph(cfg: QuantConfig) -> Graph:
     g.prepared = done
     log.info("model %s: opset %d (was %d), %d nodes, %d Constant weights moved to initializers, "
              "%d constant subexpressions folded, %d BatchNormalization and %d constant Add/Sub/Mul/Div folded "
-             "into Conv/ConvTranspose", cfg.model, g.opset,
+             "into Conv/ConvTranspose%s", cfg.model, g.opset,
              done["opset_from"], len(g.graph.node), done["constants_to_initializers"], done["constants_folded"],
-             done["batchnorms_folded"], done["elementwise_folded"])
+             done["batchnorms_folded"], done["elementwise_folded"],
+             f", {done['layernorms_fused']} decomposed LayerNorms fused" if done.get("layernorms_fused") else "")
     if done["float16_widened"]:
         log.warning("model %s is float16: calibrated and written in float32 (%d weights, types and Casts "
                     "widened; inputs %s now float32); the backends build float32 Q/DQ models and run "

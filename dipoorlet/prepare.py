@@ -357,7 +357,200 @@ def fold_batchnorm(g: Graph) -> int:
     return folded
 
 
-def ensure_opset(g: Graph, target: int = QDQ_OPSET) -> int:
+LAYERNORM_OPSET = 17   # LayerNormalization joined the default domain at opset 17
+
+
+def _single_reader(g: Graph, tensor: str, op_types: tuple[str, ...]):
+    """The one default-domain node of ``op_types`` reading ``tensor``, when nothing else reads it
+    and it is no graph output; else None."""
+    readers = g.consumers.get(tensor, [])
+    if len(readers) != 1 or tensor in g.output_names:
+        return None
+    node = readers[0]
+    return node if node.op_type in op_types and node.domain in ("", "ai.onnx") else None
+
+
+def _scalar(g: Graph, name: str) -> float | None:
+    """A constant of one float value, as a Python float; else None."""
+    if not name or not g.is_constant(name) or g.elem_type(name) not in (None, onnx.TensorProto.FLOAT):
+        return None
+    value = g.weight(name)
+    return float(value.reshape(-1)[0]) if value.size == 1 else None
+
+
+def _reduced_axes(g: Graph, node) -> list[int] | None:
+    """The axes a ReduceMean with keepdims=1 averages over (attribute before opset 18, input
+    from it), or None."""
+    if node.op_type != "ReduceMean" or node.domain not in ("", "ai.onnx") or not node_attr(node, "keepdims", 1):
+        return None
+    axes = node_attr(node, "axes")
+    if axes is None and len(node.input) > 1 and node.input[1] and g.is_constant(node.input[1]):
+        axes = g.weight(node.input[1]).reshape(-1).tolist()
+    return [int(a) for a in axes] if axes else None
+
+
+def _other_input(node, tensor: str) -> str | None:
+    """The input of a two-input node that is not ``tensor`` (None unless exactly one is)."""
+    if len(node.input) != 2 or list(node.input).count(tensor) != 1:
+        return None
+    return node.input[1] if node.input[0] == tensor else node.input[0]
+
+
+def _match_layernorm(g: Graph, mean):
+    """The decomposed LayerNorm starting at ReduceMean ``mean`` as a dict, or None.
+
+    X -> ReduceMean -> Sub(X, mean) = d -> Pow(d, 2) | Mul(d, d) -> ReduceMean -> Add(eps) -> Sqrt
+      -> Div(d, sqrt) | Mul(d, Reciprocal(sqrt)), then optionally Mul(gamma) and Add(beta) by
+    constants along the normalized axis (onnxruntime's LayerNormFusion pattern, which exporters
+    below opset 17 write for torch.nn.LayerNorm, plus the Reciprocal form)."""
+    x = mean.input[0]
+    axes = _reduced_axes(g, mean)
+    rank = len(g.shape(x) or []) or None
+    if axes is None or (rank is None and any(a >= 0 for a in axes)):
+        return None
+    axes = sorted(a - rank if a >= 0 else a for a in axes) if rank else sorted(axes)
+    if axes != list(range(-len(axes), 0)):
+        return None   # not a contiguous run of trailing axes
+    sub = _single_reader(g, mean.output[0], ("Sub",))
+    if sub is None or list(sub.input) != [x, mean.output[0]]:
+        return None
+    d = sub.output[0]
+    readers = list({id(n): n for n in g.consumers.get(d, [])}.values())   # Mul(d, d) reads it twice
+    if len(readers) != 2 or d in g.output_names:
+        return None
+    square = next((n for n in readers if (n.op_type == "Pow" and n.input[0] == d and _scalar(g, n.input[1]) == 2.0)
+                   or (n.op_type == "Mul" and list(n.input) == [d, d])), None)
+    norm = next((n for n in readers if n is not square), None)
+    if square is None or norm is None:
+        return None
+    var = _single_reader(g, square.output[0], ("ReduceMean",))
+    if var is None or _reduced_axes(g, var) is None or var.input[0] != square.output[0]:
+        return None
+    vaxes = _reduced_axes(g, var)
+    vaxes = sorted(a - rank if a >= 0 else a for a in vaxes) if rank else sorted(vaxes)
+    if vaxes != axes:
+        return None
+    add = _single_reader(g, var.output[0], ("Add",))
+    eps = _scalar(g, _other_input(add, var.output[0])) if add is not None else None
+    if eps is None or eps < 0:
+        return None
+    sqrt = _single_reader(g, add.output[0], ("Sqrt",))
+    if sqrt is None:
+        return None
+    nodes = [mean, sub, square, var, add, sqrt]
+    if norm.op_type == "Div" and list(norm.input) == [d, sqrt.output[0]]:
+        pass
+    elif norm.op_type == "Mul":
+        recip = _single_reader(g, sqrt.output[0], ("Reciprocal",))
+        if recip is None or _other_input(norm, d) != recip.output[0]:
+            return None
+        nodes.append(recip)
+    else:
+        return None
+    if norm.domain not in ("", "ai.onnx"):
+        return None
+    nodes.append(norm)
+    out, gamma, beta = norm.output[0], None, None
+    for op in ("Mul", "Add"):
+        nxt = _single_reader(g, out, (op,))
+        const = _other_input(nxt, out) if nxt is not None else None
+        if const is None or not g.is_constant(const) or g.elem_type(const) not in (None, onnx.TensorProto.FLOAT):
+            break
+        value = g.weight(const).astype(np.float32)
+        if value.ndim > len(axes) and any(s != 1 for s in value.shape[:value.ndim - len(axes)]):
+            break   # varies along a kept axis: not one affine map over the normalized axes
+        if op == "Mul":
+            gamma = value
+        elif gamma is None:
+            break   # a bias without a scale first: leave the Add
+        else:
+            beta = value
+        nodes.append(nxt)
+        out = nxt.output[0]
+    return {"x": x, "axis": axes[0], "eps": eps, "gamma": gamma, "beta": beta, "nodes": nodes, "out": out}
+
+
+def _layernorm_params(g: Graph, m: dict):
+    """(scale, bias) for the fused LayerNormalization: the pattern's gamma and beta (ones and
+    zeros where absent) over the normalized shape, which onnxruntime wants them to fill. None
+    where that shape is unknown and the constants do not give it (a scalar gamma, or none,
+    with normalized dimensions of unknown size)."""
+    xs = g.shape(m["x"])
+    width = xs[m["axis"]:] if xs else None
+    shape = tuple(width) if width and all(isinstance(d, int) and d > 0 for d in width) else None
+    given = [v for v in (m["gamma"], m["beta"]) if v is not None and v.size > 1]
+    if shape is None:   # the constants must say it: one trailing axis, its length their size
+        if m["axis"] != -1 or not given:
+            return None
+        shape = (given[0].size,)
+    out = []
+    for value, fill in ((m["gamma"], 1.0), (m["beta"], 0.0)):
+        value = np.float32(fill) if value is None else value
+        try:
+            out.append(np.ascontiguousarray(np.broadcast_to(value, (1,) * 8 + shape)
+                                            .reshape(shape)).astype(np.float32))
+        except ValueError:
+            return None
+    return out
+
+
+def fuse_layernorm(g: Graph) -> int:
+    """Fuse decomposed LayerNorms (see :func:`_match_layernorm`) into LayerNormalization, as
+    onnxruntime's LayerNormFusion and TensorRT do before running int8 and as a model exported
+    at opset 17 has it: the normalization's internal tensors (a variance, a reciprocal square
+    root) are never quantized, so a model quantizes the same whichever opset it was exported at.
+    Backends that quantize every op's inputs rounded them to 8 bits (magika's file-type model
+    on qnn: one LayerNorm's reciprocal at -20 dB). A model below opset 17 is converted to 17
+    first; where that fails the LayerNorms stay as they are."""
+    found = [m for n in list(g.graph.node) if n.op_type == "ReduceMean" and n.domain in ("", "ai.onnx")
+             for m in [_match_layernorm(g, n)] if m is not None]
+    if not found:
+        return 0
+    if g.opset < LAYERNORM_OPSET:
+        try:
+            ensure_opset(g, LAYERNORM_OPSET, why="to fuse its decomposed LayerNorms")
+        except ModelError as exc:
+            log.info("%d decomposed LayerNorms stay as they are: %s", len(found), exc)
+            return 0
+    if any(m["gamma"] is None or m["gamma"].size == 1 for m in found):
+        g.model = infer_shapes(g.model)   # the normalized width for ones, zeros or a scalar scale
+        g.refresh()
+    fused = 0
+    # by name (every node has a unique one by now): a fusion removes nodes and rebuilds the maps
+    for name in [n.name for n in g.graph.node if n.op_type == "ReduceMean" and n.domain in ("", "ai.onnx")]:
+        mean = g.node_by_name.get(name)
+        if mean is None:
+            continue   # part of a pattern fused already
+        m = _match_layernorm(g, mean)
+        if m is None:
+            continue
+        params = _layernorm_params(g, m)
+        if params is None:
+            continue
+        base = mean.name or m["out"]
+        names = []
+        for value, tag in zip(params, ("scale", "bias")):
+            param = fresh_name(g, f"{base}.ln_{tag}")
+            g.graph.initializer.append(numpy_helper.from_array(value, param))
+            g.initializers[param] = g.graph.initializer[-1]
+            names.append(param)
+        ln = helper.make_node("LayerNormalization", [m["x"], *names], [m["out"]],
+                              name=fresh_name(g, f"{base}_layernorm"), axis=m["axis"], epsilon=m["eps"])
+        position = [i for i, n in enumerate(g.graph.node) if n.name == name][0]
+        for node in m["nodes"]:
+            if node.name:
+                g.__dict__.setdefault("folded_into", {})[node.name] = ln.name
+            g.graph.node.remove(node)
+        g.graph.node.insert(position, ln)
+        g.refresh()
+        fused += 1
+    if fused:
+        drop_unused_initializers(g.graph)
+        g.refresh()
+    return fused
+
+
+def ensure_opset(g: Graph, target: int = QDQ_OPSET, why: str = "for per-channel Q/DQ") -> int:
     """Raise the default-domain opset to ``target``; returns the opset the model had."""
     version = g.opset
     if version < MIN_OPSET - 4 or version > MAX_OPSET + 4:
@@ -389,7 +582,7 @@ def ensure_opset(g: Graph, target: int = QDQ_OPSET) -> int:
         converted.ir_version = 7   # opset 13 needs IR 7
     g.model = converted
     g.refresh()
-    log.info("converted the model from opset %d to %d for per-channel Q/DQ", version, target)
+    log.info("converted the model from opset %d to %d %s", version, target, why)
     return version
 
 
@@ -465,6 +658,7 @@ def prepare(g: Graph) -> dict:
     done["elementwise_folded"] = fold_into_conv(g)
     done["batchnorms_folded"] = fold_batchnorm(g)
     done["elementwise_folded"] += fold_into_conv(g)
+    done["layernorms_fused"] = fuse_layernorm(g)
     g.model = infer_shapes(g.model)
     g.refresh()
     return done

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 from onnx import helper
 from onnx.numpy_helper import to_array as onnx_to_array
@@ -1172,3 +1173,94 @@ def test_folds_keep_the_graph_maps_as_a_full_rebuild_gives_them(fold, monkeypatc
     assert seen, "the fold never rebuilt the maps at the end"
     before, after = seen[-1]   # (a fold of a node sharing its name rebuilds them on the way)
     assert before == after
+
+
+def decomposed_ln(opset=13, square="Pow", norm="Div", affine="both", axes=(-1,), extra_reader=False,
+                  eps_input=False):
+    """x [2, 5, 8] -> MatMul -> decomposed LayerNorm over ``axes`` -> MatMul -> y, as exporters
+    below opset 17 write torch.nn.LayerNorm."""
+    c = 8
+    inits = {"w0": rand((c, c), 0, 0.5), "w1": rand((c, c), 1, 0.5), "two": np.float32(2.0),
+             "gamma": rand((c,), 2, 0.3) + 1.0, "beta": rand((c,), 3, 0.2)}
+    inputs = [vi("x", [2, 5, c])]
+    if eps_input:
+        inputs.append(vi("eps", []))
+    else:
+        inits["eps"] = np.float32(1e-5)
+    red = {"axes": list(axes)} if opset < 18 else {}
+    rin = [] if opset < 18 else ["axes"]
+    if opset >= 18:
+        inits["axes"] = np.asarray(axes, np.int64)
+    nodes = [helper.make_node("MatMul", ["x", "w0"], ["h"], name="mm0"),
+             helper.make_node("ReduceMean", ["h", *rin], ["mu"], name="mean", **red),
+             helper.make_node("Sub", ["h", "mu"], ["d"], name="sub"),
+             helper.make_node("Pow", ["d", "two"], ["d2"], name="pow") if square == "Pow"
+             else helper.make_node("Mul", ["d", "d"], ["d2"], name="sq"),
+             helper.make_node("ReduceMean", ["d2", *rin], ["var"], name="var", **red),
+             helper.make_node("Add", ["var", "eps"], ["ve"], name="addeps"),
+             helper.make_node("Sqrt", ["ve"], ["sd"], name="sqrt")]
+    if norm == "Div":
+        nodes.append(helper.make_node("Div", ["d", "sd"], ["n"], name="div"))
+    else:
+        nodes += [helper.make_node("Reciprocal", ["sd"], ["rs"], name="recip"),
+                  helper.make_node("Mul", ["rs", "d"], ["n"], name="mulnorm")]
+    out = "n"
+    if affine in ("both", "scale", "scalar"):
+        if affine == "scalar":
+            inits["gamma"] = np.float32(1.7)
+        nodes.append(helper.make_node("Mul", ["n", "gamma"], ["ng"], name="mulg"))
+        out = "ng"
+    if affine == "both":
+        nodes.append(helper.make_node("Add", ["ng", "beta"], ["nb"], name="addb"))
+        out = "nb"
+    nodes.append(helper.make_node("MatMul", [out, "w1"], ["y"], name="mm1"))
+    outputs = [vi("y", [2, 5, c])]
+    if extra_reader:
+        nodes.append(helper.make_node("Relu", ["d"], ["r"], name="relu"))
+        outputs.append(vi("r", [2, 5, c]))
+    return make_model(nodes, inputs, outputs, inits, opset=opset)
+
+
+@pytest.mark.parametrize("opset, square, norm, affine", [
+    (13, "Pow", "Div", "both"),        # torch.onnx at opset 13-16
+    (13, "Mul", "Reciprocal", "none"),
+    (15, "Pow", "Reciprocal", "scale"),
+    (17, "Pow", "Div", "scalar"),
+    (18, "Pow", "Div", "both"),        # ReduceMean axes as an input
+])
+def test_decomposed_layernorm_fuses_and_outputs_match_onnxruntime(opset, square, norm, affine):
+    model = decomposed_ln(opset, square, norm, affine)
+    feed = {"x": rand((2, 5, 8), 9)}
+    want = ort_run(model, feed)[0]
+    g = Graph(model)
+    assert prepare.fuse_layernorm(g) == 1
+    assert [n.op_type for n in g.graph.node] == ["MatMul", "LayerNormalization", "MatMul"]
+    assert g.opset >= 17
+    ln = g.graph.node[1]
+    assert prepare.node_attr(ln, "axis") == -1 and abs(prepare.node_attr(ln, "epsilon") - 1e-5) < 1e-12
+    onnx.checker.check_model(g.model, full_check=True)
+    np.testing.assert_allclose(ort_run(g.model, feed)[0], want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kw", [{"axes": (1,)}, {"extra_reader": True}, {"eps_input": True}])
+def test_layernorm_lookalikes_are_left_alone(kw):
+    """Not over the trailing axis, an intermediate read elsewhere, a non-constant epsilon."""
+    g = Graph(decomposed_ln(**kw))
+    assert prepare.fuse_layernorm(g) == 0
+    assert "LayerNormalization" not in {n.op_type for n in g.graph.node} and g.opset == 13
+
+
+def test_decomposed_layernorm_quantizes_as_the_native_op_on_qnn(tmp_path):
+    """qnn quantizes every listed op's inputs: unfused, the variance and the reciprocal square
+    root would be rounded to 8 bits. Fused, the model quantizes as its opset-17 export does."""
+    from conftest import input_feeds, quantize_model
+    dec = decomposed_ln(13)
+    g = Graph(decomposed_ln(13))
+    prepare.fuse_layernorm(g)
+    native = g.model
+    feeds = input_feeds(dec, 6, seed=4)
+    _, q_dec = quantize_model(tmp_path / "dec", dec, feeds=feeds, deploy="qnn")
+    _, q_nat = quantize_model(tmp_path / "nat", native, feeds=feeds, deploy="qnn")
+    assert "LayerNormalization" in {n.op_type for n in q_dec.graph.node}
+    for f in feeds:
+        np.testing.assert_allclose(ort_run(q_dec, f)[0], ort_run(q_nat, f)[0], rtol=1e-5, atol=1e-5)
