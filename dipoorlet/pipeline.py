@@ -60,21 +60,24 @@ def check_output_dir(path: Path) -> None:
                           "pass -O with a folder you can write to") from exc
 
 
-def load_graph(cfg: QuantConfig) -> Graph:
+def load_graph(cfg: QuantConfig, plat=None) -> Graph:
     g = Graph.load(cfg.model)
     # the names the input model has: where the side files name anything else (a folded
     # BatchNormalization's weight, a tensor the opset conversion made), transformed_model.onnx
     # is the float model they describe
     g.source_names = ({t.name for t in g.graph.initializer} | {i.name for i in g.graph.input}
                       | {o for n in g.graph.node for o in n.output})
-    done = prepare.prepare(g)
+    # a backend that quantizes a HardSwish op's input and output only runs the decomposed form
+    # as that one op (its converter fuses it): fused here so the gate gets no grid of its own
+    done = prepare.prepare(g, hardswish=plat is not None and "HardSwish" in plat.quantize_ops)
     g.prepared = done
     log.info("model %s: opset %d (was %d), %d nodes, %d Constant weights moved to initializers, "
              "%d constant subexpressions folded, %d BatchNormalization and %d constant Add/Sub/Mul/Div folded "
-             "into Conv/ConvTranspose%s", cfg.model, g.opset,
+             "into Conv/ConvTranspose%s%s", cfg.model, g.opset,
              done["opset_from"], len(g.graph.node), done["constants_to_initializers"], done["constants_folded"],
              done["batchnorms_folded"], done["elementwise_folded"],
-             f", {done['layernorms_fused']} decomposed LayerNorms fused" if done.get("layernorms_fused") else "")
+             f", {done['layernorms_fused']} decomposed LayerNorms fused" if done.get("layernorms_fused") else "",
+             f", {done['hardswish_fused']} decomposed HardSwish fused" if done.get("hardswish_fused") else "")
     if done["float16_widened"]:
         log.warning("model %s is float16: calibrated and written in float32 (%d weights, types and Casts "
                     "widened; inputs %s now float32); the backends build float32 Q/DQ models and run "
@@ -287,7 +290,7 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         log.warning("--max_a16_layers applies with --auto_a16 only; ignored")
     if cfg.stpu_wg and plat.name != "stpu":
         log.warning("--stpu_wg applies to -D stpu only; ignored on %s", plat.name)
-    g, cfg = load_graph(cfg)
+    g, cfg = load_graph(cfg, plat)
     data = DataSource(cfg.input_dir, input_specs(g), cfg.data_num, cfg.input_shapes)
     indices = shard(cfg.data_num, comm.rank, comm.world)
     _declare_input_ranks(g, data)
@@ -454,7 +457,8 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
             files = [save_model(qmodel, staging / "quant_model.onnx")]
         renamed = any(t not in g.source_names for t in [*plan.activations, *plan.weights])
         if equalized or shifted or plan.values or renamed or g.prepared["float16_widened"] \
-                or g.prepared["batchnorms_folded"] or g.prepared["elementwise_folded"]:
+                or g.prepared["batchnorms_folded"] or g.prepared["elementwise_folded"] \
+                or g.prepared.get("layernorms_fused") or g.prepared.get("hardswish_fused"):
             files.append(_save_transformed(g, plan, staging / "transformed_model.onnx"))
         files += export_all(DeployContext(g, plan, places, plat, cfg), staging)
         meta = {"model": str(cfg.model), "platform": plat.name, "method": cfg.act_quant,

@@ -550,6 +550,127 @@ def fuse_layernorm(g: Graph) -> int:
     return fused
 
 
+HARDSWISH_OPSET = 14   # HardSwish joined the default domain at opset 14
+
+
+def _is_const(g: Graph, name: str, value: float, rtol: float = 1e-6) -> bool:
+    v = _scalar(g, name)
+    return v is not None and abs(v - value) <= rtol * abs(value)
+
+
+def _clip_bounds(g: Graph, clip) -> tuple[float | None, float | None]:
+    """A Clip's (min, max) as floats (opset 11+: inputs; None where absent or not constant)."""
+    lo = _scalar(g, clip.input[1]) if len(clip.input) > 1 and clip.input[1] else None
+    hi = _scalar(g, clip.input[2]) if len(clip.input) > 2 and clip.input[2] else None
+    return lo, hi
+
+
+def _match_hardswish(g: Graph, node):
+    """The decomposed HardSwish ending at ``node`` (its last op) as ``(x, nodes)``, or None.
+
+    Matched: ``x * Clip(x + 3, 0, 6) / 6`` (paddle2onnx's hard_swish; the division as Div by 6
+    or Mul by 1/6, before or after the product) and ``x * HardSigmoid(x)`` with alpha 1/6 and
+    beta 1/2 (torch's export below opset 14). Every intermediate is read by the next op alone."""
+    def is_sixth(n) -> str | None:
+        """The non-constant input of a Div by 6 or a Mul by 1/6, else None."""
+        if n is None or n.domain not in ("", "ai.onnx") or len(n.input) != 2:
+            return None
+        if n.op_type == "Div" and _is_const(g, n.input[1], 6.0):
+            return n.input[0]
+        if n.op_type == "Mul":
+            for a, b in (n.input, reversed(n.input)):
+                if _is_const(g, b, 1.0 / 6.0, 1e-5):
+                    return a
+        return None
+
+    def gate_of(t: str):
+        """(x, nodes) where tensor t is Clip(x + 3, 0, 6) or its sixth, or HardSigmoid(x)."""
+        prod = g.producer.get(t)
+        if prod is None or prod.domain not in ("", "ai.onnx") or t in g.output_names \
+                or len(g.consumers.get(t, [])) != 1:
+            return None
+        if prod.op_type == "HardSigmoid":
+            if abs(node_attr(prod, "alpha", 0.2) - 1 / 6) <= 1e-5 and abs(node_attr(prod, "beta", 0.5) - 0.5) <= 1e-6:
+                return prod.input[0], [prod], True
+            return None
+        sixth = None
+        inner = is_sixth(prod)
+        if inner is not None:
+            sixth, prod = prod, g.producer.get(inner)
+            if prod is None or inner in g.output_names or len(g.consumers.get(inner, [])) != 1:
+                return None
+        if prod.op_type != "Clip" or prod.domain not in ("", "ai.onnx") or _clip_bounds(g, prod) != (0.0, 6.0):
+            return None
+        add = g.producer.get(prod.input[0])
+        if add is None or add.op_type != "Add" or add.domain not in ("", "ai.onnx") \
+                or prod.input[0] in g.output_names or len(g.consumers.get(prod.input[0], [])) != 1:
+            return None
+        for a, b in (add.input, reversed(add.input)):
+            if _is_const(g, b, 3.0):
+                return a, [add, prod] + ([sixth] if sixth is not None else []), sixth is not None
+        return None
+
+    if node.domain not in ("", "ai.onnx"):
+        return None
+    outer = None
+    product = node
+    inner = is_sixth(node)
+    if inner is not None:   # (x * gate) / 6: the product must be this node's input
+        outer, product = node, g.producer.get(inner)
+        if product is None or inner in g.output_names or len(g.consumers.get(inner, [])) != 1:
+            return None
+    if product.op_type != "Mul" or product.domain not in ("", "ai.onnx") or len(product.input) != 2:
+        return None
+    for x, gate in (product.input, reversed(product.input)):
+        found = gate_of(gate)
+        if found is None or found[0] != x:
+            continue
+        x, chain, scaled = found
+        if scaled == (outer is not None):
+            return None   # divided by 6 twice, or not at all
+        return x, chain + [product] + ([outer] if outer is not None else [])
+    return None
+
+
+def fuse_hardswish(g: Graph) -> int:
+    """Fuse decomposed HardSwish (see :func:`_match_hardswish`) into one HardSwish op, as
+    Qualcomm's, Rockchip's, NXP's and TI's converters run it (one elementwise neuron, its input
+    and output quantized): where every op's inputs are quantized, the chain's gate ``Clip(x+3,
+    0, 6)`` otherwise got an 8-bit grid of its own. Called for backends whose spec quantizes
+    HardSwish; a model below opset 14 is converted to 14 first (where that fails nothing is
+    fused)."""
+    candidates = [n.name for n in g.graph.node if n.op_type in ("Mul", "Div")]
+    found = [c for c in candidates if _match_hardswish(g, g.node_by_name[c]) is not None]
+    if not found:
+        return 0
+    if g.opset < HARDSWISH_OPSET:
+        try:
+            ensure_opset(g, HARDSWISH_OPSET, why="to fuse its decomposed HardSwish")
+        except ModelError as exc:
+            log.info("%d decomposed HardSwish stay as they are: %s", len(found), exc)
+            return 0
+        name_nodes(g)
+    fused = 0
+    for name in found:
+        last = g.node_by_name.get(name)
+        m = _match_hardswish(g, last) if last is not None else None
+        if m is None:
+            continue
+        x, nodes = m
+        hs = helper.make_node("HardSwish", [x], [last.output[0]], name=fresh_name(g, f"{name}_hardswish"))
+        position = min(i for i, n in enumerate(g.graph.node) if any(n is c for c in nodes))
+        for node in nodes:
+            g.__dict__.setdefault("folded_into", {})[node.name] = hs.name
+            g.graph.node.remove(node)
+        g.graph.node.insert(position, hs)
+        g.refresh()
+        fused += 1
+    if fused:
+        drop_unused_initializers(g.graph)
+        g.refresh()
+    return fused
+
+
 def ensure_opset(g: Graph, target: int = QDQ_OPSET, why: str = "for per-channel Q/DQ") -> int:
     """Raise the default-domain opset to ``target``; returns the opset the model had."""
     version = g.opset
@@ -636,8 +757,9 @@ def name_nodes(g: Graph) -> int:
     return renamed
 
 
-def prepare(g: Graph) -> dict:
-    """Run every preparation pass; returns what each changed."""
+def prepare(g: Graph, hardswish: bool = False) -> dict:
+    """Run every preparation pass; returns what each changed. ``hardswish``: fuse decomposed
+    HardSwish (for backends that quantize a HardSwish op's input and output only)."""
     order = g.topological_nodes()  # some exporters list nodes out of order; ONNX wants them sorted
     if [id(n) for n in order] != [id(n) for n in g.graph.node]:
         sorted_nodes = [onnx.NodeProto() for _ in order]
@@ -659,6 +781,7 @@ def prepare(g: Graph) -> dict:
     done["batchnorms_folded"] = fold_batchnorm(g)
     done["elementwise_folded"] += fold_into_conv(g)
     done["layernorms_fused"] = fuse_layernorm(g)
+    done["hardswish_fused"] = fuse_hardswish(g) if hardswish else 0
     g.model = infer_shapes(g.model)
     g.refresh()
     return done

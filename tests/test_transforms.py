@@ -1264,3 +1264,72 @@ def test_decomposed_layernorm_quantizes_as_the_native_op_on_qnn(tmp_path):
     assert "LayerNormalization" in {n.op_type for n in q_dec.graph.node}
     for f in feeds:
         np.testing.assert_allclose(ort_run(q_dec, f)[0], ort_run(q_nat, f)[0], rtol=1e-5, atol=1e-5)
+
+
+def decomposed_hardswish(form="paddle", opset=11, extra_reader=False, three=3.0, alpha=1 / 6):
+    """x [1, 4, 6, 6] -> Conv -> decomposed HardSwish -> Conv -> y.
+
+    ``paddle``: x * Clip(x + 3, 0, 6) / 6 (paddle2onnx's hard_swish); ``inner``: x * (Clip(x + 3,
+    0, 6) * (1/6)); ``hardsigmoid``: x * HardSigmoid(x) (torch's export below opset 14)."""
+    inits = {"w0": rand((4, 4, 1, 1), 0, 0.8), "w1": rand((3, 4, 1, 1), 1, 0.5), "three": np.float32(three),
+             "zero": np.float32(0.0), "six": np.float32(6.0), "sixth": np.float32(1 / 6)}
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["h"], name="conv0")]
+    if form == "hardsigmoid":
+        nodes += [helper.make_node("HardSigmoid", ["h"], ["g"], name="hsig", alpha=alpha, beta=0.5),
+                  helper.make_node("Mul", ["h", "g"], ["a"], name="mul")]
+    else:
+        nodes += [helper.make_node("Add", ["h", "three"], ["h3"], name="add3"),
+                  helper.make_node("Clip", ["h3", "zero", "six"], ["c"], name="clip")]
+        if form == "paddle":
+            nodes += [helper.make_node("Mul", ["h", "c"], ["m"], name="mul"),
+                      helper.make_node("Div", ["m", "six"], ["a"], name="div")]
+        else:
+            nodes += [helper.make_node("Mul", ["c", "sixth"], ["g"], name="scale"),
+                      helper.make_node("Mul", ["g", "h"], ["a"], name="mul")]
+    nodes.append(helper.make_node("Conv", ["a", "w1"], ["y"], name="conv1"))
+    outputs = [vi("y", [1, 3, 6, 6])]
+    if extra_reader:
+        nodes.append(helper.make_node("Relu", ["c"], ["r"], name="relu"))
+        outputs.append(vi("r", [1, 4, 6, 6]))
+    return make_model(nodes, [vi("x", [1, 4, 6, 6])], outputs, inits, opset=opset)
+
+
+@pytest.mark.parametrize("form, opset", [("paddle", 11), ("inner", 13), ("hardsigmoid", 13), ("paddle", 17)])
+def test_decomposed_hardswish_fuses_and_outputs_match_onnxruntime(form, opset):
+    model = decomposed_hardswish(form, opset)
+    feed = {"x": rand((1, 4, 6, 6), 9, 3.0)}
+    want = ort_run(model, feed)[0]
+    g = Graph(model)
+    prepare.prepare(g, hardswish=True)
+    assert [n.op_type for n in g.graph.node] == ["Conv", "HardSwish", "Conv"]
+    assert g.opset >= 14
+    onnx.checker.check_model(g.model, full_check=True)
+    np.testing.assert_allclose(ort_run(g.model, feed)[0], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kw", [{"extra_reader": True}, {"three": 2.0}, {"form": "hardsigmoid", "alpha": 0.2}])
+def test_hardswish_lookalikes_are_left_alone(kw):
+    """The gate read elsewhere, x + 2, paddle's hard_sigmoid slope 0.2 (a gate, not HardSwish)."""
+    g = Graph(decomposed_hardswish(**kw))
+    prepare.prepare(g, hardswish=True)
+    assert "HardSwish" not in {n.op_type for n in g.graph.node} and g.opset == 13
+
+
+def test_hardswish_fused_only_for_backends_that_quantize_it(tmp_path):
+    """qnn quantizes the gate of the decomposed form; fused, the model quantizes as its native
+    HardSwish does there (one grid on its input, one on its output). trt is left as it was."""
+    from conftest import input_feeds, quantize_model
+    dec = decomposed_hardswish("paddle", 13)
+    g = Graph(decomposed_hardswish("paddle", 13))
+    prepare.fuse_hardswish(g)
+    native = g.model
+    feeds = input_feeds(dec, 6, seed=4)
+    _, q_dec = quantize_model(tmp_path / "dec", dec, feeds=feeds, deploy="qnn")
+    _, q_nat = quantize_model(tmp_path / "nat", native, feeds=feeds, deploy="qnn")
+    ops = [n.op_type for n in q_dec.graph.node]
+    assert "HardSwish" in ops and "Clip" not in ops
+    assert ops.count("QuantizeLinear") == [n.op_type for n in q_nat.graph.node].count("QuantizeLinear")
+    for f in feeds:
+        np.testing.assert_allclose(ort_run(q_dec, f)[0], ort_run(q_nat, f)[0], rtol=1e-5, atol=1e-5)
+    _, q_trt = quantize_model(tmp_path / "trt", dec, feeds=feeds, deploy="trt")
+    assert "HardSwish" not in {n.op_type for n in q_trt.graph.node}
