@@ -378,6 +378,12 @@ def _scalar(g: Graph, name: str) -> float | None:
     return float(value.reshape(-1)[0]) if value.size == 1 else None
 
 
+def _const_fits_rank(g: Graph, name: str, rank: int | None) -> bool:
+    """A constant broadcast against a tensor of ``rank`` leaves its rank as it is (a (1,1,1,8)
+    gamma on a rank-3 tensor would make the output rank 4, which a fused op does not)."""
+    return g.weight(name).ndim <= (rank if rank else 1)
+
+
 def _reduced_axes(g: Graph, node) -> list[int] | None:
     """The axes a ReduceMean with keepdims=1 averages over (attribute before opset 18, input
     from it), or None."""
@@ -418,7 +424,8 @@ def _match_layernorm(g: Graph, mean):
     readers = list({id(n): n for n in g.consumers.get(d, [])}.values())   # Mul(d, d) reads it twice
     if len(readers) != 2 or d in g.output_names:
         return None
-    square = next((n for n in readers if (n.op_type == "Pow" and n.input[0] == d and _scalar(g, n.input[1]) == 2.0)
+    square = next((n for n in readers if (n.op_type == "Pow" and n.input[0] == d and _scalar(g, n.input[1]) == 2.0
+                                          and _const_fits_rank(g, n.input[1], rank))
                    or (n.op_type == "Mul" and list(n.input) == [d, d])), None)
     norm = next((n for n in readers if n is not square), None)
     if square is None or norm is None:
@@ -432,17 +439,19 @@ def _match_layernorm(g: Graph, mean):
         return None
     add = _single_reader(g, var.output[0], ("Add",))
     eps = _scalar(g, _other_input(add, var.output[0])) if add is not None else None
-    if eps is None or eps < 0:
+    if eps is None or eps < 0 or not _const_fits_rank(g, _other_input(add, var.output[0]), rank):
         return None
     sqrt = _single_reader(g, add.output[0], ("Sqrt",))
     if sqrt is None:
         return None
     nodes = [mean, sub, square, var, add, sqrt]
     if norm.op_type == "Div" and list(norm.input) == [d, sqrt.output[0]]:
-        pass
+        if _single_reader(g, sqrt.output[0], ("Div",)) is not norm:
+            return None   # the standard deviation is read elsewhere too (RevIN de-normalizes with it)
     elif norm.op_type == "Mul":
         recip = _single_reader(g, sqrt.output[0], ("Reciprocal",))
-        if recip is None or _other_input(norm, d) != recip.output[0]:
+        if recip is None or _other_input(norm, d) != recip.output[0] \
+                or _single_reader(g, recip.output[0], ("Mul",)) is not norm:
             return None
         nodes.append(recip)
     else:
@@ -457,6 +466,8 @@ def _match_layernorm(g: Graph, mean):
         if const is None or not g.is_constant(const) or g.elem_type(const) not in (None, onnx.TensorProto.FLOAT):
             break
         value = g.weight(const).astype(np.float32)
+        if not _const_fits_rank(g, const, rank):
+            break   # would broadcast the output to a higher rank
         if value.ndim > len(axes) and any(s != 1 for s in value.shape[:value.ndim - len(axes)]):
             break   # varies along a kept axis: not one affine map over the normalized axes
         if op == "Mul":
@@ -502,8 +513,13 @@ def fuse_layernorm(g: Graph) -> int:
     Backends that quantize every op's inputs rounded them to 8 bits (magika's file-type model
     on qnn: one LayerNorm's reciprocal at -20 dB). A model below opset 17 is converted to 17
     first; where that fails the LayerNorms stay as they are."""
-    found = [m for n in list(g.graph.node) if n.op_type == "ReduceMean" and n.domain in ("", "ai.onnx")
-             for m in [_match_layernorm(g, n)] if m is not None]
+    means = [n for n in g.graph.node if n.op_type == "ReduceMean" and n.domain in ("", "ai.onnx")]
+    if any(g.shape(n.input[0]) is None for n in means):
+        # positive axes (tf2onnx, Keras) need the input's rank
+        g.model = infer_shapes(g.model)
+        g.refresh()
+        means = [n for n in g.graph.node if n.op_type == "ReduceMean" and n.domain in ("", "ai.onnx")]
+    found = [m for n in means for m in [_match_layernorm(g, n)] if m is not None]
     if not found:
         return 0
     if g.opset < LAYERNORM_OPSET:
@@ -628,7 +644,11 @@ def _match_hardswish(g: Graph, node):
         x, chain, scaled = found
         if scaled == (outer is not None):
             return None   # divided by 6 twice, or not at all
-        return x, chain + [product] + ([outer] if outer is not None else [])
+        chain = chain + [product] + ([outer] if outer is not None else [])
+        rank = len(g.shape(x) or []) or None
+        if any(i and g.is_constant(i) and not _const_fits_rank(g, i, rank) for n in chain for i in n.input):
+            return None   # a constant that broadcasts the output to a higher rank
+        return x, chain
     return None
 
 

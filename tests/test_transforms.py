@@ -1176,7 +1176,7 @@ def test_folds_keep_the_graph_maps_as_a_full_rebuild_gives_them(fold, monkeypatc
 
 
 def decomposed_ln(opset=13, square="Pow", norm="Div", affine="both", axes=(-1,), extra_reader=False,
-                  eps_input=False):
+                  eps_input=False, std_reader=False, gamma_shape=None):
     """x [2, 5, 8] -> MatMul -> decomposed LayerNorm over ``axes`` -> MatMul -> y, as exporters
     below opset 17 write torch.nn.LayerNorm."""
     c = 8
@@ -1218,6 +1218,12 @@ def decomposed_ln(opset=13, square="Pow", norm="Div", affine="both", axes=(-1,),
     if extra_reader:
         nodes.append(helper.make_node("Relu", ["d"], ["r"], name="relu"))
         outputs.append(vi("r", [2, 5, c]))
+    if std_reader:   # RevIN: the standard deviation (or its reciprocal) de-normalizes later
+        nodes.append(helper.make_node("Relu", ["sd" if norm == "Div" else "rs"], ["r"], name="relu"))
+        outputs.append(vi("r", [2, 5, 1]))
+    if gamma_shape is not None:
+        inits["gamma"] = inits["gamma"].reshape(gamma_shape)
+        outputs[0] = vi("y", [1] * (len(gamma_shape) - 2) + [2, 5, c])
     return make_model(nodes, inputs, outputs, inits, opset=opset)
 
 
@@ -1242,9 +1248,11 @@ def test_decomposed_layernorm_fuses_and_outputs_match_onnxruntime(opset, square,
     np.testing.assert_allclose(ort_run(g.model, feed)[0], want, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("kw", [{"axes": (1,)}, {"extra_reader": True}, {"eps_input": True}])
+@pytest.mark.parametrize("kw", [{"axes": (1,)}, {"extra_reader": True}, {"eps_input": True},
+                                {"std_reader": True}, {"std_reader": True, "norm": "Reciprocal"}])
 def test_layernorm_lookalikes_are_left_alone(kw):
-    """Not over the trailing axis, an intermediate read elsewhere, a non-constant epsilon."""
+    """Not over the trailing axis, an intermediate read elsewhere (the centred input, the standard
+    deviation or its reciprocal), a non-constant epsilon."""
     g = Graph(decomposed_ln(**kw))
     assert prepare.fuse_layernorm(g) == 0
     assert "LayerNormalization" not in {n.op_type for n in g.graph.node} and g.opset == 13
@@ -1333,3 +1341,31 @@ def test_hardswish_fused_only_for_backends_that_quantize_it(tmp_path):
         np.testing.assert_allclose(ort_run(q_dec, f)[0], ort_run(q_nat, f)[0], rtol=1e-5, atol=1e-5)
     _, q_trt = quantize_model(tmp_path / "trt", dec, feeds=feeds, deploy="trt")
     assert "HardSwish" not in {n.op_type for n in q_trt.graph.node}
+
+
+def test_layernorm_keeps_the_output_rank_and_reads_positive_axes_without_shapes():
+    """A (1, 1, 1, 8) gamma broadcasts a rank-3 LayerNorm's output to rank 4: it stays a Mul
+    after the fused op. Positive axes (tf2onnx) are matched once shapes are inferred."""
+    model = decomposed_ln(gamma_shape=(1, 1, 1, 8))
+    feed = {"x": rand((2, 5, 8), 9)}
+    want = ort_run(model, feed)[0]
+    g = Graph(model)
+    assert prepare.fuse_layernorm(g) == 1
+    assert "Mul" in {n.op_type for n in g.graph.node}
+    got = ort_run(g.model, feed)[0]
+    assert got.shape == want.shape == (1, 2, 5, 8)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    model = decomposed_ln(axes=(2,))
+    del model.graph.value_info[:]
+    g = Graph(model)
+    assert prepare.fuse_layernorm(g) == 1
+
+
+def test_fusions_write_the_float_model_the_side_files_describe(tmp_path):
+    """The encodings name the fused graph's tensors: transformed_model.onnx holds that graph."""
+    from conftest import input_feeds, quantize_model
+    for name, model in (("ln", decomposed_ln(13)), ("hs", decomposed_hardswish("paddle", 13))):
+        quantize_model(tmp_path / name, model, feeds=input_feeds(model, 3, seed=1), deploy="qnn")
+        written = onnx.load(str(tmp_path / name / "out" / "transformed_model.onnx"))
+        ops = {n.op_type for n in written.graph.node}
+        assert ("LayerNormalization" if name == "ln" else "HardSwish") in ops
