@@ -171,6 +171,10 @@ def plan_activations(stats, cfg: QuantConfig, plat, places=None) -> QuantPlan:
         # readers asking different widths share one grid: 16 bits where one asks for it (as in
         # shared MaxPool/Concat groups), else the narrowest
         pick = (max(bits) if max(bits) > 8 else min(bits)) if bits else cfg.a_bits
+        if len(set(bits)) > 1:   # an explicit NODE=aM does not stand here: say so
+            asked = {o: cfg.layer_bits[o][1] for o in owners if o in cfg.layer_bits and cfg.layer_bits[o][1]}
+            log.warning("%s is read by layers asking different activation widths (%s); one grid serves them "
+                        "all: %d bits", t, ", ".join(f"{o}: {b}" for o, b in asked.items()), pick)
         rule = rule_for(plat.activation, pick)
         nonneg = rule.unsigned_nonnegative and st.minmax.lo >= 0
         qmin, qmax = levels(rule)
@@ -403,8 +407,10 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         log.warning("auto_a16: target %s %s not met (%s %.6f with %d layers' inputs float over the %d sensitivity "
                     "samples); %s", a16.criterion, a16.target, a16.criterion, a16.after.value(a16.criterion),
                     len(a16.float_layers), analysis["sens_samples"],
-                    "what is left is the weights' rounding: --gptq, or --skip_layers"
-                    if len(a16.float_layers) >= len(places.quantized_nodes) else "a larger --max_a16_layers may meet it")
+                    ("what is left is the weights' rounding: --gptq, or --skip_layers"
+                     if len(a16.float_layers) >= a16.candidates else "a larger --max_a16_layers may meet it")
+                    + (f"; {sum(1 for b in cfg.layer_bits.values() if b[1])} layers with an explicit --layer_bits "
+                       "activation width were not candidates" if any(b[1] for b in cfg.layer_bits.values()) else ""))
     if analysis.get("isolated"):
         from dipoorlet import diagnose
 

@@ -173,6 +173,7 @@ class AutoSkipResult:
     float_layers: list[str] = field(default_factory=list)
     steps: list[dict] = field(default_factory=list)
     met: bool = False
+    candidates: int = 0    # layers the search could choose from (--auto_a16: not the fixed ones)
 
 
 def parse_target(text: str, flag: str = "--auto_skip") -> tuple[str, float]:
@@ -230,7 +231,8 @@ def auto_a16(graph, places, plan, scorer: Scorer, sens: list[LayerSensitivity], 
     and keeps every weight quantized: the stand-in for 16-bit grids, whose rounding is 257 times
     finer than 8 bits'. ``k`` doubles until the target is met (or ``max_layers``, default every
     layer, is reached; missing it there, all ``max_layers`` are kept), then a bisection finds the
-    smallest ``k`` that meets it: about
+    ``k`` that meets it where ``k - 1`` does not (the score over a few samples is not monotone in
+    ``k``, so not always the smallest such ``k``): about
     2 log2(k) trials instead of one per layer, so models whose loss is spread over many layers
     (a recognizer, a transformer) get as many as they need. The chosen layers' inputs then get
     16-bit grids and the error profile measures the model as written. Layers in ``fixed``
@@ -242,6 +244,7 @@ def auto_a16(graph, places, plan, scorer: Scorer, sens: list[LayerSensitivity], 
     res = AutoSkipResult(target, criterion, before, before)
     order = [s.node for s in sorted(sens, key=lambda s: s.isolated.value(criterion)) if s.node not in fixed]
     cap = len(order) if max_layers is None else min(max_layers, len(order))
+    res.candidates = len(order)
     tried: dict[int, OutputScore] = {0: before}
 
     def trial(k: int) -> OutputScore:

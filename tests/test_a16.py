@@ -325,3 +325,23 @@ def test_ort_warns_that_its_default_session_requantizes_16_bit_matmul_inputs(tmp
     assert bool(hits) == warned
     if warned:
         assert "fc1, fc2" in hits[0] and "session.qdq_matmulnbits_accuracy_level" in hits[0]
+
+
+def test_an_explicit_width_lost_to_another_reader_is_warned(tmp_path, caplog):
+    """p1 feeds conv2 and add2: asked a16 by one and a4 by the other, one grid serves both
+    (16 bits) and the log names both requests."""
+    with caplog.at_level("WARNING", logger="dipoorlet"):
+        _, _, qm, _ = _run(tmp_path, tiny_cnn(), layer_bits={"conv2": (None, 16), "add2": (None, 4)})
+    assert _zero_points(qm)["p1"].dtype == np.uint16
+    msg = [r.getMessage() for r in caplog.records if "one grid serves" in r.getMessage()]
+    assert msg and "conv2: 16" in msg[0] and "add2: 4" in msg[0] and msg[0].startswith("p1 ")
+
+
+def test_auto_a16_missing_target_with_every_candidate_taken_points_at_the_weights(tmp_path, caplog):
+    """All candidates but the explicitly set layer were taken: the advice is the weights', not a
+    larger --max_a16_layers, and it says the fixed layer was no candidate."""
+    with caplog.at_level("WARNING", logger="dipoorlet"):
+        res, _, _, _ = _run(tmp_path, tiny_cnn(), auto_a16="1.0", sens_samples=2, layer_bits={"conv1": (None, 8)})
+    text = "\n".join(r.getMessage() for r in caplog.records if "auto_a16: target" in r.getMessage())
+    assert "not met" in text and "weights' rounding" in text and "max_a16_layers" not in text
+    assert "1 layers with an explicit --layer_bits activation width were not candidates" in text

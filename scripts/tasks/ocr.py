@@ -397,7 +397,8 @@ def real_crops(work: Path, shared: Path | None) -> list[tuple[str, np.ndarray]]:
 def _split(items: list, n_calib: int, rng: np.random.Generator, group=None):
     """Split into (calib, eval), disjoint. With ``group`` (item -> key, the source image),
     calibration takes at most ``ceil(n_calib / 8)`` items (at least 2) from each of randomly
-    drawn images until it has ``n_calib``, so that at least 8 images contribute, and evaluation
+    drawn images until it has ``n_calib`` (at least 8 images contribute where ``n_calib`` is a
+    multiple of 8 from 16 on; fewer for other N: N = 12 takes 6), and evaluation
     keeps only the images calibration did not touch (the rest of a drawn image is used by neither).
 
     Until session 12 calibration took whole images: with this seed the 32 calibration crops all
@@ -438,8 +439,8 @@ def prepare_cls(work: Path, n_calib: int, shared: Path | None) -> Task:
     crops = real_crops(work, shared)
     source = "real"
     if len(crops) >= 50:
-        # whole images go to calibration until it has n_calib crops; if that would leave too few
-        # for evaluation, split crop by crop instead
+        # calibration crops from several images (see _split); if that would leave too few for
+        # evaluation, split crop by crop instead
         calib_c, eval_c = _split(crops, n_calib, rng, group=lambda it: it[0])
         if len(eval_c) < max(100, len(crops) // 3):
             calib_c, eval_c = _split(crops, n_calib, rng)
