@@ -186,6 +186,27 @@ def test_error_stats_match_the_per_sample_computation():
     assert st.min_cos == min(r[0] for r in rows) and st.max_abs == max(r[3] for r in rows)
 
 
+@pytest.mark.parametrize("n", [0, 1, 8191, 8192, 8193, 40000])
+def test_sample_metrics_match_numpy_across_chunk_boundaries(n):
+    """The metrics are summed over 8,192-value pieces: against numpy on whole float64 arrays."""
+    from dipoorlet.profile import sample_metrics
+    rng = np.random.default_rng(n)
+    f = rng.standard_normal((1, n)).astype(np.float32)
+    q = f + 0.01 * rng.standard_normal((1, n)).astype(np.float32)
+    cos, err, sig, mx = sample_metrics(f, q)
+    f64, q64 = f.astype(np.float64).ravel(), q.astype(np.float64).ravel()
+    if n == 0:
+        assert (cos, err, sig, mx) == (1.0, 0.0, 0.0, 0.0)
+        return
+    assert cos == pytest.approx(f64 @ q64 / np.sqrt((f64 @ f64) * (q64 @ q64)), rel=1e-12)
+    assert err == pytest.approx(np.sum((f64 - q64) ** 2), rel=1e-12)
+    assert sig == pytest.approx(f64 @ f64, rel=1e-12)
+    assert mx == np.abs(f64 - q64).max()
+    q[0, n // 2] = np.nan
+    cos, err, _, mx = sample_metrics(f, q)
+    assert math.isnan(cos) and math.isnan(err) and math.isnan(mx)
+
+
 def _log_oracle(x: np.ndarray) -> np.ndarray:
     """LogHistogram's layout from np.searchsorted on its magnitude edges (no bit tricks)."""
     edges = LogHistogram.bin_edges()
