@@ -639,6 +639,16 @@ def _check(qmodel) -> None:
         raise RuntimeError(f"the quantized model fails onnx.checker: {exc}") from exc
 
 
+def _readers_of_16bit(qmodel) -> list[str]:
+    """Nodes (other than Q/DQ) reading a DequantizeLinear whose zero point is 16-bit."""
+    wide_zp = {t.name for t in qmodel.graph.initializer
+               if t.data_type in (onnx.TensorProto.UINT16, onnx.TensorProto.INT16)}
+    wide = {n.output[0] for n in qmodel.graph.node
+            if n.op_type == "DequantizeLinear" and len(n.input) > 2 and n.input[2] in wide_zp}
+    return [n.name for n in qmodel.graph.node
+            if n.op_type not in ("QuantizeLinear", "DequantizeLinear") and wide & set(n.input)]
+
+
 def _to_qop(qmodel, feed: dict):
     from dipoorlet import qop
 
@@ -653,6 +663,10 @@ def _to_qop(qmodel, feed: dict):
         log.info("--quant_format QOP: %d Conv/MatMul/Gemm stay QDQ because this backend leaves their "
                  "output float (a QLinear op needs an output grid); their readers: %s", sum(unq.values()),
                  ", ".join(f"{k} x{n}" for k, n in sorted(unq.items(), key=lambda kv: -kv[1])[:5]))
+    wide = _readers_of_16bit(qmodel)
+    if wide:
+        log.info("--quant_format QOP: %d ops read 16-bit grids and stay QDQ (onnxruntime's QLinear ops take "
+                 "8-bit tensors only): %s", len(wide), ", ".join(wide[:5]))
     if excluded:
         log.warning("--quant_format QOP: onnxruntime has no integer kernel for %d ops as converted; "
                     "they stay QDQ (%s)", len(excluded), ", ".join(excluded[:5]))
