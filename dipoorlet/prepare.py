@@ -719,8 +719,12 @@ def ensure_opset(g: Graph, target: int = QDQ_OPSET, why: str = "for per-channel 
                          f"export it at opset {target} or later") from exc
     if version < 11:
         _resize_as_before_11(converted.graph)
-    if converted.ir_version < 7:
-        converted.ir_version = 7   # opset 13 needs IR 7
+    try:   # the IR version the new opsets need (opset 13: 7, opset 17: 8)
+        need = helper.find_min_ir_version_for(list(converted.opset_import), ignore_unknown=True)
+    except Exception:
+        need = 7
+    if converted.ir_version < max(need, 7):
+        converted.ir_version = max(need, 7)
     g.model = converted
     g.refresh()
     log.info("converted the model from opset %d to %d %s", version, target, why)
