@@ -33,6 +33,7 @@ class ErrorRow:
     sqnr_db: float
     max_abs_err: float
     is_output: bool = False
+    pooled: bool = False    # cosine over the samples together (one value per sample)
 
 
 # float64 sums over pieces of this many values, converted into buffers held for the whole run: a
@@ -44,8 +45,18 @@ _CHUNK = 8192
 _BUFS: list = []
 
 
+# A tensor of fewer values than this per sample (one score) has no meaningful cosine of its own
+# (always +-1, so --fail_below could never fail): its cosine is taken over the samples together
+TINY = 2
+
+
 def sample_metrics(f: np.ndarray, q: np.ndarray) -> tuple[float, float, float, float]:
     """(cosine, error energy, signal energy, max |error|) of one sample's tensor, in float64."""
+    return sample_sums(f, q)[:4]
+
+
+def sample_sums(f: np.ndarray, q: np.ndarray) -> tuple[float, float, float, float, float, float]:
+    """:func:`sample_metrics` and the sums f.q and q.q behind the cosine."""
     f, q = f.reshape(-1), q.reshape(-1)
     if not _BUFS:
         _BUFS.extend(np.empty(_CHUNK) for _ in range(3))
@@ -60,7 +71,8 @@ def sample_metrics(f: np.ndarray, q: np.ndarray) -> tuple[float, float, float, f
         ff += float(a @ a)
         qq += float(b @ b)
         fq += float(a @ b)
-        np.subtract(a, b, out=d)
+        with np.errstate(invalid="ignore", over="ignore"):   # inf - inf: NaN, counted as such
+            np.subtract(a, b, out=d)
         dd += float(d @ d)
         np.abs(d, out=d)
         peaks.append(d.max())
@@ -70,7 +82,16 @@ def sample_metrics(f: np.ndarray, q: np.ndarray) -> tuple[float, float, float, f
         cos = 0.0
     else:
         cos = fq / math.sqrt(ff * qq)
-    return cos, dd, ff, float(np.max(peaks)) if peaks else 0.0
+    return cos, dd, ff, float(np.max(peaks)) if peaks else 0.0, fq, qq
+
+
+def pooled_cosine(ff: float, qq: float, fq: float) -> float:
+    """Cosine from the sums over all samples (for tensors of one value per sample)."""
+    if ff == 0.0 and qq == 0.0:
+        return 1.0
+    if ff == 0.0 or qq == 0.0:
+        return 0.0
+    return fq / math.sqrt(ff * qq)
 
 
 def profile_targets(graph, placement, layers: bool) -> dict[str, tuple[str, str]]:
@@ -141,17 +162,24 @@ class ErrorStats:
     """One tensor's error over the samples seen: count, exact sums of cosine, error and signal
     energy, the lowest cosine and the largest |error| (NaN samples counted apart)."""
 
-    __slots__ = ("n", "cos", "err", "sig", "min_cos", "max_abs", "nan")
+    __slots__ = ("n", "cos", "err", "sig", "min_cos", "max_abs", "nan", "fq", "qq", "tiny")
 
     def __init__(self):
         self.n, self.cos, self.err, self.sig = 0, ExactSum(), ExactSum(), ExactSum()
         self.min_cos, self.max_abs, self.nan = math.inf, 0.0, 0
+        self.fq, self.qq, self.tiny = ExactSum(), ExactSum(), True
 
-    def add(self, cos: float, err: float, sig: float, max_abs: float) -> None:
+    def add(self, cos: float, err: float, sig: float, max_abs: float, fq: float | None = None,
+            qq: float | None = None, size: int | None = None) -> None:
         self.n += 1
         self.cos.add(cos)
         self.err.add(err)
         self.sig.add(sig)
+        if fq is None or size is None or size >= TINY:
+            self.tiny = False
+        else:
+            self.fq.add(fq)
+            self.qq.add(qq)
         if cos != cos or max_abs != max_abs:
             self.nan += 1
         if cos == cos:
@@ -159,10 +187,21 @@ class ErrorStats:
         if max_abs == max_abs:
             self.max_abs = max(self.max_abs, max_abs)
 
+    def cosine(self) -> tuple[float, float]:
+        """(mean cosine, lowest cosine): per sample, or over the samples together for a tensor of
+        one value per sample (both then that one pooled cosine)."""
+        if self.tiny and self.n:
+            c = pooled_cosine(self.sig.value(), self.qq.value(), self.fq.value())
+            return c, c
+        return (self.cos.value() / self.n if self.n else math.nan,
+                self.min_cos if self.min_cos != math.inf else math.nan)
+
     def merge(self, other: "ErrorStats") -> "ErrorStats":
         self.n += other.n
-        for a, b in ((self.cos, other.cos), (self.err, other.err), (self.sig, other.sig)):
+        for a, b in ((self.cos, other.cos), (self.err, other.err), (self.sig, other.sig),
+                     (self.fq, other.fq), (self.qq, other.qq)):
             a.merge(b)
+        self.tiny = self.tiny and other.tiny
         self.min_cos = min(self.min_cos, other.min_cos)
         self.max_abs = max(self.max_abs, other.max_abs)
         self.nan += other.nan
@@ -185,8 +224,8 @@ def collect_errors(graph, qmodel, data, indices, targets: dict, comm, device="cp
         if on_float is not None:
             on_float(i, f_out)
         for t in names:
-            m = sample_metrics(f_out[t], q_out[t])
-            stats[t].add(*m)
+            m = sample_sums(f_out[t], q_out[t])
+            stats[t].add(*m, size=f_out[t].size)
             if t in out_cos:
                 out_cos[t].append((i, m[0]))
     gathered = comm.gather_samples({t: [st] for t, st in stats.items()})
@@ -212,10 +251,10 @@ def summarize(stats: dict, targets: dict, outputs: list[str], quantized=()) -> l
         if err != err or sig != sig:
             sqnr = math.nan
         node, op = targets[t]
-        min_cos = st.min_cos if st.min_cos != math.inf else math.nan
-        values = (st.cos.value() / st.n, min_cos, sqnr, st.max_abs)
+        mean_cos, min_cos = st.cosine()
+        values = (mean_cos, min_cos, sqnr, st.max_abs)
         if t not in outputs or node in quantized:
-            rows.append(ErrorRow(t, node, op, *values, False))
+            rows.append(ErrorRow(t, node, op, *values, False, st.tiny))
         if t in outputs:
-            rows.append(ErrorRow(t, node, op, *values, True))
+            rows.append(ErrorRow(t, node, op, *values, True, st.tiny))
     return rows

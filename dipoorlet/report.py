@@ -85,7 +85,8 @@ def build(rows, places, meta: dict, analysis: dict | None = None, stats=None, pl
     rep = {
         **meta,
         "outputs": [{"tensor": r.tensor, "cosine": _num(r.cosine), "min_cosine": _num(r.min_cosine),
-                     "sqnr_db": _num(r.sqnr_db), "max_abs_err": _num(r.max_abs_err)}
+                     "sqnr_db": _num(r.sqnr_db), "max_abs_err": _num(r.max_abs_err),
+                     **({"cosine_over_samples": True} if r.pooled else {})}
                     for r in rows if r.is_output],
         "layers": layers,
         "worst_layers": worst_nodes,
@@ -153,8 +154,11 @@ def markdown(report: dict) -> str:
            + (f" ({report['qdq_tensors_16bit']} on 16-bit grids)" if report.get('qdq_tensors_16bit') else ""), "",
            "## Network outputs", "",
            table(["output", "mean cosine", "min cosine", "SQNR dB", "max |err|"],
-                 [[o["tensor"], o["cosine"], o["min_cosine"], o["sqnr_db"], o["max_abs_err"]]
-                  for o in report["outputs"]])]
+                 [[o["tensor"] + (" *" if o.get("cosine_over_samples") else ""), o["cosine"], o["min_cosine"],
+                   o["sqnr_db"], o["max_abs_err"]] for o in report["outputs"]])]
+    if any(o.get("cosine_over_samples") for o in report["outputs"]):
+        out += ["", "\\* one value per sample: one cosine over all samples' values together "
+                "(a single value's own cosine is always 1)"]
     out += _transforms(report)
     layers = {l["node"]: l for l in report["layers"]}
     if report["worst_layers"]:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dipoorlet.progress import progress
-from dipoorlet.profile import sample_metrics
+from dipoorlet.profile import TINY, pooled_cosine, sample_sums
 from dipoorlet.qdq import Switchboard
 from dipoorlet.runtime import Runner
 
@@ -111,12 +111,16 @@ class Scorer:
         rows = []
         for i in self.indices:
             q, _ = runner.run({**self.samples[i], **extra})
-            rows.append((i, [sample_metrics(self.reference[i][t], q[t]) for t in self.outputs]))
+            rows.append((i, [sample_sums(self.reference[i][t], q[t]) + (q[t].size,) for t in self.outputs]))
         rows = self.comm.gather_samples({"_": rows})["_"]
         rows.sort(key=lambda r: r[0])
         worst = None
         for k, _ in enumerate(self.outputs):
-            cos = math.fsum(r[1][k][0] for r in rows) / max(len(rows), 1)
+            if rows and all(r[1][k][6] < TINY for r in rows):   # a score: one cosine over the samples
+                cos = pooled_cosine(math.fsum(r[1][k][2] for r in rows), math.fsum(r[1][k][5] for r in rows),
+                                    math.fsum(r[1][k][4] for r in rows))
+            else:
+                cos = math.fsum(r[1][k][0] for r in rows) / max(len(rows), 1)
             err = math.fsum(r[1][k][1] for r in rows)
             sig = math.fsum(r[1][k][2] for r in rows)
             sqnr = math.inf if err == 0 else (10 * math.log10(sig / err) if sig > 0 else -math.inf)

@@ -356,14 +356,14 @@ def test_failure_during_profile_leaves_no_staging_folder(tmp_path, capsys, monke
 def test_failure_after_savefp_samples_leaves_no_partial_outputs(tmp_path, capsys, monkeypatch):
     from dipoorlet import profile
 
-    real, calls = profile.sample_metrics, []
+    real, calls = profile.sample_sums, []
 
     def fail_on_second_sample(f, q):
         calls.append(1)
         if len(calls) > 1:
             raise DipoorletError("injected failure after the first sample")
         return real(f, q)
-    monkeypatch.setattr(profile, "sample_metrics", fail_on_second_sample)
+    monkeypatch.setattr(profile, "sample_sums", fail_on_second_sample)
     case = Case(tmp_path)
     case.extra = ["--savefp", "--skip_prof_layer"]
     rc, _ = run_cli(case, capsys)

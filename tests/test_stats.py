@@ -238,3 +238,28 @@ def test_log_histogram_buffered_small_and_direct_large_updates_match_the_oracle(
     # updating after reading the counts keeps adding
     a.update(parts[0])
     np.testing.assert_array_equal(a.counts, _log_oracle(np.concatenate(parts[1::2] + [parts[0]])))
+
+
+def test_a_single_value_output_gets_one_cosine_over_the_samples(tmp_path):
+    """A score (one value per sample) has a per-sample cosine of +-1 whatever the error, so
+    --fail_below could never fail on it: its cosine is taken over all samples' values together,
+    against numpy on onnxruntime's outputs of the float and the written model."""
+    from onnx import helper
+
+    from conftest import input_feeds, make_model, ort_run, quantize_model, rand, vi
+    from dipoorlet.cli import below_bar
+    inits = {"w": rand((4, 3, 3, 3), 0, 0.5), "wf": rand((1, 4), 1, 0.5), "bf": np.full(1, 0.3, np.float32)}
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("GlobalAveragePool", ["c"], ["g"], name="gap"),
+             helper.make_node("Flatten", ["g"], ["f"], name="flatten"),
+             helper.make_node("Gemm", ["f", "wf", "bf"], ["score"], name="fc", transB=1)]
+    model = make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("score", [1, 1])], inits)
+    feeds = input_feeds(model, 8, seed=2)
+    res, qm = quantize_model(tmp_path, model, feeds=feeds, w_bits=2, a_bits=2)
+    (entry,) = res.report["outputs"]
+    f = np.array([ort_run(model, x)[0].ravel()[0] for x in feeds], np.float64)
+    q = np.array([ort_run(qm, x)[0].ravel()[0] for x in feeds], np.float64)
+    want = f @ q / np.sqrt((f @ f) * (q @ q))
+    assert entry["cosine_over_samples"] and entry["cosine"] == pytest.approx(want, abs=1e-6) and want < 0.999
+    assert entry["min_cosine"] == entry["cosine"]
+    assert "score cosine" in below_bar(res.report, 0.9999)
