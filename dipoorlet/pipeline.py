@@ -399,11 +399,24 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
     if shifted:
         analysis["shift"] = shifted
     a16 = analysis.get("auto_a16")
+    missed_as_written = False
     if a16 is not None and a16.float_layers:   # before the diagnosis, which then sees the 16-bit grids
         changed = promote_a16(g, places, plan, stats, cfg, plat, a16.float_layers)
         log.info("auto_a16: %d layers' inputs on 16-bit grids (%d of %d tensors): %s", len(a16.float_layers),
                  len(changed), len(plan.activations), ", ".join(a16.float_layers[:6]))
-    if a16 is not None and not a16.met:
+        # the search scored those inputs float, the stand-in for 16 bits; the written grids may
+        # miss it (a log of a tiny value, a grid shared with a wider tensor): measure them
+        a16.measured = analysis.pop("_scorer").score(insert_qdq(g, places, plan))
+        est, got = a16.after.value(a16.criterion), a16.measured.value(a16.criterion)
+        if a16.met and got < a16.target:
+            a16.met, missed_as_written = False, True
+            log.warning("auto_a16: the search's estimate met %s %s (%.6f with those inputs float), but the "
+                        "model as written reads %.6f on the same samples%s; compare -D %s without --auto_a16, "
+                        "or choose layers by hand (--layer_bits NODE=a16)", a16.criterion, a16.target, est, got,
+                        f", below the 8-bit model's {a16.before.value(a16.criterion):.6f}"
+                        if got < a16.before.value(a16.criterion) else "", plat.name)
+    analysis.pop("_scorer", None)
+    if a16 is not None and not a16.met and not missed_as_written:
         log.warning("auto_a16: target %s %s not met (%s %.6f with %d layers' inputs float over the %d sensitivity "
                     "samples); %s", a16.criterion, a16.target, a16.criterion, a16.after.value(a16.criterion),
                     len(a16.float_layers), analysis["sens_samples"],
@@ -507,6 +520,12 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm) -> dict:
         fixed = {n for n, (_, a) in cfg.layer_bits.items() if a}   # an explicit NODE=aM stands
         out["auto_a16"] = sensitivity.auto_a16(g, places, plan, scorer, out["isolated"], crit,
                                                target, cfg.max_a16_layers, fixed=fixed)
+        out["_scorer"] = scorer    # to measure the promoted model as written
+    if out.get("auto_skip") is not None and not out["auto_skip"].met:
+        a = out["auto_skip"]
+        log.warning("auto_skip: target %s %s not met (%s %.6f with %d layers float over the %d sensitivity "
+                    "samples); a larger --max_float_layers may meet it", a.criterion, a.target, a.criterion,
+                    a.after.value(a.criterion), len(a.float_layers), n)
     return out
 
 

@@ -122,6 +122,7 @@ def build(rows, places, meta: dict, analysis: dict | None = None, stats=None, pl
         rep["auto_a16"] = {"criterion": a.criterion, "target": a.target, "met": a.met,
                            "a16_layers": a.float_layers, "before": _score(a.before),
                            "after_estimated": _score(a.after),
+                           **({"after_measured": _score(a.measured)} if a.measured is not None else {}),
                            "steps": a.steps}
     if stats is not None and plan is not None:
         focus = list(dict.fromkeys(rep["most_sensitive_layers"][:5] + worst_nodes[:5]))

@@ -178,6 +178,7 @@ class AutoSkipResult:
     steps: list[dict] = field(default_factory=list)
     met: bool = False
     candidates: int = 0    # layers the search could choose from (--auto_a16: not the fixed ones)
+    measured: OutputScore | None = None    # --auto_a16: the promoted model as written
 
 
 def parse_target(text: str, flag: str = "--auto_skip") -> tuple[str, float]:

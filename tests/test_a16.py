@@ -348,3 +348,30 @@ def test_auto_a16_missing_target_with_every_candidate_taken_points_at_the_weight
     text = "\n".join(r.getMessage() for r in caplog.records if "auto_a16: target" in r.getMessage())
     assert "not met" in text and "weights' rounding" in text and "max_a16_layers" not in text
     assert "1 layers with an explicit --layer_bits activation width were not candidates" in text
+
+
+def test_auto_a16_measures_the_model_as_written(tmp_path, caplog, monkeypatch):
+    """The search scores the chosen layers' inputs float; the written 16-bit grids are measured
+    again on the same samples, and a target the written model misses is reported as not met."""
+    from dipoorlet import sensitivity
+    real = sensitivity.auto_a16
+
+    def claims_met(*args, **kw):
+        res = real(*args, **kw)
+        res.float_layers, res.met = ["conv2"], True     # as if the estimate had met the target
+        res.after = sensitivity.OutputScore(1.0, float("inf"), 0.0)
+        return res
+    monkeypatch.setattr(sensitivity, "auto_a16", claims_met)
+    with caplog.at_level("WARNING", logger="dipoorlet"):
+        res, _, qm, _ = _run(tmp_path, tiny_cnn(), auto_a16="1.0", sens_samples=2)
+    rep = res.report["auto_a16"]
+    assert rep["met"] is False and rep["after_measured"]["cosine"] < 1.0
+    assert any("the model as written reads" in r.getMessage() for r in caplog.records)
+    assert _zero_points(qm)["p1"].dtype == np.uint16     # conv2's input was still promoted
+
+
+def test_auto_skip_missing_its_target_is_warned(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="dipoorlet"):
+        res, _, _, _ = _run(tmp_path, tiny_cnn(), deploy="trt", auto_skip="1.0", max_float_layers=1, sens_samples=2)
+    assert res.report["auto_skip"]["met"] is False
+    assert any("auto_skip: target cosine 1.0 not met" in r.getMessage() for r in caplog.records)
