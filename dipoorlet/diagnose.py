@@ -164,7 +164,10 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
             row["cause"] = "activations" if s.activation_only.sqnr_db < s.weight_only.sqnr_db else "weights"
         acts = []
         for t in inputs.get(s.node, []):
-            a = {"tensor": t, "amax": float(np.max(plan.activations[t].amax)), "bits": int(plan.activations[t].bits)}
+            a = {"tensor": t, "amax": float(np.max(plan.activations[t].amax)), "bits": int(plan.activations[t].bits),
+                 "step": float(np.max(plan.activations[t].scale))}
+            if plan.shared.get(t):
+                a["grid_shared_by"] = int(plan.shared[t])
             m = t
             if t in source:
                 m = a["shifted_from"] = source[t]["tensor"]
@@ -220,6 +223,7 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
 # range methods that may clip far inside what the data reaches (KL divergence, a percentile);
 # below this fraction of the largest channel value the advice names the method
 TIGHT_CLIP = 0.25
+WIDE_GRID = 4.0          # a grid this many times wider than the tensor's largest value: not its own clip
 
 
 def _gptq_could_fit(g, name: str) -> bool:
@@ -261,9 +265,20 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | 
         if "shifted_from" in a:
             lo, hi = a["clip"]
             part = [f"input {a['shifted_from']} clipped to [{lo:.4g}, {hi:.4g}] (asymmetric grid, shifted)"]
+        elif a.get("channel_max") and a["amax"] > WIDE_GRID * a["channel_max"]:
+            # not clipped: the grid is far wider than what this tensor carries
+            over = f" over {a['channel_samples']} samples" if a.get("channel_samples") else ""
+            part = [f"input {a['tensor']} on a grid to {a['amax']:.4g}, {a['amax'] / a['channel_max']:.0f}x its "
+                    f"largest value{over} ({a['channel_max']:.4g}), so its values use about "
+                    f"{a['channel_max'] / a['step']:.0f} of the grid's {2 ** a['bits'] - 1} steps"]
+            if a.get("grid_shared_by"):
+                part[0] += (f": one grid for the {a['grid_shared_by']} tensors that pass-through ops "
+                            f"(MaxPool, Concat, Reshape...) tie together on {platform}")
         else:
             part = [f"input {a['tensor']} clipped at {a['amax']:.4g}"]
-        if "channel_max" in a:
+        if "channel_max" in a and "on a grid to" in part[0]:
+            part.append(f"channel ranges {a['channel_spread']:.1f}x apart under one per-tensor scale")
+        elif "channel_max" in a:
             over = f" over {a['channel_samples']} samples" if a.get("channel_samples") else ""
             part.append(f"largest channel max{over} {a['channel_max']:.4g}, channel ranges "
                         f"{a['channel_spread']:.1f}x apart under one per-tensor scale")

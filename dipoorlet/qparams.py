@@ -124,6 +124,9 @@ class QuantPlan:
     value_owners: dict = field(default_factory=dict)
     # activation -> the width --layer_bits asked for it (absent: the backend's or --a_bits)
     asked_bits: dict = field(default_factory=dict)
+    # activation -> how many tensors share its grid (pass-through ops on backends that keep their
+    # input's grid: share_scales), for the diagnosis
+    shared: dict = field(default_factory=dict)
 
     def restricted(self, placement) -> "QuantPlan":
         """The grids ``placement`` still uses (after ``--auto_skip`` kept layers float), so side
@@ -201,4 +204,5 @@ def share_scales(graph, plan: QuantPlan, ops) -> int:
         for t in members:
             plan.activations[t] = shared
             plan.rules[t] = rule
+            plan.shared[t] = len(members)
     return sum(1 for m in groups.values() if len(m) > 1)

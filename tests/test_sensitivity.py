@@ -414,3 +414,24 @@ def test_advice_on_input_rounding_names_gptq_only_where_it_could_run():
     assert "--gptq" not in _advice(row, "trt")
     # nothing quantized at its input: nothing for the weights to compensate
     assert "--gptq" not in _advice(dict(row, activations=[]), "trt", gptq_hint=True)
+
+
+def test_diagnosis_names_a_grid_shared_through_a_concat(tmp_path):
+    """s (small values) feeds Conv B and, with b (100x larger), a Concat; qnn gives a Concat's
+    inputs and output one grid, so B's input is not clipped but sits on a grid far wider than its
+    values: the advice says so and names the sharing, not a clip."""
+    inits = {"wa": rand((4, 4, 1, 1), 1, 0.5), "wbig": rand((4, 4, 1, 1), 2, 50.0),
+             "wb": rand((4, 4, 1, 1), 3, 0.5), "wc": rand((4, 8, 1, 1), 4, 0.05)}
+    nodes = [helper.make_node("Conv", ["x", "wa"], ["s"], name="A"),
+             helper.make_node("Conv", ["x", "wbig"], ["b"], name="big"),
+             helper.make_node("Conv", ["s", "wb"], ["y"], name="B"),
+             helper.make_node("Concat", ["s", "b"], ["c"], name="cat", axis=1),
+             helper.make_node("Conv", ["c", "wc"], ["z"], name="C")]
+    model = make_model(nodes, [vi("x", [1, 4, 6, 6])], [vi("y", [1, 4, 6, 6]), vi("z", [1, 4, 6, 6])], inits)
+    feeds = input_feeds(model, 6, seed=2)
+    result, _ = quantize_model(tmp_path, model, feeds=feeds, sens_samples=6, deploy="qnn", equalize=False)
+    rows = {d["node"]: d for d in result.report["diagnosis"]}
+    (act,) = rows["B"]["activations"]
+    assert act["tensor"] == "s" and act["grid_shared_by"] == 3 and act["amax"] > 4 * act["channel_max"]
+    assert "on a grid to" in rows["B"]["advice"] and "one grid for the 3 tensors" in rows["B"]["advice"]
+    assert "clipped at" not in rows["B"]["advice"].split("/")[0]
