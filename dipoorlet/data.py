@@ -213,7 +213,7 @@ class DataSource:
         else:
             raise DataError(f"input {spec.name!r} has shape {_fmt(spec.shape)} with several dynamic "
                             f"dims, so {path.name} (raw .bin) is ambiguous; pass --input_shape "
-                            f"{spec.name}:1,3,H,W or store samples as .npy")
+                            f"{spec.name}:{_example_dims(spec.shape)} or store samples as .npy")
         if int(np.prod(shape)) != size:
             raise DataError(f"{path} holds {size} {spec.raw_dtype} values but input {spec.name!r} needs "
                             f"shape {_fmt(shape)} = {int(np.prod(shape))} values; check the file or "
@@ -284,6 +284,14 @@ def _npz_arrays(path: Path) -> dict:
 
 def _safe(name: str) -> str:
     return name.replace("/", "_").replace(":", "_").replace("\\", "_")
+
+
+def _example_dims(shape) -> str:
+    """The shape with its dynamic dims named D1, D2... (what --input_shape wants filled in)."""
+    if not shape:
+        return "D1,D2"
+    k = iter(range(1, len(shape) + 1))
+    return ",".join(str(d) if d is not None else f"D{next(k)}" for d in shape)
 
 
 def _fmt(shape) -> str:

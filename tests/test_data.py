@@ -47,7 +47,10 @@ def test_bin_with_dynamic_batch_is_inferred_from_file_size(tmp_path):
 def test_bin_with_two_dynamic_dims_is_ambiguous_without_input_shape(tmp_path):
     _bin(tmp_path, "x", 0, rand((1, 3, 4, 6), 1))
     src = DataSource(tmp_path, [InputSpec("x", F32, (1, 3, None, None))], 1)
-    with pytest.raises(DataError, match="--input_shape"):
+    with pytest.raises(DataError, match="--input_shape x:1,3,D1,D2 "):
+        src.sample(0)
+    src = DataSource(tmp_path, [InputSpec("x", F32, (None, None))], 1)   # a 2-D input: its own rank
+    with pytest.raises(DataError, match="--input_shape x:D1,D2 "):
         src.sample(0)
 
 
