@@ -129,7 +129,9 @@ def build(rows, places, meta: dict, analysis: dict | None = None, stats=None, pl
         rep["activation_histograms"] = _histograms(focus, places, stats, plan,
                                                    shifted=analysis.get("shift", ()))
     if output_cosines is not None:
-        rep["output_distribution"] = _output_distribution(output_cosines, [o["tensor"] for o in rep["outputs"]])
+        # a single-value output's per-sample cosines are all +-1: no distribution to show
+        rep["output_distribution"] = _output_distribution(
+            output_cosines, [o["tensor"] for o in rep["outputs"] if not o.get("cosine_over_samples")])
     return rep
 
 

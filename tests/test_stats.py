@@ -263,3 +263,4 @@ def test_a_single_value_output_gets_one_cosine_over_the_samples(tmp_path):
     assert entry["cosine_over_samples"] and entry["cosine"] == pytest.approx(want, abs=1e-6) and want < 0.999
     assert entry["min_cosine"] == entry["cosine"]
     assert "score cosine" in below_bar(res.report, 0.9999)
+    assert "score" not in res.report.get("output_distribution", {})     # per-sample cosines: all 1
