@@ -505,6 +505,29 @@ def _layernorm_params(g: Graph, m: dict):
     return out
 
 
+def _opset_for_fusion(g: Graph, target: int, found: int, what: str) -> bool:
+    """Raise the model to ``target`` for a fusion (False, logged, where that fails)."""
+    if g.opset >= target:
+        return True
+    try:
+        ensure_opset(g, target, why=f"to fuse its decomposed {what}")
+    except ModelError as exc:
+        log.info("%d decomposed %s stay as they are: %s", found, what, exc)
+        return False
+    name_nodes(g)   # the version converter may add unnamed nodes
+    return True
+
+
+def _replace_chain(g: Graph, nodes, new, position: int) -> None:
+    """``new`` at ``position`` in place of ``nodes``; options naming them follow to it."""
+    for node in nodes:
+        if node.name:
+            g.__dict__.setdefault("folded_into", {})[node.name] = new.name
+        g.graph.node.remove(node)
+    g.graph.node.insert(position, new)
+    g.refresh()
+
+
 def fuse_layernorm(g: Graph) -> int:
     """Fuse decomposed LayerNorms (see :func:`_match_layernorm`) into LayerNormalization, as
     onnxruntime's LayerNormFusion and TensorRT do before running int8 and as a model exported
@@ -522,12 +545,8 @@ def fuse_layernorm(g: Graph) -> int:
     found = [m for n in means for m in [_match_layernorm(g, n)] if m is not None]
     if not found:
         return 0
-    if g.opset < LAYERNORM_OPSET:
-        try:
-            ensure_opset(g, LAYERNORM_OPSET, why="to fuse its decomposed LayerNorms")
-        except ModelError as exc:
-            log.info("%d decomposed LayerNorms stay as they are: %s", len(found), exc)
-            return 0
+    if not _opset_for_fusion(g, LAYERNORM_OPSET, len(found), "LayerNorms"):
+        return 0
     if any(m["gamma"] is None or m["gamma"].size == 1 for m in found):
         g.model = infer_shapes(g.model)   # the normalized width for ones, zeros or a scalar scale
         g.refresh()
@@ -552,13 +571,7 @@ def fuse_layernorm(g: Graph) -> int:
             names.append(param)
         ln = helper.make_node("LayerNormalization", [m["x"], *names], [m["out"]],
                               name=fresh_name(g, f"{base}_layernorm"), axis=m["axis"], epsilon=m["eps"])
-        position = [i for i, n in enumerate(g.graph.node) if n.name == name][0]
-        for node in m["nodes"]:
-            if node.name:
-                g.__dict__.setdefault("folded_into", {})[node.name] = ln.name
-            g.graph.node.remove(node)
-        g.graph.node.insert(position, ln)
-        g.refresh()
+        _replace_chain(g, m["nodes"], ln, [i for i, n in enumerate(g.graph.node) if n.name == name][0])
         fused += 1
     if fused:
         drop_unused_initializers(g.graph)
@@ -663,13 +676,8 @@ def fuse_hardswish(g: Graph) -> int:
     found = [c for c in candidates if _match_hardswish(g, g.node_by_name[c]) is not None]
     if not found:
         return 0
-    if g.opset < HARDSWISH_OPSET:
-        try:
-            ensure_opset(g, HARDSWISH_OPSET, why="to fuse its decomposed HardSwish")
-        except ModelError as exc:
-            log.info("%d decomposed HardSwish stay as they are: %s", len(found), exc)
-            return 0
-        name_nodes(g)
+    if not _opset_for_fusion(g, HARDSWISH_OPSET, len(found), "HardSwish"):
+        return 0
     fused = 0
     for name in found:
         last = g.node_by_name.get(name)
@@ -678,12 +686,7 @@ def fuse_hardswish(g: Graph) -> int:
             continue
         x, nodes = m
         hs = helper.make_node("HardSwish", [x], [last.output[0]], name=fresh_name(g, f"{name}_hardswish"))
-        position = min(i for i, n in enumerate(g.graph.node) if any(n is c for c in nodes))
-        for node in nodes:
-            g.__dict__.setdefault("folded_into", {})[node.name] = hs.name
-            g.graph.node.remove(node)
-        g.graph.node.insert(position, hs)
-        g.refresh()
+        _replace_chain(g, nodes, hs, min(i for i, n in enumerate(g.graph.node) if any(n is c for c in nodes)))
         fused += 1
     if fused:
         drop_unused_initializers(g.graph)
