@@ -231,8 +231,9 @@ class DataSource:
                                 "finite: fix or remove that sample")
         elif np.issubdtype(spec.dtype, np.integer) or spec.dtype == np.bool_:
             if np.issubdtype(arr.dtype, np.floating):
-                raise DataError(f"{where} holds floats but input {spec.name!r} is {spec.dtype} "
-                                "(e.g. token ids); save it with an integer dtype")
+                what = ("a mask: save it as bool (np.bool_)" if spec.dtype == np.bool_
+                        else "e.g. token ids: save it with an integer dtype")
+                raise DataError(f"{where} holds floats but input {spec.name!r} is {spec.dtype} ({what})")
             arr = arr.astype(spec.dtype, copy=False)
         if spec.shape is not None:
             want = self.input_shapes.get(spec.name, spec.shape)

@@ -127,6 +127,9 @@ def test_float_npy_for_an_integer_input_is_rejected(tmp_path):
     src = DataSource(tmp_path, [InputSpec("tokens", np.dtype(np.int64), (1, 6))], 1)
     with pytest.raises(DataError, match="integer"):
         src.sample(0)
+    src = DataSource(tmp_path, [InputSpec("tokens", np.dtype(np.bool_), (1, 6))], 1)   # a mask
+    with pytest.raises(DataError, match=r"save it as bool"):
+        src.sample(0)
 
 
 def test_fully_convolutional_model_with_npy_of_different_sizes_runs_end_to_end(tmp_path):
