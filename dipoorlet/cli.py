@@ -173,7 +173,8 @@ def summary(result, cfg) -> str:
     lines.append("")
     wide = f" ({rep['qdq_tensors_16bit']} 16-bit)" if rep.get("qdq_tensors_16bit") else ""
     lines.append(f"{rep['quantized_nodes']} nodes quantized, {rep['qdq_tensors']} activations{wide} and "
-                 f"{rep['weights']} weights with Q/DQ; "
+                 f"{rep['weights'] - rep.get('int32_biases', 0)} weights with Q/DQ"
+                 + (f" (and {rep['int32_biases']} int32 biases)" if rep.get("int32_biases") else "") + "; "
                  + "".join(f"{label} {t[key]:.2f} s, " for key, label in
                            (("equalize_s", "equalization"), ("bias_correction_s", "bias correction"),
                             ("gptq_s", "gptq")) if key in t)

@@ -486,7 +486,8 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
                 "qdq_tensors": sum(1 for t in places.activations if t in plan.activations),
                 "qdq_tensors_16bit": sum(1 for t in places.activations
                                          if t in plan.activations and plan.activations[t].bits > 8),
-                "weights": len(places.weights)}
+                "weights": len(places.weights),
+                "int32_biases": sum(1 for (_, index) in places.weights if index == 2)}
         rep = report.build(rows, places, meta, analysis, stats, plan, out_cosines)
         files += report.write(staging, rep)
         timings["total_s"] = time.perf_counter() - t0
