@@ -389,7 +389,7 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         plan_biases(g, places, plan)
 
     t = time.perf_counter()
-    analysis = analyse(cfg, g, places, plan, data, comm)
+    analysis = analyse(cfg, g, places, plan, data, comm, stats=stats, plat=plat)
     if corrections is not None:
         analysis["bias_correction"] = corrections
     if reconstructed is not None:
@@ -498,7 +498,7 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm) -> dict:
+def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, plat=None) -> dict:
     """Isolated sensitivity, weight range spread and auto_skip, as the config asks."""
     out: dict = {"weight_spread": sensitivity.weight_spread(g, places)}
     auto = cfg.auto_skip or cfg.auto_a16
@@ -519,8 +519,15 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm) -> dict:
     elif cfg.auto_a16:
         crit, target = sensitivity.parse_target(cfg.auto_a16, flag="--auto_a16")
         fixed = {n for n, (_, a) in cfg.layer_bits.items() if a}   # an explicit NODE=aM stands
+        wide = None
+        if stats is not None and plat is not None:
+            # every activation's 16-bit grid, from the same statistics: a trial switches the
+            # chosen layers' inputs onto these instead of leaving them float
+            wide = plan_activations(stats, dataclasses.replace(cfg, a_bits=16, layer_bits={}), plat, places)
+            if plat.share_scale:
+                share_scales(g, wide, plat.share_scale)
         out["auto_a16"] = sensitivity.auto_a16(g, places, plan, scorer, out["isolated"], crit,
-                                               target, cfg.max_a16_layers, fixed=fixed)
+                                               target, cfg.max_a16_layers, fixed=fixed, wide_plan=wide)
         out["_scorer"] = scorer    # to measure the promoted model as written
     if out.get("auto_skip") is not None and not out["auto_skip"].met:
         a = out["auto_skip"]

@@ -208,13 +208,9 @@ def _rebuild(graph: onnx.GraphProto, new_nodes: dict[str, list]) -> None:
     graph.node.extend(order)
 
 
-def _switch(mask: str, src: str, chain: list, out: str, elem: int, taken: set[str],
-            passthrough: str | None = None) -> onnx.NodeProto:
-    """``out = If(mask) then chain(src) else passthrough``: a private copy of the Q/DQ ``chain``
-    (its inner tensors renamed, so sibling branches share no names) as the then-branch; ``src``,
-    ``passthrough`` (default ``src``) and the scale/zero-point constants are read from the outer
-    graph."""
-    then_out, else_out = _base(out + "_then", taken, ("",)), _base(out + "_else", taken, ("",))
+def _branch_copy(chain: list, out: str, branch_out: str, taken: set[str]) -> list:
+    """A private copy of a Q/DQ ``chain`` (its inner tensors renamed, so sibling branches share
+    no names) whose last output is ``branch_out``."""
     rename = {}
     body = []
     for node in chain:
@@ -227,10 +223,22 @@ def _switch(mask: str, src: str, chain: list, out: str, elem: int, taken: set[st
             rename[y] = _base(f"{out}/{y}", taken, ("",))
             c.output[i] = rename[y]
         body.append(c)
-    body[-1].output[0] = then_out
-    then_g = helper.make_graph(body, then_out, [], [helper.make_tensor_value_info(then_out, elem, None)])
-    else_g = helper.make_graph([helper.make_node("Identity", [passthrough or src], [else_out], name=else_out)],
-                               else_out, [],
+    body[-1].output[0] = branch_out
+    return body
+
+
+def _switch(mask: str, src: str, chain: list, out: str, elem: int, taken: set[str],
+            passthrough: str | None = None, off_chain: list | None = None) -> onnx.NodeProto:
+    """``out = If(mask) then chain(src) else passthrough``: a private copy of the Q/DQ ``chain``
+    as the then-branch; ``src``, ``passthrough`` (default ``src``) and the scale/zero-point
+    constants are read from the outer graph. With ``off_chain`` (another grid's Q/DQ of ``src``)
+    the else-branch is that chain instead of the pass-through."""
+    then_out, else_out = _base(out + "_then", taken, ("",)), _base(out + "_else", taken, ("",))
+    then_g = helper.make_graph(_branch_copy(chain, out, then_out, taken), then_out, [],
+                               [helper.make_tensor_value_info(then_out, elem, None)])
+    else_body = (_branch_copy(off_chain, out, else_out, taken) if off_chain is not None else
+                 [helper.make_node("Identity", [passthrough or src], [else_out], name=else_out)])
+    else_g = helper.make_graph(else_body, else_out, [],
                                [helper.make_tensor_value_info(else_out, elem, None)])
     return helper.make_node("If", [mask], [out], name=_base(out + "_If", taken, ("",)),
                             then_branch=then_g, else_branch=else_g)
@@ -266,7 +274,9 @@ class Switchboard:
     differ in the last float32 bit).
     """
 
-    def __init__(self, g: Graph, placement: Placement, plan: QuantPlan):
+    def __init__(self, g: Graph, placement: Placement, plan: QuantPlan, off_plan: QuantPlan | None = None):
+        """``off_plan``: switched off, an activation goes through its grid in ``off_plan`` (where
+        it has one: --auto_a16's 16-bit grids) instead of staying float."""
         self.g, self.plan = g, plan
         self._cache: dict = {}
         model = onnx.ModelProto()
@@ -301,16 +311,23 @@ class Switchboard:
                             node.output[i] = src
                 self.act_owners.add(owner)
             q, extra, dq = _act_chain(graph, src, base, qp, qdq_domain(model, qp))
+            off = None
+            if off_plan is not None and tensor in off_plan.activations:
+                oq, oextra, odq = _act_chain(graph, src, _base(base + "_off", taken, ACT_SUFFIXES),
+                                             off_plan.activations[tensor],
+                                             qdq_domain(model, off_plan.activations[tensor]))
+                off = [oq, *oextra, odq]
             elem = self._elem_type(tensor)
             if point.output:
-                chain.append(_switch(mask(owner), src, [q, *extra, dq], tensor, elem, taken))
+                chain.append(_switch(mask(owner), src, [q, *extra, dq], tensor, elem, taken, off_chain=off))
             wired: dict[str, str] = {}
             for (node_name, index), owner in zip(point.uses, point.owners):
                 if owner not in wired:
                     out = _base(f"{base}_sw_{len(wired)}", taken, ("",))
                     # switched off, a consumer reads the tensor as its producer's switch left it
                     # (a quantized network output stays quantized for its other readers)
-                    chain.append(_switch(mask(owner), src, [q, *extra, dq], out, elem, taken, passthrough=tensor))
+                    chain.append(_switch(mask(owner), src, [q, *extra, dq], out, elem, taken, passthrough=tensor,
+                                         off_chain=off))
                     wired[owner] = out
                     self.act_owners.add(owner)
                 nodes[node_name].input[index] = wired[owner]

@@ -102,6 +102,19 @@ class Scorer:
             self._board = (places, plan, sb, runner)
         return self._board[2], self._board[3]
 
+    def score_mixed(self, places, plan, off_plan, acts, weights) -> OutputScore:
+        """Score ``places`` with ``acts``' activations on ``plan``'s grids and every other
+        quantized activation on ``off_plan``'s (a second board, built once)."""
+        key = (id(places), id(plan), id(off_plan))
+        if getattr(self, "_mixed", None) is None or self._mixed[0] != key:
+            sb = Switchboard(self.graph, places, plan, off_plan=off_plan)
+            if self.device == "cuda":
+                sb.place_on("cuda")
+            runner = Runner(sb.model, self.outputs, types=self.graph.types, optimize=False, device=self.device)
+            self._mixed = (key, sb, runner)
+        _, sb, runner = self._mixed
+        return self._score(runner, sb.feed(acts, weights if weights is not None else sb.owners))
+
     def score_variant(self, places, plan, acts, weights) -> OutputScore:
         """Score ``places`` with only ``acts``' activations and ``weights``' weights quantized."""
         sb, runner = self.board(places, plan)
@@ -229,12 +242,13 @@ def auto_skip(graph, places, plan, scorer: Scorer, sens: list[LayerSensitivity],
 
 
 def auto_a16(graph, places, plan, scorer: Scorer, sens: list[LayerSensitivity], criterion: str,
-             target: float, max_layers: int | None, fixed: set = frozenset()) -> AutoSkipResult:
+             target: float, max_layers: int | None, fixed: set = frozenset(), wide_plan=None) -> AutoSkipResult:
     """The fewest most-sensitive layers whose inputs on 16-bit grids meet ``target`` (--auto_a16).
 
-    A trial leaves the activation inputs of the ``k`` most sensitive layers (isolated score) float
-    and keeps every weight quantized: the stand-in for 16-bit grids, whose rounding is 257 times
-    finer than 8 bits'. ``k`` doubles until the target is met (or ``max_layers``, default every
+    A trial puts the activation inputs of the ``k`` most sensitive layers (isolated score) on
+    their 16-bit grids from ``wide_plan`` and keeps every weight quantized (without a
+    ``wide_plan``, those inputs stay float: the stand-in, which a 16-bit grid does not always
+    match: a square root of 16-bit-rounded powers near zero in a VAD's STFT). ``k`` doubles until the target is met (or ``max_layers``, default every
     layer, is reached; missing it there, all ``max_layers`` are kept), then a bisection finds the
     ``k`` that meets it where ``k - 1`` does not (the score over a few samples is not monotone in
     ``k``, so not always the smallest such ``k``): about
@@ -255,10 +269,13 @@ def auto_a16(graph, places, plan, scorer: Scorer, sens: list[LayerSensitivity], 
     def trial(k: int) -> OutputScore:
         if k not in tried:
             wide = set(order[:k])
-            tried[k] = scorer.score_variant(places, plan, [n for n in quantized if n not in wide], sb.owners)
+            acts = [n for n in quantized if n not in wide]
+            tried[k] = (scorer.score_mixed(places, plan, wide_plan, acts, None) if wide_plan is not None
+                        else scorer.score_variant(places, plan, acts, sb.owners))
             res.steps.append({"a16_layers": k, "cosine": tried[k].cosine, "sqnr_db": tried[k].sqnr_db})
-            log.info("auto_a16: the %d most sensitive layers' inputs float (as 16-bit) -> output cosine %.6f, "
-                     "SQNR %.2f dB", k, tried[k].cosine, tried[k].sqnr_db)
+            log.info("auto_a16: the %d most sensitive layers' inputs %s -> output cosine %.6f, SQNR %.2f dB", k,
+                     "on 16-bit grids" if wide_plan is not None else "float (as 16-bit)",
+                     tried[k].cosine, tried[k].sqnr_db)
         return tried[k]
 
     ok = lambda k: trial(k).value(criterion) >= target

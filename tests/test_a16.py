@@ -375,3 +375,30 @@ def test_auto_skip_missing_its_target_is_warned(tmp_path, caplog):
         res, _, _, _ = _run(tmp_path, tiny_cnn(), deploy="trt", auto_skip="1.0", max_float_layers=1, sens_samples=2)
     assert res.report["auto_skip"]["met"] is False
     assert any("auto_skip: target cosine 1.0 not met" in r.getMessage() for r in caplog.records)
+
+
+def test_auto_a16_trials_run_the_16_bit_grids_the_written_model_has(tmp_path):
+    """A trial switches the chosen layers' inputs onto their 16-bit grids (not float): on a chain
+    whose every input has one reader and float biases, the search's final estimate is what the
+    written model measures on the same samples."""
+    from onnx import helper
+
+    from conftest import make_model, rand, vi
+    spec = (platforms_dir() / "trt.toml").read_text().replace('deploy = ["trt", "reference"]', 'deploy = ["reference"]')
+    at = spec.index("[activation]") + len("[activation]")
+    path = tmp_path / "sym16.toml"
+    path.write_text(spec[:at] + "\nmax_bits = 16" + spec[at:])
+    inits = {f"w{i}": rand((4, 4, 3, 3), i, 0.4) for i in range(3)}
+    nodes = []
+    src = "x"
+    for i in range(3):
+        nodes += [helper.make_node("Conv", [src, f"w{i}"], [f"c{i}"], name=f"conv{i}", pads=[1, 1, 1, 1]),
+                  helper.make_node("Relu", [f"c{i}"], [f"r{i}"], name=f"relu{i}")]
+        src = f"r{i}"
+    model = make_model(nodes, [vi("x", [1, 4, 8, 8])], [vi("r2", [1, 4, 8, 8])], inits)
+    res, _, qm, _ = _run(tmp_path / "run", model, deploy=str(path), auto_a16="cosine:0.99999", shift=False,
+                         sens_samples=6)
+    a = res.report["auto_a16"]
+    assert a["a16_layers"] and a["steps"]
+    assert a["after_measured"]["cosine"] == pytest.approx(a["after_estimated"]["cosine"], abs=1e-6)
+    assert a["after_measured"]["sqnr_db"] == pytest.approx(a["after_estimated"]["sqnr_db"], abs=1e-3)
