@@ -404,13 +404,13 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         changed = promote_a16(g, places, plan, stats, cfg, plat, a16.float_layers)
         log.info("auto_a16: %d layers' inputs on 16-bit grids (%d of %d tensors): %s", len(a16.float_layers),
                  len(changed), len(plan.activations), ", ".join(a16.float_layers[:6]))
-        # the search scored those inputs float, the stand-in for 16 bits; the written grids may
-        # miss it (a log of a tiny value, a grid shared with a wider tensor): measure them
+        # the search scored each reader's input on its own grid; the written model gives a tensor
+        # two layers read one grid (16-bit where either asked) and replans int32 biases: measure it
         a16.measured = analysis.pop("_scorer").score(insert_qdq(g, places, plan))
         est, got = a16.after.value(a16.criterion), a16.measured.value(a16.criterion)
         if a16.met and got < a16.target:
             a16.met, missed_as_written = False, True
-            log.warning("auto_a16: the search's estimate met %s %s (%.6f with those inputs float), but the "
+            log.warning("auto_a16: the search's estimate met %s %s (%.6f), but the "
                         "model as written reads %.6f on the same samples%s; compare -D %s without --auto_a16, "
                         "or choose layers by hand (--layer_bits NODE=a16)", a16.criterion, a16.target, est, got,
                         f", below the 8-bit model's {a16.before.value(a16.criterion):.6f}"

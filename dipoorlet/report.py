@@ -117,8 +117,8 @@ def build(rows, places, meta: dict, analysis: dict | None = None, stats=None, pl
                             "after": _score(a.after), "steps": a.steps}
     a = analysis.get("auto_a16")
     if a is not None:
-        # before/after and the steps score the layers' inputs left float, the stand-in for 16 bits;
-        # the outputs table above measures the model as written
+        # before/after_estimated and the steps are the search's trials; after_measured and the
+        # outputs table above measure the model as written
         rep["auto_a16"] = {"criterion": a.criterion, "target": a.target, "met": a.met,
                            "a16_layers": a.float_layers, "before": _score(a.before),
                            "after_estimated": _score(a.after),
@@ -193,7 +193,7 @@ def markdown(report: dict) -> str:
         out += _auto_section("auto_skip", a, "", "kept in float", a["float_layers"], a["after"], "")
     a = report.get("auto_a16")
     if a:
-        out += _auto_section("auto_a16", a, ", estimated with those inputs float", "inputs on 16-bit grids",
+        out += _auto_section("auto_a16", a, ", estimated by the search", "inputs on 16-bit grids",
                              a["a16_layers"], a["after_estimated"], " (the outputs table measures the model as written)")
     skipped = [d for d in report["decisions"] if not d["quantized"] and "not quantized on" not in d["reason"]]
     if skipped:

@@ -144,7 +144,7 @@ def html(rep: dict) -> str:
     a = rep.get("auto_a16")
     if a:
         out += _auto_section("auto_a16", a, " (estimated)", "inputs on 16-bit grids", a["a16_layers"],
-                             a["after_estimated"], " with those inputs float (the outputs table measures the "
+                             a["after_estimated"], " in the search (the outputs table measures the "
                              "model as written)",
                              ["trial", "most sensitive layers at 16 bits", "output cosine", "SQNR dB"],
                              [[i + 1, s["a16_layers"], _fmt(s["cosine"], 6), _fmt(s["sqnr_db"], 2)]
