@@ -408,8 +408,10 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         # two layers read one grid (16-bit where either asked) and replans int32 biases: measure it
         a16.measured = analysis.pop("_scorer").score(insert_qdq(g, places, plan))
         est, got = a16.after.value(a16.criterion), a16.measured.value(a16.criterion)
-        if a16.met and got < a16.target:
-            a16.met, missed_as_written = False, True
+        searched_met = a16.met
+        a16.met = got >= a16.target   # the written model decides, both ways
+        if searched_met and not a16.met:
+            missed_as_written = True
             log.warning("auto_a16: the search's estimate met %s %s (%.6f), but the "
                         "model as written reads %.6f on the same samples%s; compare -D %s without --auto_a16, "
                         "or choose layers by hand (--layer_bits NODE=a16)", a16.criterion, a16.target, est, got,
@@ -417,8 +419,9 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
                         if got < a16.before.value(a16.criterion) else "", plat.name)
     analysis.pop("_scorer", None)
     if a16 is not None and not a16.met and not missed_as_written:
-        log.warning("auto_a16: target %s %s not met (%s %.6f with %d layers' inputs float over the %d sensitivity "
-                    "samples); %s", a16.criterion, a16.target, a16.criterion, a16.after.value(a16.criterion),
+        log.warning("auto_a16: target %s %s not met (%s %.6f with %d layers' inputs on 16-bit grids over the %d "
+                    "sensitivity samples); %s", a16.criterion, a16.target, a16.criterion,
+                    (a16.measured or a16.after).value(a16.criterion),
                     len(a16.float_layers), analysis["sens_samples"],
                     ("what is left is the weights' rounding: --gptq, or --skip_layers"
                      if len(a16.float_layers) >= a16.candidates else "a larger --max_a16_layers may meet it")
@@ -528,6 +531,7 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, pl
                 share_scales(g, wide, plat.share_scale)
         out["auto_a16"] = sensitivity.auto_a16(g, places, plan, scorer, out["isolated"], crit,
                                                target, cfg.max_a16_layers, fixed=fixed, wide_plan=wide)
+        scorer.release()           # the trials' sessions; the promoted model gets its own
         out["_scorer"] = scorer    # to measure the promoted model as written
     if out.get("auto_skip") is not None and not out["auto_skip"].met:
         a = out["auto_skip"]

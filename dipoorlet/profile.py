@@ -56,8 +56,13 @@ def sample_metrics(f: np.ndarray, q: np.ndarray) -> tuple[float, float, float, f
 
 
 def sample_sums(f: np.ndarray, q: np.ndarray) -> tuple[float, float, float, float, float, float]:
-    """:func:`sample_metrics` and the sums f.q and q.q behind the cosine."""
+    """:func:`sample_metrics` and the sums f.q and q.q behind the cosine. Tensors of different
+    sizes (an NMS output whose box count the quantization changed) have no such metrics: NaN,
+    counted as such."""
     f, q = f.reshape(-1), q.reshape(-1)
+    if f.size != q.size:
+        nan = math.nan
+        return nan, nan, float(np.dot(f.astype(np.float64), f.astype(np.float64))), nan, nan, nan
     if not _BUFS:
         _BUFS.extend(np.empty(_CHUNK) for _ in range(3))
     fb, qb, db = _BUFS

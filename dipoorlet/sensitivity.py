@@ -102,11 +102,17 @@ class Scorer:
             self._board = (places, plan, sb, runner)
         return self._board[2], self._board[3]
 
+    def release(self) -> None:
+        """Drop the switchboard sessions (and their weight copies); the reference outputs stay."""
+        self._board = None
+        self._mixed = None
+
     def score_mixed(self, places, plan, off_plan, acts, weights) -> OutputScore:
         """Score ``places`` with ``acts``' activations on ``plan``'s grids and every other
         quantized activation on ``off_plan``'s (a second board, built once)."""
-        key = (id(places), id(plan), id(off_plan))
-        if getattr(self, "_mixed", None) is None or self._mixed[0] != key:
+        key = (places, plan, off_plan)
+        if getattr(self, "_mixed", None) is None or any(a is not b for a, b in zip(self._mixed[0], key)):
+            self._mixed = None   # one extra session at a time
             sb = Switchboard(self.graph, places, plan, off_plan=off_plan)
             if self.device == "cuda":
                 sb.place_on("cuda")

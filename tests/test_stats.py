@@ -264,3 +264,13 @@ def test_a_single_value_output_gets_one_cosine_over_the_samples(tmp_path):
     assert entry["min_cosine"] == entry["cosine"]
     assert "score cosine" in below_bar(res.report, 0.9999)
     assert "score" not in res.report.get("output_distribution", {})     # per-sample cosines: all 1
+
+
+def test_sample_metrics_of_tensors_of_different_sizes_are_nan():
+    """An output whose length the quantization changed (an NMS box list): no cosine, no error,
+    counted as NaN rather than compared on a truncated copy."""
+    from dipoorlet.profile import sample_sums
+    f, q = np.ones(7, np.float32), np.ones(10, np.float32)
+    for a, b in ((f, q), (q, f)):
+        cos, err, sig, mx, fq, qq = sample_sums(a, b)
+        assert math.isnan(cos) and math.isnan(err) and math.isnan(mx) and sig == a.size
