@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="at most this many layers for --auto_a16 (default: as many as the target needs)")
     p.add_argument("--fail_below", type=float, default=None, metavar="COSINE",
                    help="exit with code 3 when the network output cosine is below COSINE (for CI)")
+    p.add_argument("--score_outputs", nargs="+", default=[], metavar="OUTPUT",
+                   help="network outputs that --auto_skip/--auto_a16 targets, the sensitivity ranking and "
+                        "--fail_below judge (default: every output; e.g. a recurrent model's prediction, not its state)")
     p.add_argument("--w_bits", type=int, default=None, help="weight bits for every layer (default: the platform's)")
     p.add_argument("--a_bits", type=int, default=None, help="activation bits for every layer (2..8; 16 where the backend has 16-bit activations: qnn, snpe, ort)")
     p.add_argument("--layer_bits", nargs="+", default=[], metavar="NODE=wNaM",
@@ -206,8 +209,9 @@ def below_bar(report: dict, bar: float | None) -> str:
     """A message when an output's mean cosine is below ``bar`` (--fail_below), else ''."""
     if bar is None:
         return ""
+    judged = set(report.get("score_outputs") or [o["tensor"] for o in report.get("outputs", [])])
     low = [f"{o['tensor']} cosine {o['cosine']}" for o in report.get("outputs", [])
-           if o["cosine"] is None or o["cosine"] < bar]
+           if o["tensor"] in judged and (o["cosine"] is None or o["cosine"] < bar)]
     return ("; ".join(low) + f" below {bar} (outputs were written)") if low else ""
 
 
@@ -251,6 +255,7 @@ def _main(args, argv, state) -> int:
                           sens_samples=args.sens_samples, prof_samples=args.prof_samples,
                           criterion=args.criterion, auto_skip=args.auto_skip,
                           max_float_layers=args.max_float_layers, fail_below=args.fail_below,
+                          score_outputs=tuple(args.score_outputs),
                           auto_a16=args.auto_a16, max_a16_layers=args.max_a16_layers,
                           w_bits=args.w_bits, a_bits=args.a_bits, layer_bits=parse_layer_bits(args.layer_bits),
                           device=args.device, debug=debug)

@@ -34,6 +34,7 @@ class QuantConfig:
     auto_a16: str | None = None         # raise sensitive layers' inputs to 16 bits until the target
     max_a16_layers: int | None = None   # None: as many as the target needs
     fail_below: float | None = None
+    score_outputs: tuple[str, ...] = ()   # --score_outputs: the outputs targets and --fail_below judge (default all)
     w_bits: int | None = None          # override the platform's weight bits
     a_bits: int | None = None          # override the platform's activation bits
     layer_bits: dict = field(default_factory=dict)  # node -> (weight bits | None, act bits | None)
@@ -54,6 +55,7 @@ class QuantConfig:
         out = Path(self.output_dir) if self.output_dir else self.model.parent / "results"
         object.__setattr__(self, "output_dir", out)
         object.__setattr__(self, "skip_layers", tuple(self.skip_layers or ()))
+        object.__setattr__(self, "score_outputs", tuple(self.score_outputs or ()))
         if self.act_quant not in RANGE_METHODS:
             raise ConfigError(f"unknown -A {self.act_quant!r}; valid: {', '.join(sorted(RANGE_METHODS))}")
         if not isinstance(self.data_num, int) or self.data_num < 1:

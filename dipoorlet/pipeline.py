@@ -84,6 +84,10 @@ def load_graph(cfg: QuantConfig, plat=None) -> Graph:
                     "the layers left float in FP16 when asked (e.g. TensorRT --fp16)", cfg.model,
                     done["float16_widened"], sorted(g.file_dtypes) or "none")
     cfg = _follow_folds(cfg, g)
+    unknown = [o for o in cfg.score_outputs if o not in g.output_names]
+    if unknown:
+        raise ConfigError(f"--score_outputs names {unknown}, which are not outputs of the model; its outputs "
+                          f"are {list(g.output_names)[:8]}")
     missing = (set(cfg.skip_layers) | set(cfg.layer_bits)) - set(g.node_by_name)
     if missing:
         sample = ", ".join(sorted(g.node_by_name)[:5])
@@ -484,6 +488,7 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
             files.append(_save_transformed(g, plan, staging / "transformed_model.onnx"))
         files += export_all(DeployContext(g, plan, places, plat, cfg), staging)
         meta = {"model": str(cfg.model), "platform": plat.name, "method": cfg.act_quant,
+                **({"score_outputs": list(cfg.score_outputs)} if cfg.score_outputs else {}),
                 "samples": cfg.data_num, "profile_samples": k,
                 "quantized_nodes": len(places.quantized_nodes),
                 "qdq_tensors": sum(1 for t in places.activations if t in plan.activations),
@@ -510,7 +515,8 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, pl
     n = min(cfg.sens_samples, cfg.data_num)
     crit = sensitivity.parse_target(auto)[0] if auto else (
         "cosine" if cfg.criterion == "maxabs" else cfg.criterion)
-    scorer = sensitivity.Scorer(g, data, shard(n, comm.rank, comm.world), comm, cfg.device, crit)
+    scorer = sensitivity.Scorer(g, data, shard(n, comm.rank, comm.world), comm, cfg.device, crit,
+                                outputs=cfg.score_outputs)
     out["sens_samples"] = n
     out["isolated"] = sensitivity.isolated(g, places, plan, scorer, cfg.criterion)
     if cfg.auto_skip:

@@ -76,10 +76,11 @@ def scored_tensor(graph, output: str) -> str:
 class Scorer:
     """Scores quantized variants of one model against float outputs computed once per sample."""
 
-    def __init__(self, graph, data, indices, comm, device="cpu", criterion="cosine"):
+    def __init__(self, graph, data, indices, comm, device="cpu", criterion="cosine", outputs=()):
+        """``outputs``: the network outputs to score (--score_outputs; default every output)."""
         self.criterion = criterion
         self.graph, self.data, self.indices, self.comm, self.device = graph, data, list(indices), comm, device
-        self.outputs = [scored_tensor(graph, o) for o in graph.output_names]
+        self.outputs = [scored_tensor(graph, o) for o in (outputs or graph.output_names)]
         fp = Runner(graph.model, self.outputs, types=graph.types, device=device)
         # The (few) sensitivity samples are held in memory: each is run once per variant.
         self.samples = {i: data.sample(i) for i in self.indices}

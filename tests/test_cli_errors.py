@@ -182,6 +182,11 @@ def skip_layer_unknown(c):
     return ["no_such_node", "--skip_layers"]
 
 
+def score_output_unknown(c):
+    c.extra = ["--score_outputs", "no_such_output"]
+    return ["no_such_output", "--score_outputs", "not outputs of the model"]
+
+
 def input_shape_malformed(c):
     c.extra = ["--input_shape", "x:1,3,a"]
     return ["x:1,3,a", "--input_shape"]
@@ -270,7 +275,8 @@ def prof_samples_zero(c):
 
 CASES = [missing_model, model_is_a_folder, not_onnx, external_data_missing, custom_op, input_dir_missing, input_folder_missing,
          too_few_files, bin_wrong_size, nan_in_sample, inf_in_npy, unknown_method, unknown_platform,
-         output_not_writable, output_is_a_file, nothing_quantizable, skip_layer_unknown, input_shape_malformed, input_shape_unknown_name, zero_samples,
+         output_not_writable, output_is_a_file, nothing_quantizable, skip_layer_unknown, score_output_unknown,
+         input_shape_malformed, input_shape_unknown_name, zero_samples,
          weight_bits_above_8, activation_bits_12, activation_bits_16_on_trt, layer_bits_a16_on_trt, npz_scalar,
          platform_not_utf8, platform_bits_16, platform_weight_bits_16, trt_version_not_digits,
          two_npz_files, prof_samples_zero]

@@ -435,3 +435,32 @@ def test_diagnosis_names_a_grid_shared_through_a_concat(tmp_path):
     assert act["tensor"] == "s" and act["grid_shared_by"] == 3 and act["amax"] > 4 * act["channel_max"]
     assert "on a grid to" in rows["B"]["advice"] and "one grid for the 3 tensors" in rows["B"]["advice"]
     assert "clipped at" not in rows["B"]["advice"].split("/")[0]
+
+
+def _two_heads():
+    """x -> convA -> y and x -> convB -> z: each output depends on one layer only."""
+    inits = {"wa": rand((4, 3, 3, 3), 1, 0.5), "wb": rand((4, 3, 3, 3), 2, 0.5)}
+    nodes = [helper.make_node("Conv", ["x", "wa"], ["y"], name="convA", pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["x", "wb"], ["z"], name="convB", pads=[1, 1, 1, 1])]
+    return make_model(nodes, [vi("x", [1, 3, 6, 6])], [vi("y", [1, 4, 6, 6]), vi("z", [1, 4, 6, 6])], inits)
+
+
+def test_score_outputs_restrict_what_the_sensitivity_and_fail_below_judge(tmp_path):
+    from dipoorlet.cli import below_bar
+    model = _two_heads()
+    feeds = input_feeds(model, 4, seed=1)
+    res, _ = quantize_model(tmp_path / "z", model, feeds=feeds, sens_samples=4, score_outputs=("z",))
+    iso = {s["node"]: s["isolated"] for s in res.report["sensitivity"]}
+    assert iso["convA"]["cosine"] == 1.0 and iso["convB"]["cosine"] < 1.0   # y is not scored
+    assert res.report["score_outputs"] == ["z"]
+    res, _ = quantize_model(tmp_path / "all", model, feeds=feeds, sens_samples=4)
+    iso = {s["node"]: s["isolated"] for s in res.report["sensitivity"]}
+    assert iso["convA"]["cosine"] < 1.0 and "score_outputs" not in res.report
+    report = {"outputs": [{"tensor": "y", "cosine": 0.5}, {"tensor": "z", "cosine": 0.99}]}
+    assert "y cosine 0.5" in below_bar(report, 0.9)
+    assert below_bar({**report, "score_outputs": ["z"]}, 0.9) == ""
+
+
+def test_score_outputs_naming_no_output_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"--score_outputs names \['w'\], which are not outputs"):
+        quantize_model(tmp_path, _two_heads(), n=2, score_outputs=("w",))
