@@ -32,8 +32,8 @@ from onnx import helper, numpy_helper, version_converter
 import numpy as np
 
 from dipoorlet.errors import ModelError
-from dipoorlet.graph import (MAX_OPSET, MIN_OPSET, QDQ_OPSET, Graph, _subgraph_outer_refs, constant_value,
-                             drop_unused_initializers, fresh_name, infer_shapes, node_attr)
+from dipoorlet.graph import (MAX_OPSET, MIN_OPSET, QDQ_OPSET, Graph, _subgraph_outer_refs, add_initializer,
+                             constant_value, drop_unused_initializers, fresh_name, infer_shapes, node_attr)
 
 log = logging.getLogger(__name__)
 
@@ -563,12 +563,8 @@ def fuse_layernorm(g: Graph) -> int:
         if params is None:
             continue
         base = mean.name or m["out"]
-        names = []
-        for value, tag in zip(params, ("scale", "bias")):
-            param = fresh_name(g, f"{base}.ln_{tag}")
-            g.graph.initializer.append(numpy_helper.from_array(value, param))
-            g.initializers[param] = g.graph.initializer[-1]
-            names.append(param)
+        names = [add_initializer(g, fresh_name(g, f"{base}.ln_{tag}"), value)
+                 for value, tag in zip(params, ("scale", "bias"))]
         ln = helper.make_node("LayerNormalization", [m["x"], *names], [m["out"]],
                               name=fresh_name(g, f"{base}_layernorm"), axis=m["axis"], epsilon=m["eps"])
         _replace_chain(g, m["nodes"], ln, [i for i, n in enumerate(g.graph.node) if n.name == name][0])

@@ -87,6 +87,7 @@ class Scorer:
         # Float reference outputs of those samples: network outputs only.
         self.reference = {i: fp.run(self.samples[i])[0] for i in self.indices}
         self._board = None
+        self._mixed = None   # (places, plan, off_plan) -> board of --auto_a16's 8/16-bit trials
 
     def score(self, qmodel) -> OutputScore:
         """Score one quantized model (its own session)."""
@@ -112,7 +113,7 @@ class Scorer:
         """Score ``places`` with ``acts``' activations on ``plan``'s grids and every other
         quantized activation on ``off_plan``'s (a second board, built once)."""
         key = (places, plan, off_plan)
-        if getattr(self, "_mixed", None) is None or any(a is not b for a, b in zip(self._mixed[0], key)):
+        if self._mixed is None or any(a is not b for a, b in zip(self._mixed[0], key)):
             self._mixed = None   # one extra session at a time
             sb = Switchboard(self.graph, places, plan, off_plan=off_plan)
             if self.device == "cuda":
