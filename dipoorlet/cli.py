@@ -51,10 +51,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="choose each Conv/Gemm/MatMul weight's rounding (and its bias) to minimize the "
                         "layer's output error on the calibration data, its input's quantization included "
                         "(GPTQ on input statistics; one extra pass of the quantized model)")
+    p.add_argument("--adaround", action="store_true",
+                   help="choose each Conv/Gemm/MatMul weight's rounding, up or down, by AdaRound: gradient "
+                        "descent on the layer's output error from the same statistics as --gptq (no torch "
+                        "needed; one extra pass of the quantized model)")
+    p.add_argument("--ada_iters", type=int, default=1000, metavar="N",
+                   help="AdaRound's optimization steps per layer (default 1000)")
     p.add_argument("--gptq_samples", type=int, default=None, metavar="K",
-                   help="samples the --gptq statistics pass reads (default: N, at most 256)")
+                   help="samples the --gptq/--adaround statistics pass reads (default: N, at most 256)")
     p.add_argument("--gptq_memory", type=float, default=256.0, metavar="MB",
-                   help="memory for --gptq's statistics (two K x K float64 matrices per layer); layers that "
+                   help="memory for --gptq/--adaround's statistics (two K x K float64 matrices per layer); layers that "
                         "do not fit share further passes over the samples (default 256)")
     p.add_argument("--no_equalize", action="store_true",
                    help="do not equalize per-channel activation ranges between Conv pairs nor smooth "
@@ -180,7 +186,7 @@ def summary(result, cfg) -> str:
                  + (f" (and {rep['int32_biases']} int32 biases)" if rep.get("int32_biases") else "") + "; "
                  + "".join(f"{label} {t[key]:.2f} s, " for key, label in
                            (("equalize_s", "equalization"), ("bias_correction_s", "bias correction"),
-                            ("gptq_s", "gptq")) if key in t)
+                            ("gptq_s", "gptq"), ("adaround_s", "adaround")) if key in t)
                  + f"calibration {t.get('calibration_s', 0):.2f} s, "
                  + (f"sensitivity {t['sensitivity_s']:.2f} s, " if t.get("sensitivity_s", 0) >= 0.005 else "")
                  + f"profile {t.get('profile_s', 0):.2f} s, total {t.get('total_s', 0):.2f} s")
@@ -250,7 +256,8 @@ def _main(args, argv, state) -> int:
                           input_shapes=parse_input_shapes(args.input_shape), savefp=args.savefp,
                           skip_prof_layer=args.skip_prof_layer, trt_version=args.trt_version,
                           quant_format=args.quant_format, stpu_wg=args.stpu_wg, bias_correction=args.bc,
-                          gptq=args.gptq, gptq_samples=args.gptq_samples, gptq_memory=args.gptq_memory,
+                          gptq=args.gptq, adaround=args.adaround, ada_iters=args.ada_iters,
+                          gptq_samples=args.gptq_samples, gptq_memory=args.gptq_memory,
                           equalize=not args.no_equalize, shift=not args.no_shift, equalize_samples=args.eq_samples,
                           sens_samples=args.sens_samples, prof_samples=args.prof_samples,
                           criterion=args.criterion, auto_skip=args.auto_skip,

@@ -41,6 +41,8 @@ class QuantConfig:
     stpu_wg: bool = False
     bias_correction: bool = False      # --bc
     gptq: bool = False                 # --gptq: output-aware weight rounding (reconstruct.py)
+    adaround: bool = False             # --adaround: AdaRound on the same statistics (adaround.py)
+    ada_iters: int = 1000              # --ada_iters: AdaRound's optimization steps per layer
     gptq_samples: int | None = None    # --gptq_samples; None: N, at most 256
     gptq_memory: float = 256.0         # --gptq_memory MB: statistics held at once (more passes beyond)
     equalize: bool = True              # --no_equalize turns activation equalization off
@@ -76,7 +78,7 @@ class QuantConfig:
         if self.equalize_samples is not None and (isinstance(self.equalize_samples, bool) or not isinstance(
                 self.equalize_samples, int) or self.equalize_samples < 1):
             raise ConfigError(f"--eq_samples must be a positive integer, got {self.equalize_samples!r}")
-        for flag in ("savefp", "skip_prof_layer", "stpu_wg", "bias_correction", "gptq", "equalize", "shift",
+        for flag in ("savefp", "skip_prof_layer", "stpu_wg", "bias_correction", "gptq", "adaround", "equalize", "shift",
                      "debug"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
@@ -86,6 +88,11 @@ class QuantConfig:
         if (isinstance(self.gptq_memory, bool) or not isinstance(self.gptq_memory, (int, float))
                 or not self.gptq_memory > 0 or self.gptq_memory == float("inf")):
             raise ConfigError(f"--gptq_memory must be a positive number of MB, got {self.gptq_memory!r}")
+        if isinstance(self.ada_iters, bool) or not isinstance(self.ada_iters, int) or self.ada_iters < 1:
+            raise ConfigError(f"--ada_iters must be a positive integer, got {self.ada_iters!r}")
+        if self.gptq and self.adaround:
+            raise ConfigError("--gptq and --adaround both choose the weights' rounding from the same statistics; "
+                              "use one (--adaround optimizes it by gradient descent, --gptq greedily)")
         if not isinstance(self.max_float_layers, int) or self.max_float_layers < 1:
             raise ConfigError(f"--max_float_layers must be a positive integer, got {self.max_float_layers!r}")
         if self.auto_skip is not None:

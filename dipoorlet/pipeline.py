@@ -141,10 +141,10 @@ def check_bits(cfg: QuantConfig, plat) -> None:
             raise ConfigError(f"{flag} asks for {bits}-bit activations, but {plat.name} runs at most "
                               f"{plat.activation.max_bits}-bit activations; use 2..{plat.activation.max_bits} "
                               f"or a backend with 16-bit activations (qnn, snpe, ort){keep}")
-    if cfg.auto_a16 and (cfg.gptq or cfg.bias_correction):
-        raise ConfigError("--auto_a16 with --gptq/--bc: those fit the weights to the 8-bit inputs before the "
+    if cfg.auto_a16 and (cfg.gptq or cfg.adaround or cfg.bias_correction):
+        raise ConfigError("--auto_a16 with --gptq/--adaround/--bc: those fit the weights to the 8-bit inputs before the "
                           "search; run --auto_a16 first, then again with --layer_bits NODE=a16 for the layers "
-                          "it chose (report.json: auto_a16.a16_layers) and --gptq/--bc")
+                          "it chose (report.json: auto_a16.a16_layers) and --gptq/--adaround/--bc")
     if cfg.auto_a16 and cfg.shift and shift_mod.applicable(plat):
         raise ConfigError(f"--auto_a16 on {plat.name}: its activation shift renames the tensors the search "
                           "would widen; add --no_shift")
@@ -292,8 +292,10 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
     check_output_dir(out_dir)
     plat = platform_mod.load(cfg.deploy)
     check_bits(cfg, plat)
-    if cfg.gptq_samples and not cfg.gptq:
-        log.warning("--gptq_samples applies with --gptq only; ignored")
+    if cfg.gptq_samples and not (cfg.gptq or cfg.adaround):
+        log.warning("--gptq_samples applies with --gptq or --adaround only; ignored")
+    if cfg.ada_iters != 1000 and not cfg.adaround:
+        log.warning("--ada_iters applies with --adaround only; ignored")
     if cfg.max_a16_layers is not None and not cfg.auto_a16:
         log.warning("--max_a16_layers applies with --auto_a16 only; ignored")
     if cfg.stpu_wg and plat.name != "stpu":
@@ -379,16 +381,19 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         corrections = bias_correction.correct(g, places, plan, data, indices, comm, cfg.device)
         timings["bias_correction_s"] = time.perf_counter() - t
     reconstructed = None
-    if cfg.gptq:
+    rounding = "adaround" if cfg.adaround else "gptq" if cfg.gptq else None
+    if rounding:
         from dipoorlet import reconstruct
 
         t = time.perf_counter()
         k = min(cfg.data_num, cfg.gptq_samples or reconstruct.DEFAULT_SAMPLES)
         if k < cfg.data_num and not cfg.gptq_samples:
-            log.info("gptq: statistics over the first %d of %d samples (--gptq_samples to change)", k, cfg.data_num)
+            log.info("%s: statistics over the first %d of %d samples (--gptq_samples to change)", rounding, k,
+                     cfg.data_num)
         reconstructed = reconstruct.reconstruct(g, places, plan, data, shard(k, comm.rank, comm.world), comm,
-                                                cfg.device, cfg.gptq_memory, samples=k)
-        timings["gptq_s"] = time.perf_counter() - t
+                                                cfg.device, cfg.gptq_memory, samples=k, method=rounding,
+                                                iters=cfg.ada_iters)
+        timings[f"{rounding}_s"] = time.perf_counter() - t
     if plat.quantize_bias:
         plan_biases(g, places, plan)
 
@@ -397,7 +402,7 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
     if corrections is not None:
         analysis["bias_correction"] = corrections
     if reconstructed is not None:
-        analysis["gptq"] = reconstructed
+        analysis[rounding] = reconstructed
     if equalized:
         analysis["equalization"] = equalized
     if shifted:

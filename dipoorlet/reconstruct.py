@@ -491,7 +491,8 @@ def statistics(g, qmodel, layers, data, indices, comm, device,
     return acc, consts, rows, total
 
 
-def _solve(g, plan, lay: Layer, stats, const: float, rows: int, skipped: dict, short: dict | None = None):
+def _solve(g, plan, lay: Layer, stats, const: float, rows: int, skipped: dict, short: dict | None = None,
+           method: str = "gptq", iters: int = 0):
     """One layer's GPTQ from its statistics; (node, error before, error after) where the new
     rounding is kept, None where not (with the reason in ``skipped`` if it was not tried)."""
     w = g.weight(lay.weight).astype(np.float64)
@@ -548,7 +549,13 @@ def _solve(g, plan, lay: Layer, stats, const: float, rows: int, skipped: dict, s
     else:                            # one grid for the tensor: the tensor's ends only
         for end in (np.argmax(Wm), np.argmin(Wm)):
             mask[np.unravel_index(end, Wm.shape)] = True
-    Q, Qi = gptq(target, H, scale, zp, qp.qmin, qp.qmax, fixed_last=has_b, pin=(mask, levels))
+    if method == "adaround":
+        from dipoorlet.adaround import adaround
+
+        Q, Qi = adaround(Wa, target, H, scale, zp, qp.qmin, qp.qmax, fixed_last=has_b, pin=(mask, levels),
+                         iters=iters)
+    else:
+        Q, Qi = gptq(target, H, scale, zp, qp.qmin, qp.qmax, fixed_last=has_b, pin=(mask, levels))
     v_rtn, v_new = objective(Wa, rtn, Hc, H), objective(Wa, Q, Hc, H)
     del H, Hc
     if not v_new < v_rtn:
@@ -588,8 +595,9 @@ def passes(g, layers, budget_bytes: int) -> list[list[Layer]]:
 
 
 def reconstruct(g, places, plan, data, indices, comm, device="cpu", memory_mb: float = MEMORY_MB,
-                samples: int | None = None) -> dict:
-    """Choose every eligible layer's weight rounding (and bias) by GPTQ; results go into
+                samples: int | None = None, method: str = "gptq", iters: int = 1000) -> dict:
+    """Choose every eligible layer's weight rounding (and bias) by GPTQ (``method="adaround"``:
+    by AdaRound, :mod:`dipoorlet.adaround`, ``iters`` steps per layer); results go into
     ``plan.values`` (owned by the layer, so a layer kept float keeps its own weights).
 
     The statistics of all layers are gathered over the same quantized model (every layer
@@ -601,18 +609,19 @@ def reconstruct(g, places, plan, data, indices, comm, device="cpu", memory_mb: f
         return {"layers": 0, "candidates": 0, "skipped": skipped}
     groups = passes(g, layers, int(memory_mb * 2 ** 20))
     if len(groups) > 1:
-        log.info("gptq: statistics of %d layers (%.1f MB) in %d passes of at most --gptq_memory %g MB "
-                 "(a larger single layer gets a pass of its own)", len(layers),
+        log.info("%s: statistics of %d layers (%.1f MB) in %d passes of at most --gptq_memory %g MB "
+                 "(a larger single layer gets a pass of its own)", method, len(layers),
                  sum(stat_bytes(g, lay) for lay in layers) / 2 ** 20, len(groups), memory_mb)
     changed, total, short = [], 0, {}
     for gi, group in enumerate(groups):
-        label = "gptq statistics" if len(groups) == 1 else f"gptq statistics {gi + 1}/{len(groups)}"
+        label = f"{method} statistics" if len(groups) == 1 else f"{method} statistics {gi + 1}/{len(groups)}"
         acc, consts, rows, total = statistics(g, qmodel, group, data, indices, comm, device, label, samples)
         if total == 0:
             return {"layers": 0, "candidates": len(layers), "skipped": skipped}
         for lay in group:
             stats = acc.pop(lay.node)                   # freed layer by layer
-            done = _solve(g, plan, lay, stats, consts.get(lay.node, float("nan")), rows[lay.node], skipped, short)
+            done = _solve(g, plan, lay, stats, consts.get(lay.node, float("nan")), rows[lay.node], skipped, short,
+                          method, iters)
             del stats
             if done is not None:
                 changed.append(done)
@@ -622,13 +631,13 @@ def reconstruct(g, places, plan, data, indices, comm, device="cpu", memory_mb: f
         need = max(math.ceil(want * total / max(have, 1)) for have, want in short.values())
         # a warning where it left nothing to gain; squeeze-and-excitation layers alone are routine
         (log.warning if not changed else log.info)(
-            "gptq: %d of %d layers saw too few input rows to fit (fewer than %d per weight column); "
-            "about %d samples would fit them all (-N, --gptq_samples)", len(short), len(layers),
+            "%s: %d of %d layers saw too few input rows to fit (fewer than %d per weight column); "
+            "about %d samples would fit them all (-N, --gptq_samples)", method, len(short), len(layers),
             MIN_ROWS_PER_INPUT, need)
     gains = [(n, 10 * np.log10(a / b) if a > 0 and b > 0 else float("nan")) for n, a, b in changed]
     gains.sort(key=lambda r: -r[1] if r[1] == r[1] else 0.0)
-    log.info("gptq: %d of %d layers re-rounded over %d samples (%d left alone); largest error reductions: %s",
-             len(changed), len(layers), total, len(skipped), ", ".join(f"{n} {db:.1f} dB" for n, db in gains[:5]))
+    log.info("%s: %d of %d layers re-rounded over %d samples (%d left alone); largest error reductions: %s",
+             method, len(changed), len(layers), total, len(skipped), ", ".join(f"{n} {db:.1f} dB" for n, db in gains[:5]))
     return {"layers": len(changed), "candidates": len(layers), "samples": total, "passes": len(groups),
             "gain_db": [{"node": n, "db": round(float(db), 3) if db == db else None} for n, db in gains],
             "skipped": skipped}

@@ -102,8 +102,9 @@ def build(rows, places, meta: dict, analysis: dict | None = None, stats=None, pl
         rep["sensitivity_samples"] = analysis["sens_samples"]
     if "bias_correction" in analysis:
         rep["bias_correction"] = analysis["bias_correction"]
-    if "gptq" in analysis:
-        rep["gptq"] = analysis["gptq"]
+    for key in ("gptq", "adaround"):
+        if key in analysis:
+            rep[key] = analysis[key]
     if "equalization" in analysis:
         rep["equalization"] = analysis["equalization"]
     if "shift" in analysis:
@@ -232,10 +233,11 @@ def _transforms(report: dict) -> list[str]:
     bc = report.get("bias_correction") or {}
     if bc.get("layers"):
         lines.append(f"- bias correction: {bc['layers']} layers over {bc.get('samples', '?')} samples")
-    gq = report.get("gptq") or {}
+    key = "adaround" if report.get("adaround") else "gptq"
+    gq = report.get(key) or {}
     if gq.get("candidates"):
         best = [r for r in gq.get("gain_db") or [] if r.get("db") is not None]
-        lines.append(f"- gptq: {gq['layers']} of {gq['candidates']} layers re-rounded over {gq.get('samples', '?')} "
+        lines.append(f"- {key}: {gq['layers']} of {gq['candidates']} layers re-rounded over {gq.get('samples', '?')} "
                      "samples (layer output error on the calibration data"
                      + (": " + ", ".join(f"{r['node']} −{r['db']:.1f} dB" for r in best[:5]) if best else "")
                      + (" …" if len(best) > 5 else "") + ")"
