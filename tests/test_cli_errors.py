@@ -273,13 +273,23 @@ def prof_samples_zero(c):
     return ["--prof_samples", "positive integer"]
 
 
+def gptq_and_adaround(c):
+    c.extra = ["--gptq", "--adaround"]
+    return ["--gptq and --adaround", "use one"]
+
+
+def ada_iters_zero(c):
+    c.extra = ["--adaround", "--ada_iters", "0"]
+    return ["--ada_iters", "positive integer"]
+
+
 CASES = [missing_model, model_is_a_folder, not_onnx, external_data_missing, custom_op, input_dir_missing, input_folder_missing,
          too_few_files, bin_wrong_size, nan_in_sample, inf_in_npy, unknown_method, unknown_platform,
          output_not_writable, output_is_a_file, nothing_quantizable, skip_layer_unknown, score_output_unknown,
          input_shape_malformed, input_shape_unknown_name, zero_samples,
          weight_bits_above_8, activation_bits_12, activation_bits_16_on_trt, layer_bits_a16_on_trt, npz_scalar,
          platform_not_utf8, platform_bits_16, platform_weight_bits_16, trt_version_not_digits,
-         two_npz_files, prof_samples_zero]
+         two_npz_files, prof_samples_zero, gptq_and_adaround, ada_iters_zero]
 
 
 @pytest.mark.parametrize("breaker", CASES, ids=[f.__name__ for f in CASES])
