@@ -60,8 +60,7 @@ def _polish(ints, free, base, z, s, Tw, Hw, sweeps: int = 8):
     brought to a point no single flip improves. Rows are independent; each column is tried in
     every row at once."""
     ints = ints.copy()
-    D = (ints - z) * s - Tw                        # [G, R, K]
-    DH = D @ Hw
+    DH = ((ints - z) * s - Tw) @ Hw                # [G, R, K]: (d H) per row
     diag = np.einsum("gkk->gk", Hw)
     for _ in range(sweeps):
         moved = 0
@@ -73,11 +72,10 @@ def _polish(ints, free, base, z, s, Tw, Hw, sweeps: int = 8):
             flip = (gain < 0) & (step != 0)
             if not flip.any():
                 continue
-            moved += int(flip.sum())
-            d = np.where(flip, delta, 0.0)
-            ints[:, :, k] = cur + np.where(flip, step, 0.0)
-            D[:, :, k] += d
-            DH += d[:, :, None] * Hw[:, k, :][:, None, :]
+            gi, ri = np.nonzero(flip)
+            moved += len(gi)
+            ints[gi, ri, k] += step[gi, ri]
+            DH[gi, ri, :] += delta[gi, ri][:, None] * Hw[gi, k, :]     # only the rows that moved
         if not moved:
             break
     return ints

@@ -618,7 +618,7 @@ def reconstruct(g, places, plan, data, indices, comm, device="cpu", memory_mb: f
         acc, consts, rows, total = statistics(g, qmodel, group, data, indices, comm, device, label, samples)
         if total == 0:
             return {"layers": 0, "candidates": len(layers), "skipped": skipped}
-        for lay in group:
+        for lay in (progress(group, f"{method} layers", comm) if method == "adaround" else group):
             stats = acc.pop(lay.node)                   # freed layer by layer
             done = _solve(g, plan, lay, stats, consts.get(lay.node, float("nan")), rows[lay.node], skipped, short,
                           method, iters)
