@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "needed; one extra pass of the quantized model)")
     p.add_argument("--ada_iters", type=int, default=1000, metavar="N",
                    help="AdaRound's optimization steps per layer (default 1000)")
+    p.add_argument("--sparse", default=None, metavar="N:M|RATE",
+                   help="prune the quantized Conv/Gemm/MatMul weights as they are rounded (SparseGPT, from the "
+                        "--gptq statistics): N:M keeps at most N non-zero weights in every M consecutive input "
+                        "channels (2:4 for TensorRT's sparse kernels), RATE zeroes that share of every row")
     p.add_argument("--gptq_samples", type=int, default=None, metavar="K",
                    help="samples the --gptq/--adaround statistics pass reads (default: N, at most 256)")
     p.add_argument("--gptq_memory", type=float, default=256.0, metavar="MB",
@@ -186,7 +190,7 @@ def summary(result, cfg) -> str:
                  + (f" (and {rep['int32_biases']} int32 biases)" if rep.get("int32_biases") else "") + "; "
                  + "".join(f"{label} {t[key]:.2f} s, " for key, label in
                            (("equalize_s", "equalization"), ("bias_correction_s", "bias correction"),
-                            ("gptq_s", "gptq"), ("adaround_s", "adaround")) if key in t)
+                            ("gptq_s", "gptq"), ("adaround_s", "adaround"), ("sparse_s", "sparse")) if key in t)
                  + f"calibration {t.get('calibration_s', 0):.2f} s, "
                  + (f"sensitivity {t['sensitivity_s']:.2f} s, " if t.get("sensitivity_s", 0) >= 0.005 else "")
                  + f"profile {t.get('profile_s', 0):.2f} s, total {t.get('total_s', 0):.2f} s")
@@ -256,7 +260,7 @@ def _main(args, argv, state) -> int:
                           input_shapes=parse_input_shapes(args.input_shape), savefp=args.savefp,
                           skip_prof_layer=args.skip_prof_layer, trt_version=args.trt_version,
                           quant_format=args.quant_format, stpu_wg=args.stpu_wg, bias_correction=args.bc,
-                          gptq=args.gptq, adaround=args.adaround, ada_iters=args.ada_iters,
+                          gptq=args.gptq, adaround=args.adaround, ada_iters=args.ada_iters, sparse=args.sparse,
                           gptq_samples=args.gptq_samples, gptq_memory=args.gptq_memory,
                           equalize=not args.no_equalize, shift=not args.no_shift, equalize_samples=args.eq_samples,
                           sens_samples=args.sens_samples, prof_samples=args.prof_samples,

@@ -43,6 +43,7 @@ class QuantConfig:
     gptq: bool = False                 # --gptq: output-aware weight rounding (reconstruct.py)
     adaround: bool = False             # --adaround: AdaRound on the same statistics (adaround.py)
     ada_iters: int = 1000              # --ada_iters: AdaRound's optimization steps per layer
+    sparse: object = None              # --sparse N:M or RATE: pruned as rounded (SparseGPT); parsed to (n, m) or a float
     gptq_samples: int | None = None    # --gptq_samples; None: N, at most 256
     gptq_memory: float = 256.0         # --gptq_memory MB: statistics held at once (more passes beyond)
     equalize: bool = True              # --no_equalize turns activation equalization off
@@ -90,6 +91,11 @@ class QuantConfig:
             raise ConfigError(f"--gptq_memory must be a positive number of MB, got {self.gptq_memory!r}")
         if isinstance(self.ada_iters, bool) or not isinstance(self.ada_iters, int) or self.ada_iters < 1:
             raise ConfigError(f"--ada_iters must be a positive integer, got {self.ada_iters!r}")
+        if self.sparse is not None:
+            object.__setattr__(self, "sparse", parse_sparse(self.sparse))
+            if self.adaround:
+                raise ConfigError("--sparse with --adaround: pruning is decided with GPTQ's rounding (SparseGPT); "
+                                  "drop --adaround (--sparse implies --gptq)")
         if self.gptq and self.adaround:
             raise ConfigError("--gptq and --adaround both choose the weights' rounding from the same statistics; "
                               "use one (--adaround optimizes it by gradient descent, --gptq greedily)")
@@ -131,3 +137,26 @@ class QuantConfig:
             raise ConfigError(f"--quant_format must be QDQ or QOP, got {self.quant_format!r}")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
+
+
+def parse_sparse(value):
+    """--sparse: ``N:M`` (at most N non-zero weights in every M consecutive input channels, e.g.
+    2:4 for TensorRT's sparse kernels) -> (n, m); a share of zero weights in (0, 1) -> float."""
+    if isinstance(value, tuple) and len(value) == 2:
+        n, m = value
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not 0.0 < float(value) < 1.0:
+            raise ConfigError(f"--sparse RATE is the share of zero weights, in (0, 1); got {value!r}")
+        return float(value)
+    elif isinstance(value, str) and re.fullmatch(r"\s*\d+\s*:\s*\d+\s*", value):
+        n, m = (int(v) for v in value.split(":"))
+    elif isinstance(value, str):
+        try:
+            return parse_sparse(float(value))
+        except ValueError:
+            raise ConfigError(f"--sparse takes N:M (e.g. 2:4) or a share of zero weights (e.g. 0.5); got {value!r}") from None
+    else:
+        raise ConfigError(f"--sparse takes N:M (e.g. 2:4) or a share of zero weights (e.g. 0.5); got {value!r}")
+    if not (isinstance(n, int) and isinstance(m, int) and 0 < n < m <= 32):
+        raise ConfigError(f"--sparse N:M keeps N of every M weights, 0 < N < M <= 32; got {n}:{m}")
+    return (n, m)

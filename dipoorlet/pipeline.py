@@ -141,10 +141,10 @@ def check_bits(cfg: QuantConfig, plat) -> None:
             raise ConfigError(f"{flag} asks for {bits}-bit activations, but {plat.name} runs at most "
                               f"{plat.activation.max_bits}-bit activations; use 2..{plat.activation.max_bits} "
                               f"or a backend with 16-bit activations (qnn, snpe, ort){keep}")
-    if cfg.auto_a16 and (cfg.gptq or cfg.adaround or cfg.bias_correction):
-        raise ConfigError("--auto_a16 with --gptq/--adaround/--bc: those fit the weights to the 8-bit inputs before the "
+    if cfg.auto_a16 and (cfg.gptq or cfg.adaround or cfg.sparse is not None or cfg.bias_correction):
+        raise ConfigError("--auto_a16 with --gptq/--adaround/--sparse/--bc: those fit the weights to the 8-bit inputs before the "
                           "search; run --auto_a16 first, then again with --layer_bits NODE=a16 for the layers "
-                          "it chose (report.json: auto_a16.a16_layers) and --gptq/--adaround/--bc")
+                          "it chose (report.json: auto_a16.a16_layers) and --gptq/--adaround/--sparse/--bc")
     if cfg.auto_a16 and cfg.shift and shift_mod.applicable(plat):
         raise ConfigError(f"--auto_a16 on {plat.name}: its activation shift renames the tensors the search "
                           "would widen; add --no_shift")
@@ -292,8 +292,8 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
     check_output_dir(out_dir)
     plat = platform_mod.load(cfg.deploy)
     check_bits(cfg, plat)
-    if cfg.gptq_samples and not (cfg.gptq or cfg.adaround):
-        log.warning("--gptq_samples applies with --gptq or --adaround only; ignored")
+    if cfg.gptq_samples and not (cfg.gptq or cfg.adaround or cfg.sparse is not None):
+        log.warning("--gptq_samples applies with --gptq, --adaround or --sparse only; ignored")
     if cfg.ada_iters != 1000 and not cfg.adaround:
         log.warning("--ada_iters applies with --adaround only; ignored")
     if cfg.max_a16_layers is not None and not cfg.auto_a16:
@@ -381,7 +381,7 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         corrections = bias_correction.correct(g, places, plan, data, indices, comm, cfg.device)
         timings["bias_correction_s"] = time.perf_counter() - t
     reconstructed = None
-    rounding = "adaround" if cfg.adaround else "gptq" if cfg.gptq else None
+    rounding = "adaround" if cfg.adaround else "sparse" if cfg.sparse is not None else "gptq" if cfg.gptq else None
     if rounding:
         from dipoorlet import reconstruct
 
@@ -391,8 +391,9 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
             log.info("%s: statistics over the first %d of %d samples (--gptq_samples to change)", rounding, k,
                      cfg.data_num)
         reconstructed = reconstruct.reconstruct(g, places, plan, data, shard(k, comm.rank, comm.world), comm,
-                                                cfg.device, cfg.gptq_memory, samples=k, method=rounding,
-                                                iters=cfg.ada_iters)
+                                                cfg.device, cfg.gptq_memory, samples=k,
+                                                method="adaround" if cfg.adaround else "gptq",
+                                                iters=cfg.ada_iters, sparse=cfg.sparse)
         timings[f"{rounding}_s"] = time.perf_counter() - t
     if plat.quantize_bias:
         plan_biases(g, places, plan)
@@ -443,7 +444,8 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
             g, places, plan, analysis["isolated"], data, shard(analysis["sens_samples"], comm.rank, comm.world),
             comm, cfg.device, equalize_on=eq_on, equalized=equalized, smooth="Mul" not in plat.quantize_ops,
             shifted=shifted, platform=plat.name, samples=analysis["sens_samples"], method=cfg.act_quant,
-            gptq={r["node"] for r in reconstructed["gain_db"]} if reconstructed and reconstructed.get("gain_db") else (),
+            gptq={r["node"] for r in reconstructed["gain_db"]}
+            if reconstructed and reconstructed.get("gain_db") and rounding != "sparse" else (),
             gptq_ran=reconstructed is not None, max_act_bits=plat.activation.max_bits)
     if analysis.get("auto_skip") is not None:
         places = places.restrict([n for n in places.quantized_nodes

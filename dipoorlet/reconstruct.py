@@ -277,13 +277,24 @@ def patches(x: np.ndarray, lay: Layer, pick: np.ndarray | None = None) -> np.nda
     return cols.transpose(1, 2, 0).reshape(lay.group, (c // lay.group) * len(taps), -1)
 
 
-def gptq(W, H, scale, zp, qmin, qmax, fixed_last=False, damp=DAMP, block=128, pin=None):
+def gptq(W, H, scale, zp, qmin, qmax, fixed_last=False, damp=DAMP, block=128, pin=None, sparse=None,
+         order=None):
     """GPTQ over a batch of problems: W [G, R, K], H [G, K, K], scale/zp [G, R] (or scalars).
 
     Returns (dequantized weights [G, R, K] float64, integers [G, R, K]); with ``fixed_last`` the
     last column (a bias) is processed last and never rounded (its integers are meaningless).
     ``pin`` = (mask, levels), both [G, R, K]: where mask is set the weight takes that level, and
-    its error is spread over the columns not yet rounded like any other."""
+    its error is spread over the columns not yet rounded like any other.
+
+    ``sparse`` prunes as it rounds (SparseGPT, Frantar & Alistarh, ICML 2023): a float rate
+    zeroes that share of each row's weights in every block of columns, an ``(n, m)`` pair keeps
+    at most n non-zero weights in every m consecutive columns of ``order`` (N:M; ``order``, a
+    permutation of the K columns with the bias last, then replaces the act order so that the
+    groups are the backend's, e.g. m consecutive input channels of one kernel tap). A pruned
+    weight takes the level of zero and its error is spread like a rounding error; which weights
+    are pruned is decided a group (or block) at a time from the weights as updated so far, the
+    smallest ``w^2 / [H^-1]_kk`` first (the error the pruning adds). Pinned weights are pruned
+    last (only where the pattern leaves no choice)."""
     G, R, K = W.shape
     W = np.array(W, dtype=np.float64)
     H = np.array(H, dtype=np.float64)
@@ -295,7 +306,14 @@ def gptq(W, H, scale, zp, qmin, qmax, fixed_last=False, damp=DAMP, block=128, pi
     key = -H[:, idx, idx]
     if fixed_last:
         key[:, -1] = np.inf
-    perm = np.argsort(key, axis=1, kind="stable")      # act order: largest input energy first
+    if order is not None:
+        perm = np.broadcast_to(np.asarray(order), (G, K)).copy()
+    else:
+        perm = np.argsort(key, axis=1, kind="stable")  # act order: largest input energy first
+    nm = sparse if isinstance(sparse, tuple) else None
+    rate = sparse if sparse is not None and nm is None else None
+    if nm is not None:
+        block = max(nm[1], block - block % nm[1])        # groups never straddle two blocks
     inv = np.argsort(perm, axis=1)
     W = np.take_along_axis(W, perm[:, None, :], axis=2)
     if pin is not None:
@@ -311,18 +329,37 @@ def gptq(W, H, scale, zp, qmin, qmax, fixed_last=False, damp=DAMP, block=128, pi
     Q = np.zeros_like(W)
     Qi = np.zeros(W.shape, dtype=np.int64)
     rounded = K - 1 if fixed_last else K
+    pruned = np.zeros(W.shape, bool) if sparse is not None else None
+    zero_level = np.clip(np.rint(z), qmin, qmax)
     for i1 in range(0, K, block):
         i2 = min(i1 + block, K)
         W1 = W[:, :, i1:i2].copy()
         E1 = np.zeros_like(W1)
         U1 = U[:, i1:i2, i1:i2]
+        if rate is not None:
+            n_cols = min(i2, rounded) - i1
+            k = int(round(rate * n_cols))
+            if k > 0:
+                sal = _saliency(W1[:, :, :n_cols], U1, i1, n_cols, pmask if pin is not None else None)
+                worst = np.argsort(sal, axis=2, kind="stable")[:, :, :k]
+                np.put_along_axis(pruned[:, :, i1:i1 + n_cols], worst, True, axis=2)
         for i in range(i2 - i1):
             col = i1 + i
             w = W1[:, :, i]
+            if nm is not None and i % nm[1] == 0 and col < rounded:
+                width = min(nm[1], rounded - col)
+                drop = width - nm[0]
+                if drop > 0:
+                    sal = _saliency(W1[:, :, i:i + width], U1[:, i:i + width, i:i + width], col, width,
+                                    pmask if pin is not None else None)
+                    worst = np.argsort(sal, axis=2, kind="stable")[:, :, :drop]
+                    np.put_along_axis(pruned[:, :, col:col + width], worst, True, axis=2)
             if col < rounded:
                 qi = np.clip(np.rint(w / s) + z, qmin, qmax)
                 if pin is not None:
                     qi = np.where(pmask[:, :, col], plev[:, :, col], qi)
+                if pruned is not None:
+                    qi = np.where(pruned[:, :, col], zero_level, qi)
                 q = (qi - z) * s
                 Qi[:, :, col] = qi.astype(np.int64)
             else:
@@ -335,6 +372,16 @@ def gptq(W, H, scale, zp, qmin, qmax, fixed_last=False, damp=DAMP, block=128, pi
     Q = np.take_along_axis(Q, inv[:, None, :], axis=2)
     Qi = np.take_along_axis(Qi, inv[:, None, :], axis=2)
     return Q, Qi
+
+
+def _saliency(W1, U1, start: int, width: int, pmask) -> np.ndarray:
+    """The error pruning each of ``width`` columns would add, per row (w^2 / [H^-1]_kk, with
+    [H^-1]_kk = U_kk^2 for the columns not yet processed); pinned weights last."""
+    d = np.einsum("gkk->gk", U1)[:, :width]
+    sal = W1 ** 2 / (d[:, None, :] ** 2)
+    if pmask is not None:
+        sal = np.where(pmask[:, :, start:start + width], np.inf, sal)
+    return sal
 
 
 def objective(W, Wq, Hc, H) -> float:
@@ -491,15 +538,60 @@ def statistics(g, qmodel, layers, data, indices, comm, device,
     return acc, consts, rows, total
 
 
+def sparse_order(lay: Layer, w: np.ndarray, m: int) -> tuple[np.ndarray | None, str | None]:
+    """The weight matrix's columns in the order whose m consecutive entries form an N:M group
+    (the backend's: m consecutive input channels of one kernel tap, as TensorRT's 2:4 sparse
+    kernels read them), or (None, why) where the input channels do not split into groups of m."""
+    if lay.op_type == "Conv":
+        cin, taps = w.shape[1], int(np.prod(w.shape[2:]))
+        if cin % m:
+            return None, f"{cin} input channels per group, not a multiple of {m}: left dense"
+        return np.arange(cin * taps).reshape(cin, taps).T.reshape(-1), None
+    K = weight_matrix(w, lay).shape[2]
+    if K % m:
+        return None, f"{K} inputs, not a multiple of {m}: left dense"
+    return np.arange(K), None
+
+
+def _prune_by_magnitude(Wm: np.ndarray, sparse, order) -> np.ndarray:
+    """Where a layer cannot be fitted: the pruning mask [G, R, K] by |w| alone (the smallest
+    in each N:M group, or that share of each row)."""
+    G, R, K = Wm.shape
+    a = np.abs(Wm)
+    mask = np.zeros(a.shape, bool)
+    if isinstance(sparse, tuple):
+        n, m = sparse
+        grouped = a[:, :, order].reshape(G, R, -1, m)
+        worst = np.argsort(grouped, axis=3, kind="stable")[..., :m - n]
+        gm = np.zeros(grouped.shape, bool)
+        np.put_along_axis(gm, worst, True, axis=3)
+        mask[:, :, order] = gm.reshape(G, R, K)
+    else:
+        k = int(round(sparse * K))
+        np.put_along_axis(mask, np.argsort(a, axis=2, kind="stable")[:, :, :k], True, axis=2)
+    return mask
+
+
 def _solve(g, plan, lay: Layer, stats, const: float, rows: int, skipped: dict, short: dict | None = None,
-           method: str = "gptq", iters: int = 0):
+           method: str = "gptq", iters: int = 0, sparse=None, magnitude: list | None = None):
     """One layer's GPTQ from its statistics; (node, error before, error after) where the new
-    rounding is kept, None where not (with the reason in ``skipped`` if it was not tried)."""
+    rounding is kept, None where not (with the reason in ``skipped`` if it was not tried).
+    With ``sparse`` (a rate or an (n, m) pair) the layer is pruned as it is rounded and the
+    result is always kept (the error before is dense nearest rounding's); a layer with too few
+    rows to fit is pruned by magnitude alone (listed in ``magnitude``)."""
     w = g.weight(lay.weight).astype(np.float64)
     qp = plan.weights[lay.weight]
     Wa, ratio = targets(g, lay)
     G, R, K = Wa.shape[0], Wa.shape[1], Wa.shape[2] - (lay.bias is not None)
     has_b = lay.bias is not None
+    order = None
+    if isinstance(sparse, tuple):
+        order, why = sparse_order(lay, w, sparse[1])
+        if order is None:
+            skipped[lay.node] = why
+            return None
+        if has_b:
+            order = np.append(order, K)
     # back to the tensors' own units: the weight columns act on x / step
     d = np.full(K + has_b, lay.step)
     if has_b:
@@ -509,6 +601,18 @@ def _solve(g, plan, lay: Layer, stats, const: float, rows: int, skipped: dict, s
                              f"(needs {MIN_ROWS_PER_INPUT}x; raise -N or --gptq_samples)")
         if short is not None:
             short[lay.node] = (rows, MIN_ROWS_PER_INPUT * (K + has_b))
+        if sparse is not None:
+            Wm = weight_matrix(w, lay)
+            pruned = _prune_by_magnitude(Wm, sparse, order[:K] if order is not None else None)
+            zp_w = _bcast(qp.zero_point, qp.axis, w.ndim)
+            ints = np.where(from_matrix(pruned, lay, w.shape), np.clip(np.rint(zp_w), qp.qmin, qp.qmax),
+                            quantize_array(w, qp))
+            value = (ints - zp_w) * _bcast(qp.scale, qp.axis, w.ndim)
+            plan.values[lay.weight] = value.astype(g.weight(lay.weight).dtype)
+            plan.value_owners[lay.weight] = lay.node
+            skipped[lay.node] += "; pruned by magnitude"
+            if magnitude is not None:
+                magnitude.append(lay.node)
         return None
     stats[1] *= 1.0 / 256.0
     stats[1] += stats[0]                        # Hc = H + R / 256
@@ -555,10 +659,11 @@ def _solve(g, plan, lay: Layer, stats, const: float, rows: int, skipped: dict, s
         Q, Qi = adaround(Wa, target, H, scale, zp, qp.qmin, qp.qmax, fixed_last=has_b, pin=(mask, levels),
                          iters=iters)
     else:
-        Q, Qi = gptq(target, H, scale, zp, qp.qmin, qp.qmax, fixed_last=has_b, pin=(mask, levels))
+        Q, Qi = gptq(target, H, scale, zp, qp.qmin, qp.qmax, fixed_last=has_b, pin=(mask, levels),
+                     sparse=sparse, order=order)
     v_rtn, v_new = objective(Wa, rtn, Hc, H), objective(Wa, Q, Hc, H)
     del H, Hc
-    if not v_new < v_rtn:
+    if sparse is None and not v_new < v_rtn:
         return None
     ints = from_matrix(Qi[:, :, :K], lay, w.shape)
     value = ((ints - _bcast(qp.zero_point, qp.axis, w.ndim)) * _bcast(qp.scale, qp.axis, w.ndim))
@@ -595,24 +700,31 @@ def passes(g, layers, budget_bytes: int) -> list[list[Layer]]:
 
 
 def reconstruct(g, places, plan, data, indices, comm, device="cpu", memory_mb: float = MEMORY_MB,
-                samples: int | None = None, method: str = "gptq", iters: int = 1000) -> dict:
+                samples: int | None = None, method: str = "gptq", iters: int = 1000, sparse=None) -> dict:
     """Choose every eligible layer's weight rounding (and bias) by GPTQ (``method="adaround"``:
     by AdaRound, :mod:`dipoorlet.adaround`, ``iters`` steps per layer); results go into
     ``plan.values`` (owned by the layer, so a layer kept float keeps its own weights).
 
     The statistics of all layers are gathered over the same quantized model (every layer
     rounded to nearest), in as many passes over the samples as ``memory_mb`` needs: a layer's
-    result does not depend on which pass gathered it."""
+    result does not depend on which pass gathered it.
+
+    ``sparse`` (a rate in (0, 1) or an (n, m) pair; GPTQ only) prunes every fitted layer as it
+    is rounded (SparseGPT); layers with too few rows are pruned by magnitude; the others stay
+    dense, with the reason."""
     qmodel = insert_qdq(g, places, plan)
     layers, skipped = find_layers(g, places, plan, qmodel)
     if not layers:
+        if sparse is not None:
+            log.warning("--sparse: no Conv/Gemm/MatMul layer can be pruned (%s)",
+                        "; ".join(f"{n}: {why}" for n, why in list(skipped.items())[:4]) or "none quantized")
         return {"layers": 0, "candidates": 0, "skipped": skipped}
     groups = passes(g, layers, int(memory_mb * 2 ** 20))
     if len(groups) > 1:
         log.info("%s: statistics of %d layers (%.1f MB) in %d passes of at most --gptq_memory %g MB "
                  "(a larger single layer gets a pass of its own)", method, len(layers),
                  sum(stat_bytes(g, lay) for lay in layers) / 2 ** 20, len(groups), memory_mb)
-    changed, total, short = [], 0, {}
+    changed, total, short, magnitude = [], 0, {}, []
     for gi, group in enumerate(groups):
         label = f"{method} statistics" if len(groups) == 1 else f"{method} statistics {gi + 1}/{len(groups)}"
         acc, consts, rows, total = statistics(g, qmodel, group, data, indices, comm, device, label, samples)
@@ -621,7 +733,7 @@ def reconstruct(g, places, plan, data, indices, comm, device="cpu", memory_mb: f
         for lay in (progress(group, f"{method} layers", comm) if method == "adaround" else group):
             stats = acc.pop(lay.node)                   # freed layer by layer
             done = _solve(g, plan, lay, stats, consts.get(lay.node, float("nan")), rows[lay.node], skipped, short,
-                          method, iters)
+                          method, iters, sparse, magnitude)
             del stats
             if done is not None:
                 changed.append(done)
@@ -636,9 +748,39 @@ def reconstruct(g, places, plan, data, indices, comm, device="cpu", memory_mb: f
             MIN_ROWS_PER_INPUT, need)
     gains = [(n, 10 * np.log10(a / b) if a > 0 and b > 0 else float("nan")) for n, a, b in changed]
     gains.sort(key=lambda r: -r[1] if r[1] == r[1] else 0.0)
+    if sparse is not None:
+        return _sparse_summary(g, plan, layers, changed, gains, magnitude, skipped, sparse, total, len(groups))
     log.info("%s: %d of %d layers re-rounded over %d samples (%d left alone); largest error reductions: %s",
              method, len(changed), len(layers), total, len(skipped), ", ".join(f"{n} {db:.1f} dB" for n, db in gains[:5]))
     return {"layers": len(changed), "candidates": len(layers), "samples": total, "passes": len(groups),
             "gain_db": [{"node": n, "db": round(float(db), 3) if db == db else None} for n, db in gains],
             "skipped": skipped}
 
+
+
+def _sparse_summary(g, plan, layers, changed, gains, magnitude, skipped, sparse, total, n_passes) -> dict:
+    """What --sparse did: layers pruned with compensation (their output error against dense
+    nearest rounding), by magnitude, or left dense, and the zero share of the pruned weights."""
+    pruned = [n for n, _, _ in changed] + list(magnitude)
+    zeros = size = 0
+    for lay in layers:
+        if lay.node in pruned:
+            v = plan.values[lay.weight]
+            zeros += int(np.count_nonzero(v == 0))
+            size += v.size
+    pattern = f"{sparse[0]}:{sparse[1]}" if isinstance(sparse, tuple) else f"{sparse:g}"
+    dense = {n: why for n, why in skipped.items() if n not in magnitude}
+    worst = sorted(gains, key=lambda r: r[1] if r[1] == r[1] else 0.0)
+    log.info("sparse %s: %d layers pruned with compensation over %d samples, %d by magnitude (too few rows), "
+             "%d left dense; %.1f%% of their weights zero; largest output error added (vs dense nearest "
+             "rounding): %s", pattern, len(changed), total, len(magnitude), len(dense),
+             100.0 * zeros / max(size, 1), ", ".join(f"{n} {-db:.1f} dB" for n, db in worst[:5]))
+    if not pruned:
+        log.warning("sparse %s: no layer could be pruned (%s)", pattern,
+                    "; ".join(f"{n}: {why}" for n, why in list(dense.items())[:4]) or "no candidates")
+    elif dense:
+        log.info("sparse %s: left dense: %s", pattern, "; ".join(f"{n} ({why})" for n, why in list(dense.items())[:8]))
+    return {"pattern": pattern, "layers": len(changed), "magnitude": magnitude, "candidates": len(layers),
+            "samples": total, "passes": n_passes, "zero_fraction": round(zeros / max(size, 1), 6),
+            "gain_db": [{"node": n, "db": round(float(db), 3) if db == db else None} for n, db in gains],
+            "skipped": dense}

@@ -102,7 +102,7 @@ def build(rows, places, meta: dict, analysis: dict | None = None, stats=None, pl
         rep["sensitivity_samples"] = analysis["sens_samples"]
     if "bias_correction" in analysis:
         rep["bias_correction"] = analysis["bias_correction"]
-    for key in ("gptq", "adaround"):
+    for key in ("gptq", "adaround", "sparse"):
         if key in analysis:
             rep[key] = analysis[key]
     if "equalization" in analysis:
@@ -233,6 +233,14 @@ def _transforms(report: dict) -> list[str]:
     bc = report.get("bias_correction") or {}
     if bc.get("layers"):
         lines.append(f"- bias correction: {bc['layers']} layers over {bc.get('samples', '?')} samples")
+    sp = report.get("sparse") or {}
+    if sp.get("candidates"):
+        worst = sorted((r for r in sp.get("gain_db") or [] if r.get("db") is not None), key=lambda r: r["db"])
+        lines.append(f"- sparse {sp['pattern']}: {sp['layers']} layers pruned as they were rounded (SparseGPT), "
+                     f"{len(sp.get('magnitude') or [])} by magnitude, {len(sp.get('skipped') or {})} left dense; "
+                     f"{100 * sp.get('zero_fraction', 0):.1f}% of their weights zero"
+                     + (" (output error added against dense rounding: " + ", ".join(
+                         f"{r['node']} {-r['db']:.1f} dB" for r in worst[:5]) + ")" if worst else ""))
     key = "adaround" if report.get("adaround") else "gptq"
     gq = report.get(key) or {}
     if gq.get("candidates"):

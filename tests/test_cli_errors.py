@@ -283,13 +283,29 @@ def ada_iters_zero(c):
     return ["--ada_iters", "positive integer"]
 
 
+def sparse_malformed(c):
+    c.extra = ["--sparse", "half"]
+    return ["--sparse", "N:M", "'half'"]
+
+
+def sparse_n_not_below_m(c):
+    c.extra = ["--sparse", "4:4"]
+    return ["--sparse N:M", "4:4"]
+
+
+def sparse_with_adaround(c):
+    c.extra = ["--sparse", "2:4", "--adaround"]
+    return ["--sparse with --adaround", "drop --adaround"]
+
+
 CASES = [missing_model, model_is_a_folder, not_onnx, external_data_missing, custom_op, input_dir_missing, input_folder_missing,
          too_few_files, bin_wrong_size, nan_in_sample, inf_in_npy, unknown_method, unknown_platform,
          output_not_writable, output_is_a_file, nothing_quantizable, skip_layer_unknown, score_output_unknown,
          input_shape_malformed, input_shape_unknown_name, zero_samples,
          weight_bits_above_8, activation_bits_12, activation_bits_16_on_trt, layer_bits_a16_on_trt, npz_scalar,
          platform_not_utf8, platform_bits_16, platform_weight_bits_16, trt_version_not_digits,
-         two_npz_files, prof_samples_zero, gptq_and_adaround, ada_iters_zero]
+         two_npz_files, prof_samples_zero, gptq_and_adaround, ada_iters_zero,
+         sparse_malformed, sparse_n_not_below_m, sparse_with_adaround]
 
 
 @pytest.mark.parametrize("breaker", CASES, ids=[f.__name__ for f in CASES])

@@ -1,0 +1,179 @@
+"""--sparse: pruning as the weights are rounded (SparseGPT on the --gptq statistics). Oracles:
+numpy (the pattern, magnitude pruning's error), onnxruntime runs of the float and quantized
+models."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+import dipoorlet
+from dipoorlet.config import parse_sparse
+from dipoorlet.errors import ConfigError
+from dipoorlet.reconstruct import gptq
+
+from conftest import make_model, ort_run, save, vi, write_samples
+
+
+def _problem(seed, R=16, K=64, P=3000):
+    r = np.random.default_rng(seed)
+    X = (r.standard_normal((K, K)) @ r.standard_normal((K, P))) * r.uniform(0.2, 3, (K, 1))
+    W = r.standard_normal((R, K))
+    return W, X, np.abs(W).max(axis=1) / 127
+
+
+def _magnitude(W, s, n, m):
+    """Oracle: the smallest |w| of every m consecutive columns zeroed, the rest rounded."""
+    R, K = W.shape
+    g = np.abs(W).reshape(R, K // m, m)
+    mask = np.zeros(g.shape, bool)
+    np.put_along_axis(mask, np.argsort(g, axis=2)[:, :, :m - n], True, axis=2)
+    return np.where(mask.reshape(R, K), 0.0, np.rint(W / s[:, None]) * s[:, None])
+
+
+@pytest.mark.parametrize("n,m", [(2, 4), (1, 4), (4, 8)])
+def test_nm_pattern_holds_and_beats_magnitude_pruning(n, m):
+    W, X, s = _problem(n * 10 + m)
+    Q, Qi = gptq(W[None], (X @ X.T)[None], s[None], 0.0, -127, 127, sparse=(n, m), order=np.arange(W.shape[1]))
+    Q = Q[0]
+    nonzero = (Qi[0] != 0).reshape(W.shape[0], -1, m).sum(axis=2)
+    assert nonzero.max() <= n
+    np.testing.assert_allclose(Q, Qi[0] * s[:, None], atol=1e-12)
+    err = lambda q: float(np.sum(((W - q) @ X) ** 2))
+    assert err(Q) < 0.6 * err(_magnitude(W, s, n, m))
+
+
+def test_nm_groups_follow_the_given_order():
+    """A Conv's groups are m consecutive input channels of one tap: the order puts them next to
+    each other, and the pattern must hold there, not on the stored column order."""
+    W, X, s = _problem(3, K=8 * 9)
+    order = np.arange(8 * 9).reshape(8, 9).T.reshape(-1)        # (channel, tap) -> tap-major
+    _, Qi = gptq(W[None], (X @ X.T)[None], s[None], 0.0, -127, 127, sparse=(2, 4), order=order)
+    per_tap = Qi[0].reshape(W.shape[0], 8, 9)                     # [R, channel, tap]
+    assert ((per_tap.reshape(W.shape[0], 2, 4, 9) != 0).sum(axis=2) <= 2).all()
+
+
+def test_rate_zeroes_that_share_of_every_row():
+    W, X, s = _problem(7, K=100)
+    _, Qi = gptq(W[None], (X @ X.T)[None], s[None], 0.0, -127, 127, sparse=0.3)
+    zeros = (Qi[0] == 0).sum(axis=1)
+    assert (zeros >= 30).all() and zeros.mean() < 33     # 30 pruned per row, a few more round to 0
+
+
+@pytest.mark.parametrize("text,want", [("2:4", (2, 4)), (" 1 : 8 ", (1, 8)), ("0.5", 0.5), (0.25, 0.25)])
+def test_parse_sparse(text, want):
+    assert parse_sparse(text) == want
+
+
+@pytest.mark.parametrize("bad", ["4:4", "0:4", "1.5", "0", "a:b", "2:4:8", True])
+def test_parse_sparse_refuses(bad):
+    with pytest.raises(ConfigError, match="--sparse"):
+        parse_sparse(bad)
+
+
+def _conv(tmp_path, cin=8, seed=0):
+    r = np.random.default_rng(seed)
+    inits = {"w": (r.standard_normal((6, cin, 3, 3)) * 0.2).astype(np.float32),
+             "b": (r.standard_normal(6) * 0.1).astype(np.float32)}
+    node = helper.make_node("Conv", ["x", "w", "b"], ["y"], name="conv", pads=[1, 1, 1, 1])
+    model = make_model([node], [vi("x", [1, cin, 8, 8])], [vi("y", [1, 6, 8, 8])], inits)
+    mix = r.standard_normal((cin, cin))
+    feeds = [{"x": np.einsum("ij,njhw->nihw", mix, r.standard_normal((1, cin, 8, 8))).astype(np.float32) + 0.5}
+             for _ in range(16)]
+    return save(model, tmp_path / "m.onnx"), write_samples(tmp_path / "data", feeds), model, feeds
+
+
+def _weight_ints(q: onnx.ModelProto, name: str) -> np.ndarray:
+    """The integers the quantized model's weight DequantizeLinear reads for float weight ``name``."""
+    inits = {t.name: numpy_helper.to_array(t) for t in q.graph.initializer}
+    for node in q.graph.node:
+        if node.op_type == "DequantizeLinear" and node.input[0] in inits and inits[node.input[0]].dtype == np.int8:
+            if name in node.input[0] or name in node.output[0]:
+                return inits[node.input[0]]
+    # weights stored float with a Q/DQ pair on them: quantize as the model would
+    for node in q.graph.node:
+        if node.op_type == "QuantizeLinear" and node.input[0] == name:
+            scale = inits[node.input[1]]
+            return np.rint(inits[name] / scale.reshape(-1, *[1] * (inits[name].ndim - 1))).astype(np.int64)
+    raise AssertionError(f"no quantized weight for {name}")
+
+
+def test_sparse_conv_from_the_api_keeps_2_of_4_input_channels_per_tap(tmp_path):
+    """End to end: every (output channel, tap) has at most 2 non-zero integers in each group of
+    4 input channels; the reported error equals the one onnxruntime measures; pruning with
+    compensation loses less than magnitude pruning of the same weights (the float model with
+    magnitude-pruned weights, quantized the same way)."""
+    path, data, model, feeds = _conv(tmp_path)
+    runs = {}
+    for how in ("dense", "sparse"):
+        out = tmp_path / how
+        dipoorlet.quantize(model=path, input_dir=data, data_num=len(feeds), deploy="trt", output_dir=out,
+                           act_quant="minmax", equalize=False, shift=False, skip_prof_layer=True,
+                           sparse="2:4" if how == "sparse" else None)
+        q = onnx.load(str(out / "quant_model.onnx"))
+        err = sum(float(np.sum((ort_run(model, f)[0].astype(np.float64) - ort_run(q, f)[0].astype(np.float64)) ** 2))
+                  for f in feeds)
+        runs[how] = (q, err, json.loads((out / "report.json").read_text()))
+    q, err, rep = runs["sparse"]
+    ints = _weight_ints(q, "w")
+    assert ints.shape == (6, 8, 3, 3)
+    assert ((ints.reshape(6, 2, 4, 3, 3) != 0).sum(axis=2) <= 2).all()
+    assert rep["sparse"]["pattern"] == "2:4" and rep["sparse"]["layers"] == 1
+    assert rep["sparse"]["zero_fraction"] >= 0.5
+    db = rep["sparse"]["gain_db"][0]["db"]
+    assert db == pytest.approx(10 * np.log10(runs["dense"][1] / err), abs=0.05)
+    # magnitude pruning of the same weights, quantized the same way
+    w = numpy_helper.to_array([t for t in model.graph.initializer if t.name == "w"][0])
+    g = np.abs(w).reshape(6, 2, 4, 3, 3)
+    keep = np.argsort(g, axis=2)[:, :, 2:]
+    mask = np.zeros(g.shape, bool)
+    np.put_along_axis(mask, keep, True, axis=2)
+    pruned = np.where(mask.reshape(w.shape), w, 0).astype(np.float32)
+    mm = onnx.ModelProto()
+    mm.CopyFrom(model)
+    for t in mm.graph.initializer:
+        if t.name == "w":
+            t.CopyFrom(numpy_helper.from_array(pruned, "w"))
+    mpath = save(mm, tmp_path / "mag.onnx")
+    dipoorlet.quantize(model=mpath, input_dir=data, data_num=len(feeds), deploy="trt", output_dir=tmp_path / "mag",
+                       act_quant="minmax", equalize=False, shift=False, skip_prof_layer=True)
+    qm = onnx.load(str(tmp_path / "mag" / "quant_model.onnx"))
+    err_mag = sum(float(np.sum((ort_run(model, f)[0].astype(np.float64) - ort_run(qm, f)[0].astype(np.float64)) ** 2))
+                  for f in feeds)
+    assert err < 0.7 * err_mag
+    assert "sparse 2:4" in (tmp_path / "sparse" / "report.md").read_text()
+
+
+def test_channels_not_in_groups_of_m_stay_dense_with_the_reason(tmp_path, caplog):
+    path, data, model, feeds = _conv(tmp_path, cin=6)
+    res = dipoorlet.quantize(model=path, input_dir=data, data_num=len(feeds), deploy="trt",
+                             output_dir=tmp_path / "o", act_quant="minmax", skip_prof_layer=True, sparse="2:4")
+    sp = res.report["sparse"]
+    assert sp["layers"] == 0 and "not a multiple of 4" in sp["skipped"]["conv"]
+    assert "no layer could be pruned" in caplog.text
+
+
+def test_too_few_rows_are_pruned_by_magnitude(tmp_path):
+    """A Gemm after global pooling sees one row per sample: not fitted, pruned by |w| alone."""
+    r = np.random.default_rng(4)
+    inits = {"w": (r.standard_normal((5, 16)) * 0.3).astype(np.float32),
+             "b": np.zeros(5, np.float32)}
+    nodes = [helper.make_node("GlobalAveragePool", ["x"], ["g"], name="gap"),
+             helper.make_node("Flatten", ["g"], ["f"], name="flat"),
+             helper.make_node("Gemm", ["f", "w", "b"], ["y"], name="fc", transB=1)]
+    model = make_model(nodes, [vi("x", [1, 16, 4, 4])], [vi("y", [1, 5])], inits)
+    feeds = [{"x": r.standard_normal((1, 16, 4, 4)).astype(np.float32)} for _ in range(6)]
+    path, data = save(model, tmp_path / "m.onnx"), write_samples(tmp_path / "data", feeds)
+    res = dipoorlet.quantize(model=path, input_dir=data, data_num=6, deploy="trt", output_dir=tmp_path / "o",
+                             act_quant="minmax", skip_prof_layer=True, sparse="2:4")
+    assert res.report["sparse"]["magnitude"] == ["fc"]
+    q = onnx.load(str(tmp_path / "o" / "quant_model.onnx"))
+    ints = _weight_ints(q, "w")
+    w = inits["w"]
+    assert ((ints.reshape(5, 4, 4) != 0).sum(axis=2) <= 2).all()
+    # the two largest |w| of each group survive
+    top = np.argsort(np.abs(w).reshape(5, 4, 4), axis=2)[:, :, 2:]
+    assert (np.take_along_axis(ints.reshape(5, 4, 4), top, axis=2) != 0).mean() > 0.9
