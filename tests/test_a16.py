@@ -264,9 +264,10 @@ def test_16_bit_grids_keep_the_full_range_and_entropy_the_whole_range():
 
 
 @pytest.mark.parametrize("kw, text", [
-    ({"auto_a16": "0.99", "gptq": True}, "--auto_a16 with --gptq/--adaround/--bc"),
-    ({"auto_a16": "0.99", "adaround": True}, "--auto_a16 with --gptq/--adaround/--bc"),
-    ({"auto_a16": "0.99", "bias_correction": True}, "--auto_a16 with --gptq/--adaround/--bc"),
+    ({"auto_a16": "0.99", "gptq": True}, "--auto_a16 with --gptq/--adaround/--sparse/--bc"),
+    ({"auto_a16": "0.99", "sparse": "2:4"}, "--auto_a16 with --gptq/--adaround/--sparse/--bc"),
+    ({"auto_a16": "0.99", "adaround": True}, "--auto_a16 with --gptq/--adaround/--sparse/--bc"),
+    ({"auto_a16": "0.99", "bias_correction": True}, "--auto_a16 with --gptq/--adaround/--sparse/--bc"),
     ({"auto_a16": "sqnr:nan"}, "finite"),
 ])
 def test_auto_a16_refused_combinations(tmp_path, kw, text):
