@@ -284,7 +284,7 @@ def run_method(spec: str, task, n: int, out: Path, args, evaluate: bool = True) 
 def calibration_seconds(log: Path, only: str | None = None) -> float:
     """dipoorlet's passes over the calibration data before it writes the model, from its log:
     the calibration pass (ranges and histograms, session included) plus, when they ran, the
-    equalization statistics pass, the bias-correction and the --gptq/--adaround statistics passes (``only``: that one alone; NaN for
+    equalization statistics pass, the bias-correction and the --gptq/--adaround/--sparse statistics passes (``only``: that one alone; NaN for
     the calibration pass of a one-pass run, whose ranges come from the equalization pass)."""
     import re
 
@@ -292,7 +292,7 @@ def calibration_seconds(log: Path, only: str | None = None) -> float:
         if only == "calibration" and "ranges from the equalization pass" in log.read_text():
             return float("nan")   # one pass (-A minmax): no separate calibration pass to time
         for line in reversed(log.read_text().splitlines()):
-            found = dict(re.findall(r"\b(equalization|bias correction|gptq|adaround|calibration) ([0-9.]+) s\b", line))
+            found = dict(re.findall(r"\b(equalization|bias correction|gptq|adaround|sparse|calibration) ([0-9.]+) s\b", line))
             if "calibration" in found:
                 if only:
                     return float(found.get(only, "nan"))
