@@ -42,6 +42,9 @@ class SingleProcess:
     def bcast(self, obj):
         return obj
 
+    def allgather(self, obj) -> list:
+        return [obj]
+
     def barrier(self) -> None:
         pass
 
@@ -104,6 +107,9 @@ class MPIComm(SingleProcess):
 
     def bcast(self, obj):
         return self.comm.bcast(obj, root=0)
+
+    def allgather(self, obj) -> list:
+        return self.comm.allgather(obj)
 
     def barrier(self):
         self.comm.Barrier()

@@ -672,7 +672,7 @@ def _solve(g, plan, lay: Layer, stats, const: float, rows: int, skipped: dict, s
     if has_b:
         plan.values[lay.bias] = (Q[:, :, K].reshape(-1) / ratio).astype(g.weight(lay.bias).dtype)
         plan.value_owners[lay.bias] = lay.node
-    # const: rank 0 only (it writes the report); nan elsewhere
+    # const: the error-free output energy; reconstruct() passes 0 and adds it (rank 0 holds it)
     return lay.node, const + v_rtn, const + v_new
 
 
@@ -730,14 +730,35 @@ def reconstruct(g, places, plan, data, indices, comm, device="cpu", memory_mb: f
         acc, consts, rows, total = statistics(g, qmodel, group, data, indices, comm, device, label, samples)
         if total == 0:
             return {"layers": 0, "candidates": len(layers), "skipped": skipped}
-        for lay in (progress(group, f"{method} layers", comm) if method == "adaround" else group):
+        # the layers are solved independently: under MPI each process solves every world-th one
+        # and the results are exchanged, so every process ends with the same plan
+        mine = [li for li in range(len(group)) if li % comm.world == comm.rank]
+        records = []
+        for li in (progress(mine, f"{method} layers", comm) if method == "adaround" else mine):
+            lay = group[li]
             stats = acc.pop(lay.node)                   # freed layer by layer
-            done = _solve(g, plan, lay, stats, consts.get(lay.node, float("nan")), rows[lay.node], skipped, short,
-                          method, iters, sparse, magnitude)
+            held = {t: plan.values.get(t) for t in (lay.weight, lay.bias) if t}
+            sk, sh, mg = {}, {}, []
+            done = _solve(g, plan, lay, stats, 0.0, rows[lay.node], sk, sh, method, iters, sparse, mg)
             del stats
-            if done is not None:
-                changed.append(done)
+            new = {t: (plan.values[t], plan.value_owners.get(t)) for t in held
+                   if t in plan.values and plan.values[t] is not held[t]}
+            records.append((li, done, new, sk, sh, mg))
+        acc.clear()
         del acc
+        gathered = sorted((r for part in comm.allgather(records) for r in part), key=lambda r: r[0])
+        for li, done, new, sk, sh, mg in gathered:
+            node = group[li].node
+            for t, (value, owner) in new.items():
+                plan.values[t] = value
+                if owner is not None:
+                    plan.value_owners[t] = owner
+            skipped.update(sk)
+            short.update(sh)
+            magnitude.extend(mg)
+            if done is not None:    # errors relative to the output energy, known on rank 0
+                const = consts.get(node, float("nan"))
+                changed.append((node, const + done[1], const + done[2]))
     if short:
         # rows grow with the samples: how many would fit every such layer
         need = max(math.ceil(want * total / max(have, 1)) for have, want in short.values())
