@@ -125,7 +125,7 @@ def _per_tensor_weight_spread(g, places, plan, node: str) -> float | None:
 def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equalize_on=True,
              equalized=(), smooth=True, k: int = DIAGNOSE_LAYERS, shifted=(), platform: str = "trt",
              samples: int | None = None, gptq=(), method: str | None = None,
-             gptq_ran: bool = False, max_act_bits: int = 8) -> list[dict]:
+             gptq_ran: bool = False, max_act_bits: int = 8, rounding: str = "--gptq") -> list[dict]:
     """One row per layer among the ``k`` most sensitive that lose more than ``MIN_LOSS``.
     ``shifted``: dipoorlet.shift's rows; a shifted input is described by its source tensor (its
     channel ranges and its clip on the asymmetric grid), not by the shifted copy."""
@@ -215,7 +215,7 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
             row["weight_channel_spread"] = spread
         row["advice"] = _advice(row, platform, row["node"] in set(gptq), method,
                                 gptq_hint=not gptq_ran and wsq is not None and _gptq_could_fit(g, s.node),
-                                max_act_bits=max_act_bits)
+                                max_act_bits=max_act_bits, rounding=rounding)
         rows.append(row)
     return rows
 
@@ -235,10 +235,12 @@ def _gptq_could_fit(g, name: str) -> bool:
 
 
 def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | None = None,
-            gptq_hint: bool = False, max_act_bits: int = 8) -> str:
+            gptq_hint: bool = False, max_act_bits: int = 8, rounding: str = "--gptq") -> str:
     """``gptq_hint``: the layer has a constant weight and --gptq did not run, so it could re-round
     that weight to compensate the rounding of the layer's input. ``max_act_bits``: the widest
-    activation grid the platform runs (16: name --layer_bits NODE=a16 for activation losses)."""
+    activation grid the platform runs (16: name --layer_bits NODE=a16 for activation losses).
+    ``rounding``: the flag that chose the weights' rounding where ``gptq`` is set (--gptq or
+    --adaround)."""
     node = row["node"]
     runs = "TensorRT runs it in FP16" if platform == "trt" else f"if {platform} can run it in float or FP16"
     keep = f"keep it float with --skip_layers {node} ({runs})"
@@ -256,7 +258,7 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | 
                        "this layer's output error")
                     + f"; or {keep}")
         if gptq:
-            return (f"weight rounding dominates{at}, after --gptq chose its rounding: its weights need more "
+            return (f"weight rounding dominates{at}, after {rounding} chose its rounding: its weights need more "
                     f"bits (--layer_bits {row.get('node', 'NODE')}=w8 where fewer were set), or {keep}")
         return (f"weight rounding dominates{at}: --gptq chooses the rounding by this layer's output error "
                 f"(one extra pass), or {keep}")

@@ -446,7 +446,8 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
             shifted=shifted, platform=plat.name, samples=analysis["sens_samples"], method=cfg.act_quant,
             gptq={r["node"] for r in reconstructed["gain_db"]}
             if reconstructed and reconstructed.get("gain_db") and rounding != "sparse" else (),
-            gptq_ran=reconstructed is not None, max_act_bits=plat.activation.max_bits)
+            gptq_ran=reconstructed is not None, max_act_bits=plat.activation.max_bits,
+            rounding="--adaround" if rounding == "adaround" else "--gptq")
     if analysis.get("auto_skip") is not None:
         places = places.restrict([n for n in places.quantized_nodes
                                   if n not in analysis["auto_skip"].float_layers])

@@ -140,3 +140,12 @@ def test_adaround_from_the_cli(tmp_path):
     np.testing.assert_array_equal(initializer(q, "w2"), numpy_helper.to_array(
         [t for t in model.graph.initializer if t.name == "w2"][0]))
     assert "adaround" in res.stderr   # the closing summary names its time
+
+
+def test_weight_advice_names_the_rounding_that_ran():
+    from dipoorlet.diagnose import _advice
+
+    row = {"node": "conv", "cause": "weights", "weight_sqnr_db": 30.0}
+    assert "after --adaround chose its rounding" in _advice(row, "trt", gptq=True, rounding="--adaround")
+    assert "after --gptq chose its rounding" in _advice(row, "trt", gptq=True)
+    assert "--gptq chooses the rounding" in _advice(row, "trt", gptq=False)
