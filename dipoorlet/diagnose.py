@@ -125,7 +125,8 @@ def _per_tensor_weight_spread(g, places, plan, node: str) -> float | None:
 def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equalize_on=True,
              equalized=(), smooth=True, k: int = DIAGNOSE_LAYERS, shifted=(), platform: str = "trt",
              samples: int | None = None, gptq=(), method: str | None = None,
-             gptq_ran: bool = False, max_act_bits: int = 8, rounding: str = "--gptq") -> list[dict]:
+             gptq_ran: bool = False, max_act_bits: int = 8, rounding: str = "--gptq", sparse: dict | None = None,
+             sparse_pattern: str | None = None) -> list[dict]:
     """One row per layer among the ``k`` most sensitive that lose more than ``MIN_LOSS``.
     ``shifted``: dipoorlet.shift's rows; a shifted input is described by its source tensor (its
     channel ranges and its clip on the asymmetric grid), not by the shifted copy."""
@@ -216,6 +217,12 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
         row["advice"] = _advice(row, platform, row["node"] in set(gptq), method,
                                 gptq_hint=not gptq_ran and wsq is not None and _gptq_could_fit(g, s.node),
                                 max_act_bits=max_act_bits, rounding=rounding)
+        if sparse is not None and row["node"] in sparse and row.get("cause") == "weights":
+            db = sparse[row["node"]]
+            added = f", {-db:.1f} dB of layer output error against dense rounding" if db is not None else \
+                " by magnitude (too few rows to fit)"
+            row["advice"] = (f"weight error dominates: --sparse {sparse_pattern} pruned this layer{added}; a milder "
+                             f"pattern (e.g. a RATE below 0.5), or keep it float with --skip_layers {row['node']}")
         rows.append(row)
     return rows
 

@@ -141,6 +141,10 @@ def check_bits(cfg: QuantConfig, plat) -> None:
             raise ConfigError(f"{flag} asks for {bits}-bit activations, but {plat.name} runs at most "
                               f"{plat.activation.max_bits}-bit activations; use 2..{plat.activation.max_bits} "
                               f"or a backend with 16-bit activations (qnn, snpe, ort){keep}")
+    if cfg.sparse is not None and cfg.a_bits == 16:
+        raise ConfigError("--sparse with --a_bits 16: the pruning is fitted on statistics of layer inputs of 8 bits "
+                          "or fewer; prune at 8 bits, or give single layers 16-bit inputs with --layer_bits NODE=a16 "
+                          "(those layers stay dense)")
     if cfg.auto_a16 and (cfg.gptq or cfg.adaround or cfg.sparse is not None or cfg.bias_correction):
         raise ConfigError("--auto_a16 with --gptq/--adaround/--sparse/--bc: those fit the weights to the 8-bit inputs before the "
                           "search; run --auto_a16 first, then again with --layer_bits NODE=a16 for the layers "
@@ -447,7 +451,10 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
             gptq={r["node"] for r in reconstructed["gain_db"]}
             if reconstructed and reconstructed.get("gain_db") and rounding != "sparse" else (),
             gptq_ran=reconstructed is not None, max_act_bits=plat.activation.max_bits,
-            rounding="--adaround" if rounding == "adaround" else "--gptq")
+            rounding="--adaround" if rounding == "adaround" else "--gptq",
+            sparse={r["node"]: r["db"] for r in reconstructed["gain_db"]} | {
+                n: None for n in reconstructed.get("magnitude", [])} if rounding == "sparse" else None,
+            sparse_pattern=reconstructed.get("pattern") if rounding == "sparse" else None)
     if analysis.get("auto_skip") is not None:
         places = places.restrict([n for n in places.quantized_nodes
                                   if n not in analysis["auto_skip"].float_layers])
@@ -459,6 +466,20 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
             reconstructed["layers"] = len(reconstructed["gain_db"])
             if floated:
                 reconstructed["kept_float_by_auto_skip"] = floated
+        if rounding == "sparse" and reconstructed and reconstructed.get("magnitude"):
+            kept = set(places.quantized_nodes)
+            floated = [n for n in reconstructed["magnitude"] if n not in kept]
+            reconstructed["magnitude"] = [n for n in reconstructed["magnitude"] if n in kept]
+            if floated:
+                reconstructed["kept_float_by_auto_skip"] = reconstructed.get("kept_float_by_auto_skip", []) + floated
+        if rounding == "sparse" and reconstructed and reconstructed.get("kept_float_by_auto_skip"):
+            # those layers run dense and float now: the zero share counts the layers still pruned
+            zeros = size = 0
+            for (name, index), wp in places.weights.items():
+                if index == 1 and wp.tensor in plan.values and plan.value_owners.get(wp.tensor) == name:
+                    v = np.asarray(plan.values[wp.tensor])
+                    zeros, size = zeros + int(np.count_nonzero(v == 0)), size + v.size
+            reconstructed["zero_fraction"] = round(zeros / max(size, 1), 6)
     timings["sensitivity_s"] = time.perf_counter() - t
     if plat.name == "ort":
         _warn_matmulnbits(g, places, plan)

@@ -343,6 +343,8 @@ def gptq(W, H, scale, zp, qmin, qmax, fixed_last=False, damp=DAMP, block=128, pi
                 sal = _saliency(W1[:, :, :n_cols], U1, i1, n_cols, pmask if pin is not None else None)
                 worst = np.argsort(sal, axis=2, kind="stable")[:, :, :k]
                 np.put_along_axis(pruned[:, :, i1:i1 + n_cols], worst, True, axis=2)
+                if pin is not None:    # a rate never prunes a grid end (a 3x3 depthwise at 0.95)
+                    pruned[:, :, i1:i1 + n_cols] &= ~pmask[:, :, i1:i1 + n_cols]
         for i in range(i2 - i1):
             col = i1 + i
             w = W1[:, :, i]
@@ -376,11 +378,13 @@ def gptq(W, H, scale, zp, qmin, qmax, fixed_last=False, damp=DAMP, block=128, pi
 
 def _saliency(W1, U1, start: int, width: int, pmask) -> np.ndarray:
     """The error pruning each of ``width`` columns would add, per row (w^2 / [H^-1]_kk, with
-    [H^-1]_kk = U_kk^2 for the columns not yet processed); pinned weights last."""
+    [H^-1]_kk = U_kk^2 for the columns not yet processed); pinned weights last, and of two
+    pinned ones the larger |w| last (where a 1:M group holds both ends of a row, the end that
+    sets a symmetric grid, max |w|, survives)."""
     d = np.einsum("gkk->gk", U1)[:, :width]
     sal = W1 ** 2 / (d[:, None, :] ** 2)
     if pmask is not None:
-        sal = np.where(pmask[:, :, start:start + width], np.inf, sal)
+        sal = np.where(pmask[:, :, start:start + width], 1e300 * (1.0 + np.abs(W1)), sal)
     return sal
 
 
@@ -716,8 +720,7 @@ def reconstruct(g, places, plan, data, indices, comm, device="cpu", memory_mb: f
     layers, skipped = find_layers(g, places, plan, qmodel)
     if not layers:
         if sparse is not None:
-            log.warning("--sparse: no Conv/Gemm/MatMul layer can be pruned (%s)",
-                        "; ".join(f"{n}: {why}" for n, why in list(skipped.items())[:4]) or "none quantized")
+            return _sparse_summary(g, plan, layers, [], [], [], skipped, sparse, 0, 0)
         return {"layers": 0, "candidates": 0, "skipped": skipped}
     groups = passes(g, layers, int(memory_mb * 2 ** 20))
     if len(groups) > 1:

@@ -234,7 +234,7 @@ def _transforms(report: dict) -> list[str]:
     if bc.get("layers"):
         lines.append(f"- bias correction: {bc['layers']} layers over {bc.get('samples', '?')} samples")
     sp = report.get("sparse") or {}
-    if sp.get("candidates"):
+    if sp.get("pattern"):
         worst = sorted((r for r in sp.get("gain_db") or [] if r.get("db") is not None), key=lambda r: r["db"])
         lines.append(f"- sparse {sp['pattern']}: {sp['layers']} layers pruned as they were rounded (SparseGPT), "
                      f"{len(sp.get('magnitude') or [])} by magnitude, {len(sp.get('skipped') or {})} left dense; "

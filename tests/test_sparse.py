@@ -177,3 +177,52 @@ def test_too_few_rows_are_pruned_by_magnitude(tmp_path):
     # the two largest |w| of each group survive
     top = np.argsort(np.abs(w).reshape(5, 4, 4), axis=2)[:, :, 2:]
     assert (np.take_along_axis(ints.reshape(5, 4, 4), top, axis=2) != 0).mean() > 0.9
+
+
+def test_one_survivor_per_group_keeps_the_end_that_sets_the_grid():
+    """1:4 with both of a row's grid ends in one group: the larger |w| survives, so the row's
+    max |w| (what TensorRT derives the channel's scale from) is unchanged."""
+    r = np.random.default_rng(0)
+    R, K = 4, 8
+    X = r.standard_normal((K, K)) @ r.standard_normal((K, 2000))
+    W = r.standard_normal((R, K)) * 0.3
+    W[0, 0], W[0, 1] = -2.0, 1.0            # row 0's min (largest |w|) and max share a group
+    s = np.abs(W).max(axis=1) / 127
+    ri = np.clip(np.rint(W / s[:, None]), -127, 127)
+    mask = np.zeros((1, R, K), bool)
+    for ends in (W.argmax(1), W.argmin(1)):
+        mask[0, np.arange(R), ends] = True
+    Q, Qi = gptq(W[None], (X @ X.T)[None], s[None], 0.0, -127, 127, pin=(mask, ri[None]), sparse=(1, 4),
+                 order=np.arange(K))
+    assert ((Qi[0] != 0).reshape(R, 2, 4).sum(axis=2) <= 1).all()
+    np.testing.assert_allclose(np.abs(Q[0]).max(axis=1), np.abs(W).max(axis=1), rtol=1e-12)
+
+
+def test_a_rate_never_prunes_a_grid_end():
+    r = np.random.default_rng(1)
+    X = r.standard_normal((9, 500))
+    W = r.standard_normal((3, 9))
+    s = np.abs(W).max(axis=1) / 127
+    mask = np.zeros((1, 3, 9), bool)
+    for ends in (W.argmax(1), W.argmin(1)):
+        mask[0, np.arange(3), ends] = True
+    ri = np.clip(np.rint(W / s[:, None]), -127, 127)
+    Q, Qi = gptq(W[None], (X @ X.T)[None], s[None], 0.0, -127, 127, pin=(mask, ri[None]), sparse=0.95)
+    np.testing.assert_array_equal(Qi[0][mask[0]], ri[mask[0]])
+    assert ((Qi[0] == 0).sum(axis=1) == 7).all()
+
+
+def test_sparse_with_16_bit_activations_is_refused(tmp_path):
+    path, data, model, feeds = _conv(tmp_path)
+    with pytest.raises(ConfigError, match="--sparse with --a_bits 16"):
+        dipoorlet.quantize(model=path, input_dir=data, data_num=4, deploy="qnn", output_dir=tmp_path / "o",
+                           a_bits=16, sparse="2:4")
+
+
+def test_diagnosis_blames_the_pruning(tmp_path):
+    path, data, model, feeds = _conv(tmp_path)
+    res = dipoorlet.quantize(model=path, input_dir=data, data_num=len(feeds), deploy="trt",
+                             output_dir=tmp_path / "o", act_quant="minmax", sparse="1:4", sens_samples=4)
+    rows = {d["node"]: d for d in res.report["diagnosis"]}
+    assert "--sparse 1:4 pruned this layer" in rows["conv"]["advice"]
+    assert "--gptq chooses" not in rows["conv"]["advice"]
