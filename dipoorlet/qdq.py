@@ -276,8 +276,9 @@ class Switchboard:
 
     def __init__(self, g: Graph, placement: Placement, plan: QuantPlan, off_plan: QuantPlan | None = None):
         """``off_plan``: switched off, an activation goes through its grid in ``off_plan`` (where
-        it has one: --auto_a16's 16-bit grids) instead of staying float."""
-        self.g, self.plan = g, plan
+        it has one: --auto_a16's 16-bit grids) instead of staying float, and so does a weight
+        (--auto_w8's 8-bit grids)."""
+        self.g, self.plan, self.off_plan = g, plan, off_plan
         self._cache: dict = {}
         model = onnx.ModelProto()
         model.CopyFrom(g.model)
@@ -386,10 +387,10 @@ class Switchboard:
             return "value", self._cache[key]
         return "float", self._weight(tensor)
 
-    def _fake_quant(self, tensor: str, which: str, value: np.ndarray) -> np.ndarray:
-        key = ("fq", which, tensor)
+    def _fake_quant(self, tensor: str, which: str, value: np.ndarray, off: bool = False) -> np.ndarray:
+        key = ("fq_off" if off else "fq", which, tensor)
         if key not in self._cache:
-            qp = self.plan.weights[tensor]
+            qp = (self.off_plan if off else self.plan).weights[tensor]
             self._cache[key] = dequantize_array(quantize_array(value, qp), qp).astype(value.dtype)
         return self._cache[key]
 
@@ -419,6 +420,10 @@ class Switchboard:
         acts, weights = set(acts), set(weights) & self.weight_nodes
         feed = {name: np.array(owner in acts) for owner, name in self.masks.items()}
         for name, node, tensor in self.weight_inputs:
+            if node not in weights and self.off_plan is not None and tensor in self.off_plan.weights:
+                which, value = self._value(tensor, weights | {node})    # switched off: its off_plan grid
+                feed[name] = self._resident_value(self._fake_quant(tensor, which, value, off=True))
+                continue
             which, value = self._value(tensor, weights)
             feed[name] = self._resident_value(self._fake_quant(tensor, which, value) if node in weights else value)
         for name, tensor in self.value_inputs:

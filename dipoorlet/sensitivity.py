@@ -256,34 +256,63 @@ def auto_a16(graph, places, plan, scorer: Scorer, sens: list[LayerSensitivity], 
     A trial puts the activation inputs of the ``k`` most sensitive layers (isolated score) on
     their 16-bit grids from ``wide_plan`` and keeps every weight quantized (without a
     ``wide_plan``, those inputs stay float: the stand-in, which a 16-bit grid does not always
-    match: a square root of 16-bit-rounded powers near zero in a VAD's STFT). ``k`` doubles until the target is met (or ``max_layers``, default every
-    layer, is reached; missing it there, all ``max_layers`` are kept), then a bisection finds the
-    ``k`` that meets it where ``k - 1`` does not (the score over a few samples is not monotone in
-    ``k``, so not always the smallest such ``k``): about
-    2 log2(k) trials instead of one per layer, so models whose loss is spread over many layers
-    (a recognizer, a transformer) get as many as they need. The chosen layers' inputs then get
-    16-bit grids and the error profile measures the model as written. Layers in ``fixed``
-    (an explicit --layer_bits NODE=aM) are not candidates: the promotion would not change them,
-    and a trial that scored them as 16-bit would report a target the written model misses."""
+    match: a square root of 16-bit-rounded powers near zero in a VAD's STFT). The search is
+    :func:`_promote_search`'s. The chosen layers' inputs then get 16-bit grids and the error
+    profile measures the model as written. Layers in ``fixed`` (an explicit --layer_bits
+    NODE=aM) are not candidates: the promotion would not change them, and a trial that scored
+    them as 16-bit would report a target the written model misses."""
     quantized = list(places.quantized_nodes)
+    sb, _ = scorer.board(places, plan)
+    order = [s.node for s in sorted(sens, key=lambda s: s.isolated.value(criterion)) if s.node not in fixed]
+
+    def score(wide: set) -> OutputScore:
+        acts = [n for n in quantized if n not in wide]
+        return (scorer.score_mixed(places, plan, wide_plan, acts, None) if wide_plan is not None
+                else scorer.score_variant(places, plan, acts, sb.owners))
+
+    how = "on 16-bit grids" if wide_plan is not None else "float (as 16-bit)"
+    return _promote_search(scorer, places, plan, order, score, criterion, target, max_layers, "a16",
+                           f"the %d most sensitive layers' inputs {how}")
+
+
+def auto_w8(graph, places, plan, scorer: Scorer, sens: list[LayerSensitivity], criterion: str,
+            target: float, max_layers: int | None, candidates: set, wide_plan) -> AutoSkipResult:
+    """The fewest most-sensitive layers whose weights on ``wide_plan``'s grids (the backend's
+    own width, 8 bits) meet ``target`` (--auto_w8, for models quantized with narrower weights).
+    A trial keeps every activation and every other weight on its narrow grid; only layers in
+    ``candidates`` (narrow weights, no explicit --layer_bits NODE=wN) are tried."""
+    sb, _ = scorer.board(places, plan)
+    order = [s.node for s in sorted(sens, key=lambda s: s.isolated.value(criterion)) if s.node in candidates]
+
+    def score(wide: set) -> OutputScore:
+        return scorer.score_mixed(places, plan, wide_plan, sb.owners, sb.owners - set(wide))
+
+    return _promote_search(scorer, places, plan, order, score, criterion, target, max_layers, "w8",
+                           "the %d most sensitive layers' weights on 8-bit grids")
+
+
+def _promote_search(scorer: Scorer, places, plan, order: list, score, criterion: str, target: float,
+                    max_layers: int | None, kind: str, what: str) -> AutoSkipResult:
+    """The smallest ``k`` such that promoting the first ``k`` of ``order`` (``score(set)``
+    scores a promotion) meets ``target``: ``k`` doubles until the target is met (or
+    ``max_layers``, default every candidate, is reached; missing it there, all ``max_layers``
+    are kept), then a bisection finds the ``k`` that meets it where ``k - 1`` does not (the
+    score over a few samples is not monotone in ``k``, so not always the smallest such ``k``):
+    about 2 log2(k) trials instead of one per layer, so models whose loss is spread over many
+    layers (a recognizer, a transformer) get as many as they need."""
     sb, _ = scorer.board(places, plan)
     before = scorer.score_variant(places, plan, sb.owners, sb.owners)
     res = AutoSkipResult(target, criterion, before, before)
-    order = [s.node for s in sorted(sens, key=lambda s: s.isolated.value(criterion)) if s.node not in fixed]
     cap = len(order) if max_layers is None else min(max_layers, len(order))
     res.candidates = len(order)
     tried: dict[int, OutputScore] = {0: before}
 
     def trial(k: int) -> OutputScore:
         if k not in tried:
-            wide = set(order[:k])
-            acts = [n for n in quantized if n not in wide]
-            tried[k] = (scorer.score_mixed(places, plan, wide_plan, acts, None) if wide_plan is not None
-                        else scorer.score_variant(places, plan, acts, sb.owners))
-            res.steps.append({"a16_layers": k, "cosine": tried[k].cosine, "sqnr_db": tried[k].sqnr_db})
-            log.info("auto_a16: the %d most sensitive layers' inputs %s -> output cosine %.6f, SQNR %.2f dB", k,
-                     "on 16-bit grids" if wide_plan is not None else "float (as 16-bit)",
-                     tried[k].cosine, tried[k].sqnr_db)
+            tried[k] = score(set(order[:k]))
+            res.steps.append({f"{kind}_layers": k, "cosine": tried[k].cosine, "sqnr_db": tried[k].sqnr_db})
+            log.info(f"auto_{kind}: {what} -> output cosine %.6f, SQNR %.2f dB", k, tried[k].cosine,
+                     tried[k].sqnr_db)
         return tried[k]
 
     ok = lambda k: trial(k).value(criterion) >= target
