@@ -93,10 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "inputs 16-bit grids until the output meets TARGET (mixed W8A8/W8A16)")
     p.add_argument("--max_a16_layers", type=int, default=None,
                    help="at most this many layers for --auto_a16 (default: as many as the target needs)")
+    p.add_argument("--auto_w8", default=None, metavar="TARGET",
+                   help="with weights narrower than 8 bits (--w_bits 4): give the most sensitive layers 8-bit "
+                        "weights until the output meets TARGET (mixed W4/W8)")
+    p.add_argument("--max_w8_layers", type=int, default=None,
+                   help="at most this many layers for --auto_w8 (default: as many as the target needs)")
     p.add_argument("--fail_below", type=float, default=None, metavar="COSINE",
                    help="exit with code 3 when the network output cosine is below COSINE (for CI)")
     p.add_argument("--score_outputs", nargs="+", default=[], metavar="OUTPUT",
-                   help="network outputs that --auto_skip/--auto_a16 targets, the sensitivity ranking and "
+                   help="network outputs that --auto_skip/--auto_a16/--auto_w8 targets, the sensitivity ranking and "
                         "--fail_below judge (default: every output; e.g. a recurrent model's prediction, not its state)")
     p.add_argument("--w_bits", type=int, default=None, help="weight bits for every layer (default: the platform's)")
     p.add_argument("--a_bits", type=int, default=None, help="activation bits for every layer (2..8; 16 where the backend has 16-bit activations: qnn, snpe, ort)")
@@ -268,6 +273,7 @@ def _main(args, argv, state) -> int:
                           max_float_layers=args.max_float_layers, fail_below=args.fail_below,
                           score_outputs=tuple(args.score_outputs),
                           auto_a16=args.auto_a16, max_a16_layers=args.max_a16_layers,
+                          auto_w8=args.auto_w8, max_w8_layers=args.max_w8_layers,
                           w_bits=args.w_bits, a_bits=args.a_bits, layer_bits=parse_layer_bits(args.layer_bits),
                           device=args.device, debug=debug)
         check_model_path(cfg.model)  # before -O (default <model dir>/results) is created

@@ -33,6 +33,8 @@ class QuantConfig:
     max_float_layers: int = 10
     auto_a16: str | None = None         # raise sensitive layers' inputs to 16 bits until the target
     max_a16_layers: int | None = None   # None: as many as the target needs
+    auto_w8: str | None = None          # raise sensitive layers' narrow weights to 8 bits until the target
+    max_w8_layers: int | None = None    # None: as many as the target needs
     fail_below: float | None = None
     score_outputs: tuple[str, ...] = ()   # --score_outputs: the outputs targets and --fail_below judge (default all)
     w_bits: int | None = None          # override the platform's weight bits
@@ -112,6 +114,19 @@ class QuantConfig:
             if self.auto_skip is not None:
                 raise ConfigError("--auto_skip and --auto_a16 both choose layers to treat apart; "
                                   "use one (--layer_bits NODE=a16 and --skip_layers set layers by hand)")
+        if self.max_w8_layers is not None and (isinstance(self.max_w8_layers, bool) or not isinstance(
+                self.max_w8_layers, int) or self.max_w8_layers < 1):
+            raise ConfigError(f"--max_w8_layers must be a positive integer, got {self.max_w8_layers!r}")
+        if self.auto_w8 is not None:
+            from dipoorlet.sensitivity import parse_target
+            parse_target(self.auto_w8, flag="--auto_w8")
+            if self.auto_skip is not None or self.auto_a16 is not None:
+                raise ConfigError("--auto_w8 with --auto_skip/--auto_a16: each search chooses layers to treat apart; "
+                                  "use one (--layer_bits NODE=w8, NODE=a16 and --skip_layers set layers by hand)")
+            if self.gptq or self.adaround or self.sparse is not None or self.bias_correction:
+                raise ConfigError("--auto_w8 with --gptq/--adaround/--sparse/--bc: those fit the weights to their narrow "
+                                  "grids before the search; run --auto_w8 first, then again with --layer_bits NODE=w8 "
+                                  "for the layers it chose (report.json: auto_w8.w8_layers) and --gptq/--adaround")
         if self.fail_below is not None and not -1.0 <= self.fail_below <= 1.0:
             raise ConfigError(f"--fail_below is an output cosine in [-1, 1], got {self.fail_below}")
         if self.w_bits is not None and not (isinstance(self.w_bits, int) and 2 <= self.w_bits <= 8):

@@ -274,9 +274,10 @@ def _widen_dead_channels(g: Graph, plan: QuantPlan, weight: str, s_in, bias: np.
     return True
 
 
-def plan_weights(g: Graph, places, plan: QuantPlan, plat, cfg: QuantConfig) -> None:
-    for wp in places.weights.values():
-        if wp.tensor in plan.weights:
+def plan_weights(g: Graph, places, plan: QuantPlan, plat, cfg: QuantConfig, indices=None) -> None:
+    """Grids for the placed weights not planned yet (``indices``: only those input indices)."""
+    for (_, index), wp in places.weights.items():
+        if wp.tensor in plan.weights or (indices is not None and index not in indices):
             continue
         w = g.weight(wp.tensor).astype(np.float32)
         if wp.axis is None:
@@ -302,6 +303,8 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         log.warning("--ada_iters applies with --adaround only; ignored")
     if cfg.max_a16_layers is not None and not cfg.auto_a16:
         log.warning("--max_a16_layers applies with --auto_a16 only; ignored")
+    if cfg.max_w8_layers is not None and not cfg.auto_w8:
+        log.warning("--max_w8_layers applies with --auto_w8 only; ignored")
     if cfg.stpu_wg and plat.name != "stpu":
         log.warning("--stpu_wg applies to -D stpu only; ignored on %s", plat.name)
     g, cfg = load_graph(cfg, plat)
@@ -403,7 +406,7 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         plan_biases(g, places, plan)
 
     t = time.perf_counter()
-    analysis = analyse(cfg, g, places, plan, data, comm, stats=stats, plat=plat)
+    analysis = analyse(cfg, g, places, plan, data, comm, stats=stats, plat=plat, shifted=shifted)
     if corrections is not None:
         analysis["bias_correction"] = corrections
     if reconstructed is not None:
@@ -431,6 +434,21 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
                         "or choose layers by hand (--layer_bits NODE=a16)", a16.criterion, a16.target, est, got,
                         f", below the 8-bit model's {a16.before.value(a16.criterion):.6f}"
                         if got < a16.before.value(a16.criterion) else "", plat.name)
+    w8 = analysis.get("auto_w8")
+    if w8 is not None and w8.float_layers:
+        changed = promote_w8(g, places, plan, cfg, plat, w8.float_layers, shifted)
+        log.info("auto_w8: %d layers' weights on %d-bit grids: %s", len(changed), plat.weight.bits,
+                 ", ".join(w8.float_layers[:6]) + (" ..." if len(w8.float_layers) > 6 else ""))
+        w8.measured = analysis.pop("_scorer").score(insert_qdq(g, places, plan))
+        w8.met = w8.measured.value(w8.criterion) >= w8.target     # the written model decides
+    if w8 is not None and not w8.met:
+        log.warning("auto_w8: target %s %s not met (%s %.6f with %d layers' weights on %d-bit grids over the %d "
+                    "sensitivity samples); %s", w8.criterion, w8.target, w8.criterion,
+                    (w8.measured or w8.after).value(w8.criterion), len(w8.float_layers), plat.weight.bits,
+                    analysis["sens_samples"],
+                    "what is left is not the narrow weights: activations (--auto_skip, or a backend with 16-bit "
+                    "activations and --auto_a16)" if len(w8.float_layers) >= w8.candidates
+                    else "a larger --max_w8_layers may meet it")
     analysis.pop("_scorer", None)
     if a16 is not None and not a16.met and not missed_as_written:
         log.warning("auto_a16: target %s %s not met (%s %.6f with %d layers' inputs on 16-bit grids over the %d "
@@ -535,10 +553,10 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, plat=None) -> dict:
+def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, plat=None, shifted=()) -> dict:
     """Isolated sensitivity, weight range spread and auto_skip, as the config asks."""
     out: dict = {"weight_spread": sensitivity.weight_spread(g, places)}
-    auto = cfg.auto_skip or cfg.auto_a16
+    auto = cfg.auto_skip or cfg.auto_a16 or cfg.auto_w8
     if cfg.skip_prof_layer and not auto:
         return out
     n = min(cfg.sens_samples, cfg.data_num)
@@ -568,6 +586,25 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, pl
                                                target, cfg.max_a16_layers, fixed=fixed, wide_plan=wide)
         scorer.release()           # the trials' sessions; the promoted model gets its own
         out["_scorer"] = scorer    # to measure the promoted model as written
+    if cfg.auto_w8:
+        crit, target = sensitivity.parse_target(cfg.auto_w8, flag="--auto_w8")
+        narrow = {wp.node for wp in places.weights.values()
+                  if wp.tensor in plan.weights and plan.weights[wp.tensor].bits < plat.weight.bits
+                  and cfg.layer_bits.get(wp.node, (None, None))[0] is None}   # an explicit NODE=wN stands
+        if not narrow:
+            log.warning("--auto_w8: no layer has weights narrower than %d bits (--w_bits 4 gives them); "
+                        "nothing to choose", plat.weight.bits)
+        else:
+            # every weight on the backend's own width, from the same weights: a trial switches the
+            # chosen layers' weights onto these
+            wide = QuantPlan()
+            plan_weights(g, places, wide, plat, dataclasses.replace(cfg, w_bits=None, layer_bits={}), indices=(1,))
+            # biases that absorb an activation shift through W_q: rebased on the 8-bit grids
+            wide.values = shift_mod.rebased_biases(g, plan, shifted, wide.weights)
+            out["auto_w8"] = sensitivity.auto_w8(g, places, plan, scorer, out["isolated"], crit, target,
+                                                 cfg.max_w8_layers, narrow, wide)
+            scorer.release()
+            out["_scorer"] = scorer
     if out.get("auto_skip") is not None and not out["auto_skip"].met:
         a = out["auto_skip"]
         log.warning("auto_skip: target %s %s not met (%s %.6f with %d layers float over the %d sensitivity "
@@ -617,6 +654,29 @@ def promote_a16(g: Graph, places, plan: QuantPlan, stats, cfg: QuantConfig, plat
             prod = g.producer.get(src)
             reads = src in moved or (prod is not None and prod.op_type == "Pad" and prod.input[0] in moved)
             if index == 2 and reads:
+                plan.weights.pop(wp.tensor, None)
+                del places.weights[(node_name, index)]
+        plan_biases(g, places, plan)
+    return changed
+
+
+def promote_w8(g: Graph, places, plan: QuantPlan, cfg: QuantConfig, plat, layers, shifted=()) -> list[str]:
+    """Give ``layers``' weights the backend's own width (--auto_w8's choice); biases that absorb
+    an activation shift through W_q are rebased on the new grids, int32 biases on those layers
+    are planned again (their grid is s_in * s_w). Returns the weights replanned."""
+    chosen = set(layers)
+    bits = dict(cfg.layer_bits)
+    for n in chosen:
+        bits[n] = (plat.weight.bits, bits.get(n, (None, None))[1])
+    new = QuantPlan()
+    plan_weights(g, places.restrict([n for n in places.quantized_nodes if n in chosen]), new, plat,
+                 dataclasses.replace(cfg, layer_bits=bits), indices=(1,))
+    plan.values.update(shift_mod.rebased_biases(g, plan, shifted, new.weights))
+    changed = sorted(new.weights)
+    plan.weights.update(new.weights)
+    if plat.quantize_bias and changed:
+        for (node_name, index), wp in list(places.weights.items()):
+            if index == 2 and node_name in chosen:
                 plan.weights.pop(wp.tensor, None)
                 del places.weights[(node_name, index)]
         plan_biases(g, places, plan)

@@ -427,5 +427,14 @@ class Switchboard:
             which, value = self._value(tensor, weights)
             feed[name] = self._resident_value(self._fake_quant(tensor, which, value) if node in weights else value)
         for name, tensor in self.value_inputs:
+            owner = self.plan.value_owners.get(tensor)
+            if (self.off_plan is not None and tensor in self.off_plan.values and owner in self.weight_nodes
+                    and owner not in weights):     # its layer's weight is switched to the off_plan grid
+                key = ("value_off", tensor)
+                if key not in self._cache:
+                    self._cache[key] = np.ascontiguousarray(
+                        np.asarray(self.off_plan.values[tensor], dtype=self._weight(tensor).dtype))
+                feed[name] = self._resident_value(self._cache[key])
+                continue
             feed[name] = self._resident_value(self._value(tensor, weights)[1])
         return feed

@@ -125,6 +125,13 @@ def build(rows, places, meta: dict, analysis: dict | None = None, stats=None, pl
                            "after_estimated": _score(a.after),
                            **({"after_measured": _score(a.measured)} if a.measured is not None else {}),
                            "steps": a.steps}
+    a = analysis.get("auto_w8")
+    if a is not None:
+        rep["auto_w8"] = {"criterion": a.criterion, "target": a.target, "met": a.met,
+                          "w8_layers": a.float_layers, "before": _score(a.before),
+                          "after_estimated": _score(a.after),
+                          **({"after_measured": _score(a.measured)} if a.measured is not None else {}),
+                          "steps": a.steps}
     if stats is not None and plan is not None:
         focus = list(dict.fromkeys(rep["most_sensitive_layers"][:5] + worst_nodes[:5]))
         rep["activation_histograms"] = _histograms(focus, places, stats, plan,
@@ -196,6 +203,10 @@ def markdown(report: dict) -> str:
     if a:
         out += _auto_section("auto_a16", a, ", estimated by the search", "inputs on 16-bit grids",
                              a["a16_layers"], a["after_estimated"], " (the outputs table measures the model as written)")
+    a = report.get("auto_w8")
+    if a:
+        out += _auto_section("auto_w8", a, ", as written", "weights on 8-bit grids", a["w8_layers"],
+                             a.get("after_measured") or a["after_estimated"], "")
     skipped = [d for d in report["decisions"] if not d["quantized"] and "not quantized on" not in d["reason"]]
     if skipped:
         out += ["", "## Nodes kept in float, and why", "",

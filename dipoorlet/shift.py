@@ -174,6 +174,32 @@ def _absorb(g, node, d: float, wq: np.ndarray) -> tuple[str, np.ndarray, str | N
     return name, (b - delta_q).astype(np.float32), old
 
 
+def rebased_biases(g, plan, rows, weights: dict) -> dict:
+    """The quantized-model biases that absorb a shift (``b - W_q d``) for other weight grids:
+    ``weights`` maps weight tensor -> QParams (--auto_w8's 8-bit grids). Returns bias name ->
+    value for the consumers of ``rows`` (this module's report rows) whose weight has a new grid;
+    the shift itself is unchanged."""
+    out = {}
+    for r in rows:
+        for name in r["consumers"]:
+            node = g.node_by_name[name]
+            wt = node.input[1]
+            if wt not in weights or wt not in plan.weights:
+                continue
+            owned = [k for k, o in plan.value_owners.items() if o == name and k != wt and k in plan.values]
+            if len(owned) != 1:
+                continue
+            w = g.weight(wt)
+            old = dequantize_array(quantize_array(w, plan.weights[wt]), plan.weights[wt]).astype(np.float64)
+            new = dequantize_array(quantize_array(w, weights[wt]), weights[wt]).astype(np.float64)
+            corr = r["shift"] * (_weight_sums(node, old) - _weight_sums(node, new))
+            if node.op_type == "Gemm":
+                corr = corr * float(node_attr(node, "alpha", 1.0)) / float(node_attr(node, "beta", 1.0))
+            b = np.asarray(plan.values[owned[0]])
+            out[owned[0]] = (b.astype(np.float64) + corr.reshape(b.shape)).astype(b.dtype)
+    return out
+
+
 def _drop(g, names: set) -> None:
     """Remove the replaced biases no node reads any more, and their graph-input entries (old
     exporters list initializers as inputs), one by one: rebuilding the initializer list would
