@@ -1,0 +1,91 @@
+"""--auto_w8: the most sensitive layers' narrow weights promoted to the backend's 8-bit grids.
+Oracles: the written model's integers (numpy), onnxruntime scores of the written model (the
+search's estimate must equal them), the plain W8 model."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+from dipoorlet.errors import ConfigError
+
+from conftest import make_model, quantize_model, rand, vi
+
+
+def _chain(n=4, relu=True):
+    """x -> Conv 1x1 -> (Relu) -> ... with biases: one reader per tensor (unpadded, so trt
+    shifts the Relu outputs)."""
+    inits = {}
+    nodes = []
+    src = "x"
+    for i in range(n):
+        inits[f"w{i}"] = rand((6, 6, 1, 1), i, 0.5)
+        inits[f"b{i}"] = rand((6,), 10 + i, 0.1)
+        nodes.append(helper.make_node("Conv", [src, f"w{i}", f"b{i}"], [f"c{i}"], name=f"conv{i}"))
+        src = f"c{i}"
+        if relu and i < n - 1:
+            nodes.append(helper.make_node("Relu", [src], [f"r{i}"], name=f"relu{i}"))
+            src = f"r{i}"
+    return make_model(nodes, [vi("x", [1, 6, 8, 8])], [vi(src, [1, 6, 8, 8])], inits)
+
+
+def _weight_ints(q: onnx.ModelProto, name: str) -> np.ndarray:
+    inits = {t.name: numpy_helper.to_array(t) for t in q.graph.initializer}
+    for node in q.graph.node:
+        if node.op_type == "QuantizeLinear" and node.input[0] == name:
+            scale = inits[node.input[1]]
+            return np.rint(inits[name] / scale.reshape(-1, 1, 1, 1))
+        if node.op_type == "DequantizeLinear" and node.input[0] in inits and name in node.output[0]:
+            return inits[node.input[0]].astype(np.float64)
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("shift", [False, True])
+def test_search_estimate_is_the_written_model_and_the_chosen_weights_are_8_bit(tmp_path, shift):
+    """On a chain (one reader per tensor) the search's final estimate equals what the written
+    model measures on the same samples, with and without the activation shift (whose biases
+    absorb the shift through W_q and must follow the new grids); the chosen layers' weights use
+    8-bit levels, the others stay within 4-bit ones."""
+    model = _chain()
+    res, q = quantize_model(tmp_path, model, n=8, w_bits=4, auto_w8="sqnr:60", shift=shift, sens_samples=6)
+    a = res.report["auto_w8"]
+    assert a["w8_layers"] and a["steps"]
+    assert a["after_measured"]["cosine"] == pytest.approx(a["after_estimated"]["cosine"], abs=1e-6)
+    assert a["after_measured"]["sqnr_db"] == pytest.approx(a["after_estimated"]["sqnr_db"], abs=1e-3)
+    for i in range(4):
+        ints = _weight_ints(q, f"w{i}")
+        if f"conv{i}" in a["w8_layers"]:
+            assert np.abs(ints).max() == 127
+        else:
+            assert np.abs(ints).max() <= 7
+    if shift:
+        assert res.report.get("shift"), "the chain's Relu outputs should be shifted on trt"
+
+
+def test_all_layers_promoted_is_the_8_bit_model(tmp_path):
+    """A target no 4-bit layer can meet promotes every layer: the written model then scores as
+    the plain W8 model does."""
+    model = _chain(3)
+    res, _ = quantize_model(tmp_path / "a", model, n=6, w_bits=4, auto_w8="sqnr:200", sens_samples=4)
+    ref, _ = quantize_model(tmp_path / "b", model, n=6, sens_samples=4, auto_skip="sqnr:0.0")
+    a = res.report["auto_w8"]
+    assert sorted(a["w8_layers"]) == ["conv0", "conv1", "conv2"] and not a["met"]
+    assert a["after_measured"]["sqnr_db"] == pytest.approx(ref.report["auto_skip"]["before"]["sqnr_db"], abs=1e-3)
+
+
+def test_nothing_narrow_skips_the_search(tmp_path, caplog):
+    res, _ = quantize_model(tmp_path, _chain(2), n=4, auto_w8="0.99", sens_samples=2)
+    assert "auto_w8" not in res.report
+    assert "no layer has weights narrower" in caplog.text
+
+
+@pytest.mark.parametrize("kw,text", [
+    ({"auto_w8": "0.99", "adaround": True}, "--auto_w8 with --gptq/--adaround"),
+    ({"auto_w8": "0.99", "auto_skip": "0.99"}, "--auto_w8 with --auto_skip/--auto_a16"),
+    ({"auto_w8": "bad"}, "--auto_w8 'bad'"),
+    ({"auto_w8": "0.99", "max_w8_layers": 0}, "--max_w8_layers must be a positive integer"),
+])
+def test_bad_settings(tmp_path, kw, text):
+    with pytest.raises(ConfigError, match=text):
+        quantize_model(tmp_path, _chain(2), n=2, w_bits=4, **kw)
