@@ -274,10 +274,15 @@ def _widen_dead_channels(g: Graph, plan: QuantPlan, weight: str, s_in, bias: np.
     return True
 
 
-def plan_weights(g: Graph, places, plan: QuantPlan, plat, cfg: QuantConfig, indices=None) -> None:
-    """Grids for the placed weights not planned yet (``indices``: only those input indices)."""
-    for (_, index), wp in places.weights.items():
-        if wp.tensor in plan.weights or (indices is not None and index not in indices):
+def is_bias(g: Graph, node_name: str, index: int) -> bool:
+    """A Conv/ConvTranspose/Gemm bias input (int32 on backends that quantize biases)."""
+    return index == 2 and g.node_by_name[node_name].op_type in ("Conv", "ConvTranspose", "Gemm")
+
+
+def plan_weights(g: Graph, places, plan: QuantPlan, plat, cfg: QuantConfig, skip_biases: bool = False) -> None:
+    """Grids for the placed weights not planned yet (``skip_biases``: not the bias inputs)."""
+    for (name, index), wp in places.weights.items():
+        if wp.tensor in plan.weights or (skip_biases and is_bias(g, name, index)):
             continue
         w = g.weight(wp.tensor).astype(np.float32)
         if wp.axis is None:
@@ -446,9 +451,11 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
                     "sensitivity samples); %s", w8.criterion, w8.target, w8.criterion,
                     (w8.measured or w8.after).value(w8.criterion), len(w8.float_layers), plat.weight.bits,
                     analysis["sens_samples"],
-                    "what is left is not the narrow weights: activations (--auto_skip, or a backend with 16-bit "
-                    "activations and --auto_a16)" if len(w8.float_layers) >= w8.candidates
-                    else "a larger --max_w8_layers may meet it")
+                    ("what is left is not the candidates' weights: activations (--auto_skip, or a backend with "
+                     "16-bit activations and --auto_a16)" if len(w8.float_layers) >= w8.candidates
+                     else "a larger --max_w8_layers may meet it")
+                    + (f"; {sum(1 for b in cfg.layer_bits.values() if b[0])} layers with an explicit --layer_bits "
+                       "weight width were not candidates" if any(b[0] for b in cfg.layer_bits.values()) else ""))
     analysis.pop("_scorer", None)
     if a16 is not None and not a16.met and not missed_as_written:
         log.warning("auto_a16: target %s %s not met (%s %.6f with %d layers' inputs on 16-bit grids over the %d "
@@ -588,19 +595,39 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, pl
         out["_scorer"] = scorer    # to measure the promoted model as written
     if cfg.auto_w8:
         crit, target = sensitivity.parse_target(cfg.auto_w8, flag="--auto_w8")
-        narrow = {wp.node for wp in places.weights.values()
-                  if wp.tensor in plan.weights and plan.weights[wp.tensor].bits < plat.weight.bits
-                  and cfg.layer_bits.get(wp.node, (None, None))[0] is None}   # an explicit NODE=wN stands
+        readers: dict[str, int] = {}
+        for wp in places.weights.values():
+            readers[wp.tensor] = readers.get(wp.tensor, 0) + 1
+        weights = [(name, wp) for (name, index), wp in places.weights.items()
+                   if not is_bias(g, name, index) and wp.tensor in plan.weights]
+        explicit = {name for name, _ in weights if cfg.layer_bits.get(name, (None, None))[0] is not None}
+        # candidates: narrow weights read by this node alone (a shared weight has one grid for
+        # every reader, which a trial of one reader would not score), no explicit NODE=wN
+        narrow = {name for name, wp in weights
+                  if plan.weights[wp.tensor].bits < plat.weight.bits and name not in explicit
+                  and readers[wp.tensor] == 1}
+        shared = {name for name, wp in weights if plan.weights[wp.tensor].bits < plat.weight.bits
+                  and name not in explicit and readers[wp.tensor] > 1}
+        if shared:
+            log.info("--auto_w8: %d layers read a weight another layer also reads and are not candidates: %s",
+                     len(shared), ", ".join(sorted(shared)[:6]))
         if not narrow:
-            log.warning("--auto_w8: no layer has weights narrower than %d bits (--w_bits 4 gives them); "
-                        "nothing to choose", plat.weight.bits)
+            log.warning("--auto_w8: no candidate layer (weights narrower than %d bits, read by one layer, without an "
+                        "explicit --layer_bits NODE=wN: %d such explicit layers); nothing to choose",
+                        plat.weight.bits, len(explicit))
         else:
             # every weight on the backend's own width, from the same weights: a trial switches the
             # chosen layers' weights onto these
             wide = QuantPlan()
-            plan_weights(g, places, wide, plat, dataclasses.replace(cfg, w_bits=None, layer_bits={}), indices=(1,))
+            plan_weights(g, places, wide, plat, dataclasses.replace(cfg, w_bits=None, layer_bits={}), skip_biases=True)
             # biases that absorb an activation shift through W_q: rebased on the 8-bit grids
             wide.values = shift_mod.rebased_biases(g, plan, shifted, wide.weights)
+            if plat.quantize_bias:
+                # int32 biases on s_in * s_w8, planned as the written model's will be
+                full = QuantPlan(activations=dict(plan.activations), weights=dict(wide.weights),
+                                 values={**plan.values, **wide.values})
+                plan_biases(g, places.restrict(list(places.quantized_nodes)), full)
+                wide.weights = full.weights
             out["auto_w8"] = sensitivity.auto_w8(g, places, plan, scorer, out["isolated"], crit, target,
                                                  cfg.max_w8_layers, narrow, wide)
             scorer.release()
@@ -670,7 +697,7 @@ def promote_w8(g: Graph, places, plan: QuantPlan, cfg: QuantConfig, plat, layers
         bits[n] = (plat.weight.bits, bits.get(n, (None, None))[1])
     new = QuantPlan()
     plan_weights(g, places.restrict([n for n in places.quantized_nodes if n in chosen]), new, plat,
-                 dataclasses.replace(cfg, layer_bits=bits), indices=(1,))
+                 dataclasses.replace(cfg, layer_bits=bits), skip_biases=True)
     plan.values.update(shift_mod.rebased_biases(g, plan, shifted, new.weights))
     changed = sorted(new.weights)
     plan.weights.update(new.weights)

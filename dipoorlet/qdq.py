@@ -421,7 +421,12 @@ class Switchboard:
         feed = {name: np.array(owner in acts) for owner, name in self.masks.items()}
         for name, node, tensor in self.weight_inputs:
             if node not in weights and self.off_plan is not None and tensor in self.off_plan.weights:
-                which, value = self._value(tensor, weights | {node})    # switched off: its off_plan grid
+                # switched off: its off_plan grid, and the off_plan's value where it has one (a
+                # bias rebased on the off grid's W_q)
+                if tensor in self.off_plan.values:
+                    which, value = "value_off", np.asarray(self.off_plan.values[tensor], self._weight(tensor).dtype)
+                else:
+                    which, value = self._value(tensor, weights | {node})
                 feed[name] = self._resident_value(self._fake_quant(tensor, which, value, off=True))
                 continue
             which, value = self._value(tensor, weights)

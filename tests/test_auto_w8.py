@@ -3,6 +3,8 @@ Oracles: the written model's integers (numpy), onnxruntime scores of the written
 search's estimate must equal them), the plain W8 model."""
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import onnx
 import pytest
@@ -41,24 +43,27 @@ def _weight_ints(q: onnx.ModelProto, name: str) -> np.ndarray:
     raise AssertionError(name)
 
 
-@pytest.mark.parametrize("shift", [False, True])
-def test_search_estimate_is_the_written_model_and_the_chosen_weights_are_8_bit(tmp_path, shift):
+@pytest.mark.parametrize("shift,deploy", [(False, "trt"), (True, "trt"), (False, "snpe"), (False, "qnn")])
+def test_search_estimate_is_the_written_model_and_the_chosen_weights_are_8_bit(tmp_path, shift, deploy):
     """On a chain (one reader per tensor) the search's final estimate equals what the written
     model measures on the same samples, with and without the activation shift (whose biases
-    absorb the shift through W_q and must follow the new grids); the chosen layers' weights use
-    8-bit levels, the others stay within 4-bit ones."""
+    absorb the shift through W_q and must follow the new grids), and on backends with int32
+    biases (planned again on s_in * s_w8 in the trial as in the written model); on trt the
+    chosen layers' weights use 8-bit levels, the others stay within 4-bit ones."""
     model = _chain()
-    res, q = quantize_model(tmp_path, model, n=8, w_bits=4, auto_w8="sqnr:60", shift=shift, sens_samples=6)
+    res, q = quantize_model(tmp_path, model, n=8, w_bits=4, auto_w8="sqnr:60", shift=shift, sens_samples=6,
+                            deploy=deploy)
     a = res.report["auto_w8"]
     assert a["w8_layers"] and a["steps"]
     assert a["after_measured"]["cosine"] == pytest.approx(a["after_estimated"]["cosine"], abs=1e-6)
     assert a["after_measured"]["sqnr_db"] == pytest.approx(a["after_estimated"]["sqnr_db"], abs=1e-3)
-    for i in range(4):
-        ints = _weight_ints(q, f"w{i}")
-        if f"conv{i}" in a["w8_layers"]:
-            assert np.abs(ints).max() == 127
-        else:
-            assert np.abs(ints).max() <= 7
+    if deploy == "trt":     # symmetric per-channel grids: the levels tell the width
+        for i in range(4):
+            ints = _weight_ints(q, f"w{i}")
+            if f"conv{i}" in a["w8_layers"]:
+                assert np.abs(ints).max() == 127
+            else:
+                assert np.abs(ints).max() <= 7
     if shift:
         assert res.report.get("shift"), "the chain's Relu outputs should be shifted on trt"
 
@@ -77,7 +82,7 @@ def test_all_layers_promoted_is_the_8_bit_model(tmp_path):
 def test_nothing_narrow_skips_the_search(tmp_path, caplog):
     res, _ = quantize_model(tmp_path, _chain(2), n=4, auto_w8="0.99", sens_samples=2)
     assert "auto_w8" not in res.report
-    assert "no layer has weights narrower" in caplog.text
+    assert "no candidate layer" in caplog.text
 
 
 @pytest.mark.parametrize("kw,text", [
@@ -89,3 +94,20 @@ def test_nothing_narrow_skips_the_search(tmp_path, caplog):
 def test_bad_settings(tmp_path, kw, text):
     with pytest.raises(ConfigError, match=text):
         quantize_model(tmp_path, _chain(2), n=2, w_bits=4, **kw)
+
+
+def test_a_shared_weight_is_no_candidate(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    """Two Convs read one weight: one grid serves both in the written model, so neither is a
+    candidate (a trial of one reader would score a model that is not written)."""
+    inits = {"ws": rand((6, 6, 1, 1), 1, 0.5), "w2": rand((6, 6, 1, 1), 2, 0.5)}
+    nodes = [helper.make_node("Conv", ["x", "ws"], ["a"], name="convA"),
+             helper.make_node("Relu", ["a"], ["ra"], name="reluA"),
+             helper.make_node("Conv", ["ra", "ws"], ["b"], name="convB"),
+             helper.make_node("Conv", ["b", "w2"], ["y"], name="conv2")]
+    model = make_model(nodes, [vi("x", [1, 6, 8, 8])], [vi("y", [1, 6, 8, 8])], inits)
+    res, _ = quantize_model(tmp_path, model, n=6, w_bits=4, auto_w8="sqnr:200", sens_samples=4)
+    a = res.report["auto_w8"]
+    assert a["w8_layers"] == ["conv2"]
+    assert "convA" in caplog.text and "not candidates" in caplog.text
+    assert a["after_measured"]["sqnr_db"] == pytest.approx(a["after_estimated"]["sqnr_db"], abs=1e-3)
