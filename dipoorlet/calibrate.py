@@ -31,7 +31,10 @@ def collect(graph, data, indices, targets: list[str], comm, histograms: bool, bi
             device="cpu") -> dict[str, TensorStats]:
     """Ranges of every target (merged across processes), plus histograms if asked."""
     # With histograms, leave one core to the numpy binning thread (it overlaps inference).
-    threads = max(1, (os.cpu_count() or 2) - 1) if histograms else 0
+    from dipoorlet.threads import session_threads
+
+    cores = session_threads() or (os.cpu_count() or 2)      # under MPI: this process's share
+    threads = max(1, cores - 1) if histograms else 0
     runner = Runner(graph.model, targets if histograms else [], reduce_minmax=targets,
                     types=graph.types, device=device, threads=threads, spin=not histograms)
     if not histograms:

@@ -106,6 +106,9 @@ class Runner:
         so.log_severity_level = 3
         so.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
                                        else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+        from dipoorlet.threads import session_threads
+
+        threads = threads or session_threads()       # under MPI: this process's share of the cores
         if threads:
             so.intra_op_num_threads = threads
         if not spin:
