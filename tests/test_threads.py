@@ -1,0 +1,53 @@
+"""Threads per MPI process (dipoorlet/threads.py): the launcher's variables -> each process's
+share of the node's cores, without overriding what the user set."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from dipoorlet import threads
+
+VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_LOCAL_SIZE", "PMIX_LOCAL_SIZE",
+        "SLURM_STEP_NUM_TASKS", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NODEID",
+        "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", threads.ENV)
+
+
+@pytest.fixture
+def env(monkeypatch):
+    for v in VARS:
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    return monkeypatch
+
+
+def test_outside_mpi_nothing_is_set(env):
+    assert threads.share_cores() is None
+    assert "OMP_NUM_THREADS" not in os.environ and threads.session_threads() == 0
+
+
+@pytest.mark.parametrize("var", ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"])
+def test_local_processes_share_the_cores(env, var):
+    env.setenv(var, "4")
+    assert threads.share_cores() == 2
+    assert os.environ["OPENBLAS_NUM_THREADS"] == "2" and threads.session_threads() == 2
+
+
+def test_the_users_settings_win(env):
+    env.setenv("MPI_LOCALNRANKS", "2")
+    env.setenv("OMP_NUM_THREADS", "3")
+    threads.share_cores()
+    assert os.environ["OMP_NUM_THREADS"] == "3" and os.environ["OPENBLAS_NUM_THREADS"] == "4"
+
+
+def test_more_processes_than_cores_get_one_thread(env):
+    env.setenv("MPI_LOCALNRANKS", "32")
+    assert threads.share_cores() == 1
+
+
+@pytest.mark.parametrize("spec,node,want", [("2(x3),1", "0", 2), ("2(x3),1", "3", 1), ("4", "0", 4), ("bad", "0", 1)])
+def test_srun_tasks_on_this_node(env, spec, node, want):
+    env.setenv("SLURM_STEP_NUM_TASKS", "7")
+    env.setenv("SLURM_STEP_TASKS_PER_NODE", spec)
+    env.setenv("SLURM_NODEID", node)
+    assert threads.local_processes() == want
