@@ -15,8 +15,9 @@ VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_LOCAL_S
 
 @pytest.fixture
 def env(monkeypatch):
-    for v in VARS:
-        monkeypatch.delenv(v, raising=False)
+    for v in VARS:   # set, then delete: teardown restores each (what share_cores sets does not leak)
+        monkeypatch.setenv(v, "x")
+        monkeypatch.delenv(v)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     return monkeypatch
 
