@@ -123,10 +123,11 @@ class QuantConfig:
             if self.auto_skip is not None or self.auto_a16 is not None:
                 raise ConfigError("--auto_w8 with --auto_skip/--auto_a16: each search chooses layers to treat apart; "
                                   "use one (--layer_bits NODE=w8, NODE=a16 and --skip_layers set layers by hand)")
-            if self.gptq or self.adaround or self.sparse is not None or self.bias_correction:
-                raise ConfigError("--auto_w8 with --gptq/--adaround/--sparse/--bc: those fit the weights to their narrow "
-                                  "grids before the search; run --auto_w8 first, then again with --layer_bits NODE=w8 "
-                                  "for the layers it chose (report.json: auto_w8.w8_layers) and --gptq/--adaround")
+            if self.sparse is not None or self.bias_correction:
+                raise ConfigError("--auto_w8 with --sparse/--bc: those fit the weights to their narrow grids before "
+                                  "the search; run --auto_w8 first, then again with --layer_bits NODE=w8 for the layers "
+                                  "it chose (report.json: auto_w8.w8_layers) and --sparse/--bc (--gptq and --adaround "
+                                  "combine with --auto_w8: they are fitted after the search)")
         if self.fail_below is not None and not -1.0 <= self.fail_below <= 1.0:
             raise ConfigError(f"--fail_below is an output cosine in [-1, 1], got {self.fail_below}")
         if self.w_bits is not None and not (isinstance(self.w_bits, int) and 2 <= self.w_bits <= 8):

@@ -394,7 +394,10 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         timings["bias_correction_s"] = time.perf_counter() - t
     reconstructed = None
     rounding = "adaround" if cfg.adaround else "sparse" if cfg.sparse is not None else "gptq" if cfg.gptq else None
-    if rounding:
+    # with --auto_w8 the rounding is fitted after the search, on the grids the search leaves
+    defer = rounding in ("gptq", "adaround") and cfg.auto_w8 is not None
+
+    def fit_rounding(places, plan):
         from dipoorlet import reconstruct
 
         t = time.perf_counter()
@@ -402,11 +405,15 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         if k < cfg.data_num and not cfg.gptq_samples:
             log.info("%s: statistics over the first %d of %d samples (--gptq_samples to change)", rounding, k,
                      cfg.data_num)
-        reconstructed = reconstruct.reconstruct(g, places, plan, data, shard(k, comm.rank, comm.world), comm,
-                                                cfg.device, cfg.gptq_memory, samples=k,
-                                                method="adaround" if cfg.adaround else "gptq",
-                                                iters=cfg.ada_iters, sparse=cfg.sparse)
+        out = reconstruct.reconstruct(g, places, plan, data, shard(k, comm.rank, comm.world), comm,
+                                      cfg.device, cfg.gptq_memory, samples=k,
+                                      method="adaround" if cfg.adaround else "gptq",
+                                      iters=cfg.ada_iters, sparse=cfg.sparse)
         timings[f"{rounding}_s"] = time.perf_counter() - t
+        return out
+
+    if rounding and not defer:
+        reconstructed = fit_rounding(places, plan)
     if plat.quantize_bias:
         plan_biases(g, places, plan)
 
@@ -444,8 +451,13 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         changed = promote_w8(g, places, plan, cfg, plat, w8.float_layers, shifted)
         log.info("auto_w8: %d layers' weights on %d-bit grids: %s", len(changed), plat.weight.bits,
                  ", ".join(w8.float_layers[:6]) + (" ..." if len(w8.float_layers) > 6 else ""))
+    if defer:
+        reconstructed = fit_rounding(places, plan)
+        analysis[rounding] = reconstructed
+    if w8 is not None and (w8.float_layers or defer):
+        # the written model (promoted grids, and the rounding fitted on them) decides
         w8.measured = analysis.pop("_scorer").score(insert_qdq(g, places, plan))
-        w8.met = w8.measured.value(w8.criterion) >= w8.target     # the written model decides
+        w8.met = w8.measured.value(w8.criterion) >= w8.target
     if w8 is not None and not w8.met:
         log.warning("auto_w8: target %s %s not met (%s %.6f with %d layers' weights on %d-bit grids over the %d "
                     "sensitivity samples); %s", w8.criterion, w8.target, w8.criterion,

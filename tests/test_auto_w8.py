@@ -86,7 +86,8 @@ def test_nothing_narrow_skips_the_search(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("kw,text", [
-    ({"auto_w8": "0.99", "adaround": True}, "--auto_w8 with --gptq/--adaround"),
+    ({"auto_w8": "0.99", "sparse": "2:4"}, "--auto_w8 with --sparse/--bc"),
+    ({"auto_w8": "0.99", "bias_correction": True}, "--auto_w8 with --sparse/--bc"),
     ({"auto_w8": "0.99", "auto_skip": "0.99"}, "--auto_w8 with --auto_skip/--auto_a16"),
     ({"auto_w8": "bad"}, "--auto_w8 'bad'"),
     ({"auto_w8": "0.99", "max_w8_layers": 0}, "--max_w8_layers must be a positive integer"),
@@ -111,3 +112,28 @@ def test_a_shared_weight_is_no_candidate(tmp_path, caplog):
     assert a["w8_layers"] == ["conv2"]
     assert "convA" in caplog.text and "not candidates" in caplog.text
     assert a["after_measured"]["sqnr_db"] == pytest.approx(a["after_estimated"]["sqnr_db"], abs=1e-3)
+
+
+@pytest.mark.parametrize("rounding", ["adaround", "gptq"])
+def test_rounding_is_fitted_after_the_search_on_its_grids(tmp_path, rounding):
+    """--auto_w8 with --adaround/--gptq: the search runs on nearest rounding, the rounding is then
+    fitted on the grids it leaves (8-bit weights for the chosen layers, 4-bit for the others),
+    and the written model, rounding included, is what is measured: after_measured equals the SQNR
+    onnxruntime gives quant_model.onnx on the sensitivity samples."""
+    from conftest import input_feeds, ort_run
+
+    model = _chain()
+    extra = {"adaround": True, "ada_iters": 200} if rounding == "adaround" else {"gptq": True}
+    res, q = quantize_model(tmp_path, model, n=8, w_bits=4, auto_w8="sqnr:60", sens_samples=6, **extra)
+    a, r = res.report["auto_w8"], res.report[rounding]
+    assert a["w8_layers"] and r["layers"] >= 1
+    for i in range(4):
+        ints = _weight_ints(q, f"w{i}")
+        assert np.abs(ints).max() == (127 if f"conv{i}" in a["w8_layers"] else 7)
+    feeds = input_feeds(model, 8)[:6]
+    sig = err = 0.0
+    for f in feeds:
+        ref, got = ort_run(model, f)[0].astype(np.float64), ort_run(q, f)[0].astype(np.float64)
+        sig += float(np.sum(ref ** 2))
+        err += float(np.sum((ref - got) ** 2))
+    assert a["after_measured"]["sqnr_db"] == pytest.approx(10 * np.log10(sig / err), abs=1e-3)
