@@ -222,3 +222,18 @@ def stats_from(x: np.ndarray, bins: int = 2048) -> TensorStats:
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+def weight_ints(q: onnx.ModelProto, name: str) -> np.ndarray:
+    """The integers the quantized model's weight DequantizeLinear reads for float weight ``name``."""
+    inits = {t.name: numpy_helper.to_array(t) for t in q.graph.initializer}
+    for node in q.graph.node:
+        if node.op_type == "DequantizeLinear" and node.input[0] in inits and inits[node.input[0]].dtype == np.int8:
+            if name in node.input[0] or name in node.output[0]:
+                return inits[node.input[0]]
+    # weights stored float with a Q/DQ pair on them: quantize as the model would
+    for node in q.graph.node:
+        if node.op_type == "QuantizeLinear" and node.input[0] == name:
+            scale = inits[node.input[1]]
+            return np.rint(inits[name] / scale.reshape(-1, *[1] * (inits[name].ndim - 1))).astype(np.int64)
+    raise AssertionError(f"no quantized weight for {name}")

@@ -6,13 +6,12 @@ from __future__ import annotations
 import logging
 
 import numpy as np
-import onnx
 import pytest
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from dipoorlet.errors import ConfigError
 
-from conftest import make_model, quantize_model, rand, vi
+from conftest import make_model, quantize_model, rand, vi, weight_ints
 
 
 def _chain(n=4, relu=True):
@@ -32,17 +31,6 @@ def _chain(n=4, relu=True):
     return make_model(nodes, [vi("x", [1, 6, 8, 8])], [vi(src, [1, 6, 8, 8])], inits)
 
 
-def _weight_ints(q: onnx.ModelProto, name: str) -> np.ndarray:
-    inits = {t.name: numpy_helper.to_array(t) for t in q.graph.initializer}
-    for node in q.graph.node:
-        if node.op_type == "QuantizeLinear" and node.input[0] == name:
-            scale = inits[node.input[1]]
-            return np.rint(inits[name] / scale.reshape(-1, 1, 1, 1))
-        if node.op_type == "DequantizeLinear" and node.input[0] in inits and name in node.output[0]:
-            return inits[node.input[0]].astype(np.float64)
-    raise AssertionError(name)
-
-
 @pytest.mark.parametrize("shift,deploy", [(False, "trt"), (True, "trt"), (False, "snpe"), (False, "qnn")])
 def test_search_estimate_is_the_written_model_and_the_chosen_weights_are_8_bit(tmp_path, shift, deploy):
     """On a chain (one reader per tensor) the search's final estimate equals what the written
@@ -59,7 +47,7 @@ def test_search_estimate_is_the_written_model_and_the_chosen_weights_are_8_bit(t
     assert a["after_measured"]["sqnr_db"] == pytest.approx(a["after_estimated"]["sqnr_db"], abs=1e-3)
     if deploy == "trt":     # symmetric per-channel grids: the levels tell the width
         for i in range(4):
-            ints = _weight_ints(q, f"w{i}")
+            ints = weight_ints(q, f"w{i}")
             if f"conv{i}" in a["w8_layers"]:
                 assert np.abs(ints).max() == 127
             else:
@@ -128,7 +116,7 @@ def test_rounding_is_fitted_after_the_search_on_its_grids(tmp_path, rounding):
     a, r = res.report["auto_w8"], res.report[rounding]
     assert a["w8_layers"] and r["layers"] >= 1
     for i in range(4):
-        ints = _weight_ints(q, f"w{i}")
+        ints = weight_ints(q, f"w{i}")
         assert np.abs(ints).max() == (127 if f"conv{i}" in a["w8_layers"] else 7)
     feeds = input_feeds(model, 8)[:6]
     sig = err = 0.0

@@ -15,7 +15,7 @@ from dipoorlet.config import parse_sparse
 from dipoorlet.errors import ConfigError
 from dipoorlet.reconstruct import gptq
 
-from conftest import make_model, ort_run, save, vi, write_samples
+from conftest import make_model, ort_run, save, vi, weight_ints, write_samples
 
 
 def _problem(seed, R=16, K=64, P=3000):
@@ -86,21 +86,6 @@ def _conv(tmp_path, cin=8, seed=0):
     return save(model, tmp_path / "m.onnx"), write_samples(tmp_path / "data", feeds), model, feeds
 
 
-def _weight_ints(q: onnx.ModelProto, name: str) -> np.ndarray:
-    """The integers the quantized model's weight DequantizeLinear reads for float weight ``name``."""
-    inits = {t.name: numpy_helper.to_array(t) for t in q.graph.initializer}
-    for node in q.graph.node:
-        if node.op_type == "DequantizeLinear" and node.input[0] in inits and inits[node.input[0]].dtype == np.int8:
-            if name in node.input[0] or name in node.output[0]:
-                return inits[node.input[0]]
-    # weights stored float with a Q/DQ pair on them: quantize as the model would
-    for node in q.graph.node:
-        if node.op_type == "QuantizeLinear" and node.input[0] == name:
-            scale = inits[node.input[1]]
-            return np.rint(inits[name] / scale.reshape(-1, *[1] * (inits[name].ndim - 1))).astype(np.int64)
-    raise AssertionError(f"no quantized weight for {name}")
-
-
 def test_sparse_conv_from_the_api_keeps_2_of_4_input_channels_per_tap(tmp_path):
     """End to end: every (output channel, tap) has at most 2 non-zero integers in each group of
     4 input channels; the reported error equals the one onnxruntime measures; pruning with
@@ -118,7 +103,7 @@ def test_sparse_conv_from_the_api_keeps_2_of_4_input_channels_per_tap(tmp_path):
                   for f in feeds)
         runs[how] = (q, err, json.loads((out / "report.json").read_text()))
     q, err, rep = runs["sparse"]
-    ints = _weight_ints(q, "w")
+    ints = weight_ints(q, "w")
     assert ints.shape == (6, 8, 3, 3)
     assert ((ints.reshape(6, 2, 4, 3, 3) != 0).sum(axis=2) <= 2).all()
     assert rep["sparse"]["pattern"] == "2:4" and rep["sparse"]["layers"] == 1
@@ -171,7 +156,7 @@ def test_too_few_rows_are_pruned_by_magnitude(tmp_path):
                              act_quant="minmax", skip_prof_layer=True, sparse="2:4")
     assert res.report["sparse"]["magnitude"] == ["fc"]
     q = onnx.load(str(tmp_path / "o" / "quant_model.onnx"))
-    ints = _weight_ints(q, "w")
+    ints = weight_ints(q, "w")
     w = inits["w"]
     assert ((ints.reshape(5, 4, 4) != 0).sum(axis=2) <= 2).all()
     # the two largest |w| of each group survive
