@@ -116,22 +116,16 @@ def build(rows, places, meta: dict, analysis: dict | None = None, stats=None, pl
         rep["auto_skip"] = {"criterion": a.criterion, "target": a.target, "met": a.met,
                             "float_layers": a.float_layers, "before": _score(a.before),
                             "after": _score(a.after), "steps": a.steps}
-    a = analysis.get("auto_a16")
-    if a is not None:
-        # before/after_estimated and the steps are the search's trials; after_measured and the
-        # outputs table above measure the model as written
-        rep["auto_a16"] = {"criterion": a.criterion, "target": a.target, "met": a.met,
-                           "a16_layers": a.float_layers, "before": _score(a.before),
-                           "after_estimated": _score(a.after),
-                           **({"after_measured": _score(a.measured)} if a.measured is not None else {}),
-                           "steps": a.steps}
-    a = analysis.get("auto_w8")
-    if a is not None:
-        rep["auto_w8"] = {"criterion": a.criterion, "target": a.target, "met": a.met,
-                          "w8_layers": a.float_layers, "before": _score(a.before),
-                          "after_estimated": _score(a.after),
-                          **({"after_measured": _score(a.measured)} if a.measured is not None else {}),
-                          "steps": a.steps}
+    for kind, layers in (("auto_a16", "a16_layers"), ("auto_w8", "w8_layers")):
+        a = analysis.get(kind)
+        if a is not None:
+            # before/after_estimated and the steps are the search's trials; after_measured and the
+            # outputs table above measure the model as written
+            rep[kind] = {"criterion": a.criterion, "target": a.target, "met": a.met,
+                         layers: a.float_layers, "before": _score(a.before),
+                         "after_estimated": _score(a.after),
+                         **({"after_measured": _score(a.measured)} if a.measured is not None else {}),
+                         "steps": a.steps}
     if stats is not None and plan is not None:
         focus = list(dict.fromkeys(rep["most_sensitive_layers"][:5] + worst_nodes[:5]))
         rep["activation_histograms"] = _histograms(focus, places, stats, plan,
