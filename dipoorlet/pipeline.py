@@ -458,7 +458,13 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         # the written model (promoted grids, and the rounding fitted on them) decides
         w8.measured = analysis.pop("_scorer").score(insert_qdq(g, places, plan))
         w8.met = w8.measured.value(w8.criterion) >= w8.target
-    if w8 is not None and not w8.met:
+    if w8 is not None and not w8.met and defer and w8.after.value(w8.criterion) >= w8.target:
+        log.warning("auto_w8: the search met %s %s on nearest rounding (%.6f), but with the --%s rounding fitted "
+                    "afterwards the model as written reads %.6f on the same samples (the rounding fits each "
+                    "layer's output on the calibration data, not this score); compare without --%s",
+                    w8.criterion, w8.target, w8.after.value(w8.criterion), rounding,
+                    w8.measured.value(w8.criterion), rounding)
+    elif w8 is not None and not w8.met:
         log.warning("auto_w8: target %s %s not met (%s %.6f with %d layers' weights on %d-bit grids over the %d "
                     "sensitivity samples); %s", w8.criterion, w8.target, w8.criterion,
                     (w8.measured or w8.after).value(w8.criterion), len(w8.float_layers), plat.weight.bits,
@@ -491,7 +497,8 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
             rounding="--adaround" if rounding == "adaround" else "--gptq",
             sparse={r["node"]: r["db"] for r in reconstructed["gain_db"]} | {
                 n: None for n in reconstructed.get("magnitude", [])} if rounding == "sparse" else None,
-            sparse_pattern=reconstructed.get("pattern") if rounding == "sparse" else None)
+            sparse_pattern=reconstructed.get("pattern") if rounding == "sparse" else None,
+            promoted=w8.float_layers if w8 is not None else ())
     if analysis.get("auto_skip") is not None:
         places = places.restrict([n for n in places.quantized_nodes
                                   if n not in analysis["auto_skip"].float_layers])

@@ -65,6 +65,9 @@ def test_all_layers_promoted_is_the_8_bit_model(tmp_path):
     a = res.report["auto_w8"]
     assert sorted(a["w8_layers"]) == ["conv0", "conv1", "conv2"] and not a["met"]
     assert a["after_measured"]["sqnr_db"] == pytest.approx(ref.report["auto_skip"]["before"]["sqnr_db"], abs=1e-3)
+    # the diagnosis rests on isolated scores of the 4-bit weights: it says so for promoted layers
+    rows = res.report.get("diagnosis") or []
+    assert rows and all("before --auto_w8 gave it 8-bit weights" in d["advice"] for d in rows)
 
 
 def test_nothing_narrow_skips_the_search(tmp_path, caplog):
