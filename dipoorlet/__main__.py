@@ -1,7 +1,3 @@
-from dipoorlet.threads import share_cores
-
-share_cores()          # before numpy and onnxruntime start their thread pools
-
-from dipoorlet.cli import main  # noqa: E402
+from dipoorlet.cli import main  # imports no numpy: main() sets the MPI thread share first
 
 raise SystemExit(main())

@@ -238,6 +238,9 @@ def _log_to_file(message: str) -> None:
 
 
 def main(argv=None) -> int:
+    from dipoorlet.threads import share_cores
+
+    share_cores()      # under mpirun/srun: this process's share of the cores (before numpy's pools start)
     args = build_parser().parse_args(argv)
     state = {"out_dir": None, "ok": False}
     try:

@@ -126,7 +126,7 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
              equalized=(), smooth=True, k: int = DIAGNOSE_LAYERS, shifted=(), platform: str = "trt",
              samples: int | None = None, gptq=(), method: str | None = None,
              gptq_ran: bool = False, max_act_bits: int = 8, rounding: str = "--gptq", sparse: dict | None = None,
-             sparse_pattern: str | None = None, promoted=()) -> list[dict]:
+             sparse_pattern: str | None = None, promoted=(), deferred: str | None = None) -> list[dict]:
     """One row per layer among the ``k`` most sensitive that lose more than ``MIN_LOSS``.
     ``shifted``: dipoorlet.shift's rows; a shifted input is described by its source tensor (its
     channel ranges and its clip on the asymmetric grid), not by the shifted copy."""
@@ -227,6 +227,9 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
             # the isolated scores were taken on the narrow grid --auto_w8 then replaced
             row["advice"] = ("isolated scores measured with its narrow weights, before --auto_w8 gave it 8-bit "
                              "weights; " + row["advice"])
+        if deferred:
+            row["advice"] = (f"isolated scores measured on nearest rounding ({deferred} was fitted after "
+                             "--auto_w8's search); " + row["advice"])
         rows.append(row)
     return rows
 

@@ -395,7 +395,10 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
     reconstructed = None
     rounding = "adaround" if cfg.adaround else "sparse" if cfg.sparse is not None else "gptq" if cfg.gptq else None
     # with --auto_w8 the rounding is fitted after the search, on the grids the search leaves
-    defer = rounding in ("gptq", "adaround") and cfg.auto_w8 is not None
+    # (where it has narrow weights to choose from)
+    defer = rounding in ("gptq", "adaround") and cfg.auto_w8 is not None and any(
+        plan.weights[wp.tensor].bits < plat.weight.bits for (n, i), wp in places.weights.items()
+        if not is_bias(g, n, i) and wp.tensor in plan.weights)
 
     def fit_rounding(places, plan):
         from dipoorlet import reconstruct
@@ -452,7 +455,16 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         log.info("auto_w8: %d layers' weights on %d-bit grids: %s", len(changed), plat.weight.bits,
                  ", ".join(w8.float_layers[:6]) + (" ..." if len(w8.float_layers) > 6 else ""))
     if defer:
+        if plat.quantize_bias:
+            # the fit re-chooses the biases too (it leaves a bias with an int32 grid alone):
+            # their int32 grids are planned again after it, on the fitted values
+            for (node_name, index), wp in list(places.weights.items()):
+                if is_bias(g, node_name, index):
+                    plan.weights.pop(wp.tensor, None)
+                    del places.weights[(node_name, index)]
         reconstructed = fit_rounding(places, plan)
+        if plat.quantize_bias:
+            plan_biases(g, places, plan)
         analysis[rounding] = reconstructed
     if w8 is not None and (w8.float_layers or defer):
         # the written model (promoted grids, and the rounding fitted on them) decides
@@ -492,13 +504,14 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
             comm, cfg.device, equalize_on=eq_on, equalized=equalized, smooth="Mul" not in plat.quantize_ops,
             shifted=shifted, platform=plat.name, samples=analysis["sens_samples"], method=cfg.act_quant,
             gptq={r["node"] for r in reconstructed["gain_db"]}
-            if reconstructed and reconstructed.get("gain_db") and rounding != "sparse" else (),
+            if reconstructed and reconstructed.get("gain_db") and rounding != "sparse" and not defer else (),
             gptq_ran=reconstructed is not None, max_act_bits=plat.activation.max_bits,
             rounding="--adaround" if rounding == "adaround" else "--gptq",
             sparse={r["node"]: r["db"] for r in reconstructed["gain_db"]} | {
                 n: None for n in reconstructed.get("magnitude", [])} if rounding == "sparse" else None,
             sparse_pattern=reconstructed.get("pattern") if rounding == "sparse" else None,
-            promoted=w8.float_layers if w8 is not None else ())
+            promoted=w8.float_layers if w8 is not None else (),
+            deferred=f"--{rounding}" if defer else None)
     if analysis.get("auto_skip") is not None:
         places = places.restrict([n for n in places.quantized_nodes
                                   if n not in analysis["auto_skip"].float_layers])

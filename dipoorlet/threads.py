@@ -49,12 +49,16 @@ def share_cores() -> int | None:
     n = local_processes()
     if n <= 1:
         return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    per = max(1, cores // n)
+    node = os.cpu_count() or 1
+    bound = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else node
+    # a launcher that binds each process to its own cores (srun -c 8) already divided them
+    per = max(1, min(bound, node // n))
+    # a thread count the user (or a cluster module) set for one library is their intent for all
+    given = next((os.environ[v] for v in _BLAS_VARS if os.environ.get(v, "").isdigit()), None)
     for var in _BLAS_VARS:
-        os.environ.setdefault(var, str(per))
-    os.environ.setdefault(ENV, str(per))
-    return per
+        os.environ.setdefault(var, given or str(per))
+    os.environ.setdefault(ENV, given or str(per))
+    return int(os.environ[ENV]) if os.environ[ENV].isdigit() else per
 
 
 def session_threads() -> int:

@@ -128,3 +128,22 @@ def test_rounding_is_fitted_after_the_search_on_its_grids(tmp_path, rounding):
         sig += float(np.sum(ref ** 2))
         err += float(np.sum((ref - got) ** 2))
     assert a["after_measured"]["sqnr_db"] == pytest.approx(10 * np.log10(sig / err), abs=1e-3)
+
+
+@pytest.mark.parametrize("deploy", ["snpe", "trt"])
+def test_deferred_rounding_fits_what_the_plain_rounding_fits(tmp_path, deploy):
+    """A target met with no layer promoted: --gptq fitted after the search must write the same
+    weights and (int32 on snpe) biases as --gptq alone; before the fix, the deferred fit found
+    the biases already planned as int32 and left them at nearest rounding."""
+    from onnx import numpy_helper
+
+    model = _chain()
+    res, q = quantize_model(tmp_path / "a", model, n=8, w_bits=4, auto_w8="sqnr:-50", sens_samples=4,
+                            gptq=True, deploy=deploy)
+    assert res.report["auto_w8"]["w8_layers"] == [] and res.report["gptq"]["layers"] >= 1
+    _, ref = quantize_model(tmp_path / "b", model, n=8, w_bits=4, gptq=True, deploy=deploy, sens_samples=4)
+    got = {t.name: numpy_helper.to_array(t) for t in q.graph.initializer}
+    want = {t.name: numpy_helper.to_array(t) for t in ref.graph.initializer}
+    assert got.keys() == want.keys()
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)

@@ -19,6 +19,7 @@ def env(monkeypatch):
         monkeypatch.setenv(v, "x")
         monkeypatch.delenv(v)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
     return monkeypatch
 
 
@@ -35,10 +36,19 @@ def test_local_processes_share_the_cores(env, var):
 
 
 def test_the_users_settings_win(env):
+    """One thread variable set (a cluster module's OMP_NUM_THREADS=1) is the intent for all."""
     env.setenv("MPI_LOCALNRANKS", "2")
     env.setenv("OMP_NUM_THREADS", "3")
-    threads.share_cores()
-    assert os.environ["OMP_NUM_THREADS"] == "3" and os.environ["OPENBLAS_NUM_THREADS"] == "4"
+    assert threads.share_cores() == 3
+    assert os.environ["OPENBLAS_NUM_THREADS"] == "3" and os.environ["MKL_NUM_THREADS"] == "3"
+
+
+def test_a_binding_launcher_is_not_divided_again(env):
+    """srun -c 2 -n 4 on an 8-core node: each process is bound to 2 cores and gets 2 threads."""
+    env.setattr(os, "cpu_count", lambda: 8)
+    env.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    env.setenv("MPI_LOCALNRANKS", "4")
+    assert threads.share_cores() == 2
 
 
 def test_more_processes_than_cores_get_one_thread(env):
