@@ -115,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="onnxruntime device")
     p.add_argument("--debug", action="store_true", help="full tracebacks and debug logs")
     p.add_argument("--version", action="version", version=f"dipoorlet {__version__}")
+    # the reference tool's flags with no counterpart here: a clear word instead of argparse's
+    for flag in ("--we", "--update_bn", "--brecq", "--drop"):
+        p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+    for flag in ("--ada_bs", "--ada_epoch"):
+        p.add_argument(flag, type=int, default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -249,12 +254,42 @@ def main(argv=None) -> int:
         finish_log(state["out_dir"], state["ok"])
 
 
+REFERENCE_ONLY = {
+    "brecq": "--brecq (the reference tool's block reconstruction) is not built here; --adaround re-rounds each "
+             "layer by AdaRound from its input statistics (no torch), --gptq greedily",
+    "drop": "--drop (QDrop, with the reference tool's --brecq) is not built here; --adaround re-rounds each layer "
+            "by AdaRound from its input statistics",
+    "update_bn": "--update_bn is not built here: BatchNormalization is folded into the Conv before quantization; "
+                 "--bc removes the mean shift each quantized layer adds to its output",
+}
+
+
+def _refuse_reference_flags(args) -> None:
+    """The reference tool's flags that have no counterpart: a refusal that says what to use."""
+    from dipoorlet.errors import ConfigError
+
+    for name, why in REFERENCE_ONLY.items():
+        if getattr(args, name):
+            raise ConfigError(why)
+
+
+def _note_reference_flags(args) -> None:
+    """The reference tool's flags that this tool covers otherwise: a note in the log."""
+    if args.we:
+        log.info("--we: weight/activation equalization is on by default here (--no_equalize turns it off)")
+    for name in ("ada_bs", "ada_epoch"):
+        if getattr(args, name) is not None:
+            log.warning("--%s ignored: AdaRound here is full-batch over input statistics, not mini-batches of "
+                        "activations; --ada_iters N sets its optimization steps (default 1000)", name)
+
+
 def _main(args, argv, state) -> int:
     debug = args.debug
     comm = None
     try:
         from dipoorlet.dist import make_comm
 
+        _refuse_reference_flags(args)
         comm = make_comm(args.mpirun, args.slurm)
         from dipoorlet.config import QuantConfig
         from dipoorlet.data import parse_input_shapes
@@ -284,6 +319,7 @@ def _main(args, argv, state) -> int:
         setup_logging(cfg.output_dir, debug, comm.rank, args.log_all_ranks, comm.world)
         state["out_dir"] = cfg.output_dir if comm.rank == 0 else None
         log.info("dipoorlet %s: %s", __version__, " ".join(sys.argv[1:] if argv is None else argv))
+        _note_reference_flags(args)
         if comm.world > 1:
             log.info("running as %d MPI processes", comm.world)
         start = time.perf_counter()

@@ -132,8 +132,12 @@ def test_adaround_from_the_cli(tmp_path):
     out = tmp_path / "out"
     res = subprocess.run([sys.executable, "-m", "dipoorlet", "-M", str(path), "-I", str(data), "-N", "6",
                           "-D", "trt", "-O", str(out), "--adaround", "--ada_iters", "50", "--w_bits", "4",
-                          "--skip_layers", "conv2"], capture_output=True, text=True, timeout=180)
+                          "--skip_layers", "conv2", "--ada_epoch", "5000", "--we"],
+                         capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stderr
+    # the reference tool's flags: mini-batch settings ignored with a word, --we is our default
+    assert "--ada_epoch ignored" in res.stderr
+    assert "equalization is on by default" in (out / "dipoorlet.log").read_text()
     rep = json.loads((out / "report.json").read_text())
     assert rep["adaround"]["candidates"] >= 1
     assert {r["node"] for r in rep["adaround"]["gain_db"]} <= {"conv1", "fc"}

@@ -303,6 +303,21 @@ def auto_w8_malformed(c):
     return ["--auto_w8 'most'", "e.g. 0.999"]
 
 
+def reference_brecq(c):
+    c.extra = ["--brecq"]
+    return ["--brecq", "not built here", "--adaround"]
+
+
+def reference_drop(c):
+    c.extra = ["--drop"]
+    return ["--drop", "QDrop", "--adaround"]
+
+
+def reference_update_bn(c):
+    c.extra = ["--update_bn"]
+    return ["--update_bn", "folded", "--bc"]
+
+
 CASES = [missing_model, model_is_a_folder, not_onnx, external_data_missing, custom_op, input_dir_missing, input_folder_missing,
          too_few_files, bin_wrong_size, nan_in_sample, inf_in_npy, unknown_method, unknown_platform,
          output_not_writable, output_is_a_file, nothing_quantizable, skip_layer_unknown, score_output_unknown,
@@ -310,7 +325,8 @@ CASES = [missing_model, model_is_a_folder, not_onnx, external_data_missing, cust
          weight_bits_above_8, activation_bits_12, activation_bits_16_on_trt, layer_bits_a16_on_trt, npz_scalar,
          platform_not_utf8, platform_bits_16, platform_weight_bits_16, trt_version_not_digits,
          two_npz_files, prof_samples_zero, gptq_and_adaround, ada_iters_zero,
-         sparse_malformed, sparse_n_not_below_m, sparse_with_adaround, auto_w8_malformed]
+         sparse_malformed, sparse_n_not_below_m, sparse_with_adaround, auto_w8_malformed,
+         reference_brecq, reference_drop, reference_update_bn]
 
 
 @pytest.mark.parametrize("breaker", CASES, ids=[f.__name__ for f in CASES])
