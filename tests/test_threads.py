@@ -62,3 +62,14 @@ def test_srun_tasks_on_this_node(env, spec, node, want):
     env.setenv("SLURM_STEP_TASKS_PER_NODE", spec)
     env.setenv("SLURM_NODEID", node)
     assert threads.local_processes() == want
+
+
+def test_the_cli_module_loads_no_numpy_before_main_sets_the_share():
+    """share_cores() runs at the start of cli.main: the BLAS reads its thread variables when numpy
+    is first imported, so importing the CLI (python -m dipoorlet, the dipoorlet script) must not."""
+    import subprocess
+    import sys
+
+    code = "import sys, dipoorlet.__init__, dipoorlet.cli; print(sorted(m for m in ('numpy', 'onnxruntime', 'onnx') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
