@@ -279,6 +279,15 @@ def is_bias(g: Graph, node_name: str, index: int) -> bool:
     return index == 2 and g.node_by_name[node_name].op_type in ("Conv", "ConvTranspose", "Gemm")
 
 
+def drop_bias_grids(g: Graph, places, plan: QuantPlan, nodes=None) -> None:
+    """Forget the int32 bias grids of ``nodes`` (every node where None), for plan_biases to plan
+    them again on new weight or input grids, or on new bias values."""
+    for (node_name, index), wp in list(places.weights.items()):
+        if is_bias(g, node_name, index) and (nodes is None or node_name in nodes):
+            plan.weights.pop(wp.tensor, None)
+            del places.weights[(node_name, index)]
+
+
 def plan_weights(g: Graph, places, plan: QuantPlan, plat, cfg: QuantConfig, skip_biases: bool = False) -> None:
     """Grids for the placed weights not planned yet (``skip_biases``: not the bias inputs)."""
     for (name, index), wp in places.weights.items():
@@ -458,10 +467,7 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         if plat.quantize_bias:
             # the fit re-chooses the biases too (it leaves a bias with an int32 grid alone):
             # their int32 grids are planned again after it, on the fitted values
-            for (node_name, index), wp in list(places.weights.items()):
-                if is_bias(g, node_name, index):
-                    plan.weights.pop(wp.tensor, None)
-                    del places.weights[(node_name, index)]
+            drop_bias_grids(g, places, plan)
         reconstructed = fit_rounding(places, plan)
         if plat.quantize_bias:
             plan_biases(g, places, plan)
@@ -531,12 +537,12 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
                 reconstructed["kept_float_by_auto_skip"] = reconstructed.get("kept_float_by_auto_skip", []) + floated
         if rounding == "sparse" and reconstructed and reconstructed.get("kept_float_by_auto_skip"):
             # those layers run dense and float now: the zero share counts the layers still pruned
-            zeros = size = 0
-            for (name, index), wp in places.weights.items():
-                if index == 1 and wp.tensor in plan.values and plan.value_owners.get(wp.tensor) == name:
-                    v = np.asarray(plan.values[wp.tensor])
-                    zeros, size = zeros + int(np.count_nonzero(v == 0)), size + v.size
-            reconstructed["zero_fraction"] = round(zeros / max(size, 1), 6)
+            from dipoorlet.reconstruct import zero_share
+
+            reconstructed["zero_fraction"] = round(zero_share(
+                plan.values[wp.tensor] for (name, index), wp in places.weights.items()
+                if not is_bias(g, name, index) and wp.tensor in plan.values
+                and plan.value_owners.get(wp.tensor) == name), 6)
     timings["sensitivity_s"] = time.perf_counter() - t
     if plat.name == "ort":
         _warn_matmulnbits(g, places, plan)
@@ -635,11 +641,10 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, pl
         explicit = {name for name, _ in weights if cfg.layer_bits.get(name, (None, None))[0] is not None}
         # candidates: narrow weights read by this node alone (a shared weight has one grid for
         # every reader, which a trial of one reader would not score), no explicit NODE=wN
-        narrow = {name for name, wp in weights
-                  if plan.weights[wp.tensor].bits < plat.weight.bits and name not in explicit
-                  and readers[wp.tensor] == 1}
-        shared = {name for name, wp in weights if plan.weights[wp.tensor].bits < plat.weight.bits
-                  and name not in explicit and readers[wp.tensor] > 1}
+        below = [(name, wp) for name, wp in weights
+                 if plan.weights[wp.tensor].bits < plat.weight.bits and name not in explicit]
+        narrow = {name for name, wp in below if readers[wp.tensor] == 1}
+        shared = {name for name, wp in below if readers[wp.tensor] > 1}
         if shared:
             log.info("--auto_w8: %d layers read a weight another layer also reads and are not candidates: %s",
                      len(shared), ", ".join(sorted(shared)[:6]))
@@ -707,14 +712,12 @@ def promote_a16(g: Graph, places, plan: QuantPlan, stats, cfg: QuantConfig, plat
         plan.rules[t] = new.rules[t]
     if plat.quantize_bias and changed:
         moved = set(changed)
-        for (node_name, index), wp in list(places.weights.items()):
-            node = g.node_by_name[node_name]
-            src = node.input[0]
+
+        def reads_moved(name: str) -> bool:
+            src = g.node_by_name[name].input[0]
             prod = g.producer.get(src)
-            reads = src in moved or (prod is not None and prod.op_type == "Pad" and prod.input[0] in moved)
-            if index == 2 and reads:
-                plan.weights.pop(wp.tensor, None)
-                del places.weights[(node_name, index)]
+            return src in moved or (prod is not None and prod.op_type == "Pad" and prod.input[0] in moved)
+        drop_bias_grids(g, places, plan, {name for name, _ in places.weights if reads_moved(name)})
         plan_biases(g, places, plan)
     return changed
 
@@ -734,10 +737,7 @@ def promote_w8(g: Graph, places, plan: QuantPlan, cfg: QuantConfig, plat, layers
     changed = sorted(new.weights)
     plan.weights.update(new.weights)
     if plat.quantize_bias and changed:
-        for (node_name, index), wp in list(places.weights.items()):
-            if index == 2 and node_name in chosen:
-                plan.weights.pop(wp.tensor, None)
-                del places.weights[(node_name, index)]
+        drop_bias_grids(g, places, plan, chosen)
         plan_biases(g, places, plan)
     return changed
 

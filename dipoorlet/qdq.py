@@ -387,6 +387,14 @@ class Switchboard:
             return "value", self._cache[key]
         return "float", self._weight(tensor)
 
+    def _off_value(self, tensor: str) -> np.ndarray:
+        """``off_plan``'s value for ``tensor`` (a bias rebased on its grids), cached."""
+        key = ("value_off", tensor)
+        if key not in self._cache:
+            self._cache[key] = np.ascontiguousarray(
+                np.asarray(self.off_plan.values[tensor], dtype=self._weight(tensor).dtype))
+        return self._cache[key]
+
     def _fake_quant(self, tensor: str, which: str, value: np.ndarray, off: bool = False) -> np.ndarray:
         key = ("fq_off" if off else "fq", which, tensor)
         if key not in self._cache:
@@ -424,7 +432,7 @@ class Switchboard:
                 # switched off: its off_plan grid, and the off_plan's value where it has one (a
                 # bias rebased on the off grid's W_q)
                 if tensor in self.off_plan.values:
-                    which, value = "value_off", np.asarray(self.off_plan.values[tensor], self._weight(tensor).dtype)
+                    which, value = "value_off", self._off_value(tensor)
                 else:
                     which, value = self._value(tensor, weights | {node})
                 feed[name] = self._resident_value(self._fake_quant(tensor, which, value, off=True))
@@ -435,11 +443,7 @@ class Switchboard:
             owner = self.plan.value_owners.get(tensor)
             if (self.off_plan is not None and tensor in self.off_plan.values and owner in self.weight_nodes
                     and owner not in weights):     # its layer's weight is switched to the off_plan grid
-                key = ("value_off", tensor)
-                if key not in self._cache:
-                    self._cache[key] = np.ascontiguousarray(
-                        np.asarray(self.off_plan.values[tensor], dtype=self._weight(tensor).dtype))
-                feed[name] = self._resident_value(self._cache[key])
+                feed[name] = self._resident_value(self._off_value(tensor))
                 continue
             feed[name] = self._resident_value(self._value(tensor, weights)[1])
         return feed

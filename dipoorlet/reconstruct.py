@@ -782,29 +782,33 @@ def reconstruct(g, places, plan, data, indices, comm, device="cpu", memory_mb: f
 
 
 
+def zero_share(arrays) -> float:
+    """The share of exact zeros over all of ``arrays`` (0 for none)."""
+    zeros = size = 0
+    for v in arrays:
+        v = np.asarray(v)
+        zeros, size = zeros + int(np.count_nonzero(v == 0)), size + v.size
+    return zeros / max(size, 1)
+
+
 def _sparse_summary(g, plan, layers, changed, gains, magnitude, skipped, sparse, total, n_passes) -> dict:
     """What --sparse did: layers pruned with compensation (their output error against dense
     nearest rounding), by magnitude, or left dense, and the zero share of the pruned weights."""
     pruned = [n for n, _, _ in changed] + list(magnitude)
-    zeros = size = 0
-    for lay in layers:
-        if lay.node in pruned:
-            v = plan.values[lay.weight]
-            zeros += int(np.count_nonzero(v == 0))
-            size += v.size
+    share = zero_share(plan.values[lay.weight] for lay in layers if lay.node in pruned)
     pattern = f"{sparse[0]}:{sparse[1]}" if isinstance(sparse, tuple) else f"{sparse:g}"
     dense = {n: why for n, why in skipped.items() if n not in magnitude}
     worst = sorted(gains, key=lambda r: r[1] if r[1] == r[1] else 0.0)
     log.info("sparse %s: %d layers pruned with compensation over %d samples, %d by magnitude (too few rows), "
              "%d left dense; %.1f%% of their weights zero; largest output error added (vs dense nearest "
              "rounding): %s", pattern, len(changed), total, len(magnitude), len(dense),
-             100.0 * zeros / max(size, 1), ", ".join(f"{n} {-db:.1f} dB" for n, db in worst[:5]))
+             100.0 * share, ", ".join(f"{n} {-db:.1f} dB" for n, db in worst[:5]))
     if not pruned:
         log.warning("sparse %s: no layer could be pruned (%s)", pattern,
                     "; ".join(f"{n}: {why}" for n, why in list(dense.items())[:4]) or "no candidates")
     elif dense:
         log.info("sparse %s: left dense: %s", pattern, "; ".join(f"{n} ({why})" for n, why in list(dense.items())[:8]))
     return {"pattern": pattern, "layers": len(changed), "magnitude": magnitude, "candidates": len(layers),
-            "samples": total, "passes": n_passes, "zero_fraction": round(zeros / max(size, 1), 6),
+            "samples": total, "passes": n_passes, "zero_fraction": round(share, 6),
             "gain_db": [{"node": n, "db": round(float(db), 3) if db == db else None} for n, db in gains],
             "skipped": dense}

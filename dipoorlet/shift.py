@@ -128,6 +128,15 @@ def _weight_sums(node, w: np.ndarray) -> np.ndarray:
     return w.reshape(w.shape[0], -1).sum(axis=1)
 
 
+def _shift_through(node, d: float, w: np.ndarray) -> np.ndarray:
+    """What a shift ``d`` of every input adds to ``node``'s output through weight ``w``, per output
+    channel, in the units of its bias (a Gemm computes alpha A B + beta C)."""
+    delta = d * _weight_sums(node, np.asarray(w, np.float64))
+    if node.op_type == "Gemm":
+        delta = delta * float(node_attr(node, "alpha", 1.0)) / float(node_attr(node, "beta", 1.0))
+    return delta
+
+
 def _absorb(g, node, d: float, wq: np.ndarray) -> tuple[str, np.ndarray, str | None]:
     """Subtract W·d from ``node``'s bias (a new constant; created if the node has none).
 
@@ -136,11 +145,7 @@ def _absorb(g, node, d: float, wq: np.ndarray) -> tuple[str, np.ndarray, str | N
     ``(W_q - W) d`` behind, weight rounding times the shift, summed over every input (on MiniLM's
     FFN, cosine 0.05). Returns (bias name, quantized-model value) for ``plan.values`` and the
     bias it replaced (None where there was none)."""
-    w = g.weight(node.input[1]).astype(np.float64)
-    delta, delta_q = d * _weight_sums(node, w), d * _weight_sums(node, wq.astype(np.float64))
-    if node.op_type == "Gemm":   # y = alpha A B + beta C
-        k = float(node_attr(node, "alpha", 1.0)) / float(node_attr(node, "beta", 1.0))
-        delta, delta_q = delta * k, delta_q * k
+    delta, delta_q = _shift_through(node, d, g.weight(node.input[1])), _shift_through(node, d, wq)
     if node.op_type == "MatMul":
         found = _bias_add(g, node)
         if found is not None:
@@ -192,9 +197,7 @@ def rebased_biases(g, plan, rows, weights: dict) -> dict:
             w = g.weight(wt)
             old = dequantize_array(quantize_array(w, plan.weights[wt]), plan.weights[wt]).astype(np.float64)
             new = dequantize_array(quantize_array(w, weights[wt]), weights[wt]).astype(np.float64)
-            corr = r["shift"] * (_weight_sums(node, old) - _weight_sums(node, new))
-            if node.op_type == "Gemm":
-                corr = corr * float(node_attr(node, "alpha", 1.0)) / float(node_attr(node, "beta", 1.0))
+            corr = _shift_through(node, r["shift"], old) - _shift_through(node, r["shift"], new)
             b = np.asarray(plan.values[owned[0]])
             out[owned[0]] = (b.astype(np.float64) + corr.reshape(b.shape)).astype(b.dtype)
     return out
