@@ -57,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "needed; one extra pass of the quantized model)")
     p.add_argument("--ada_iters", type=int, default=1000, metavar="N",
                    help="AdaRound's optimization steps per layer (default 1000)")
+    p.add_argument("--brecq", action="store_true",
+                   help="choose the weights' rounding block by block (BRECQ): AdaRound's relaxation fitted by "
+                        "gradient descent so each block of 2-8 layers reproduces the float model's block output, "
+                        "activation grids simulated; needs PyTorch (the [torch] extra); --ada_iters steps per block")
+    p.add_argument("--drop", action="store_true",
+                   help="QDrop: --brecq with activation quantization randomly dropped (p = 0.5 per element) "
+                        "while the rounding is fitted; implies --brecq")
     p.add_argument("--sparse", default=None, metavar="N:M|RATE",
                    help="prune the quantized Conv/Gemm/MatMul weights as they are rounded (SparseGPT, from the "
                         "--gptq statistics): N:M keeps at most N non-zero weights in every M consecutive input "
@@ -116,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="full tracebacks and debug logs")
     p.add_argument("--version", action="version", version=f"dipoorlet {__version__}")
     # the reference tool's flags with no counterpart here: a clear word instead of argparse's
-    for flag in ("--we", "--update_bn", "--brecq", "--drop"):
+    for flag in ("--we", "--update_bn"):
         p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
     for flag in ("--ada_bs", "--ada_epoch"):
         p.add_argument(flag, type=int, default=None, help=argparse.SUPPRESS)
@@ -200,7 +207,8 @@ def summary(result, cfg) -> str:
                  + (f" (and {rep['int32_biases']} int32 biases)" if rep.get("int32_biases") else "") + "; "
                  + "".join(f"{label} {t[key]:.2f} s, " for key, label in
                            (("equalize_s", "equalization"), ("bias_correction_s", "bias correction"),
-                            ("gptq_s", "gptq"), ("adaround_s", "adaround"), ("sparse_s", "sparse")) if key in t)
+                            ("gptq_s", "gptq"), ("adaround_s", "adaround"), ("brecq_s", "brecq"), ("qdrop_s", "qdrop"),
+                            ("sparse_s", "sparse")) if key in t)
                  + f"calibration {t.get('calibration_s', 0):.2f} s, "
                  + (f"sensitivity {t['sensitivity_s']:.2f} s, " if t.get("sensitivity_s", 0) >= 0.005 else "")
                  + f"profile {t.get('profile_s', 0):.2f} s, total {t.get('total_s', 0):.2f} s")
@@ -255,10 +263,6 @@ def main(argv=None) -> int:
 
 
 REFERENCE_ONLY = {
-    "brecq": "--brecq (the reference tool's block reconstruction) is not built here; --adaround re-rounds each "
-             "layer by AdaRound from its input statistics (no torch), --gptq greedily",
-    "drop": "--drop (QDrop, with the reference tool's --brecq) is not built here; --adaround re-rounds each layer "
-            "by AdaRound from its input statistics",
     "update_bn": "--update_bn is not built here: BatchNormalization is folded into the Conv before quantization; "
                  "--bc removes the mean shift each quantized layer adds to its output",
 }
@@ -278,9 +282,12 @@ def _note_reference_flags(args) -> None:
     if args.we:
         log.info("--we: weight/activation equalization is on by default here (--no_equalize turns it off)")
     for name in ("ada_bs", "ada_epoch"):
+        if name == "ada_bs" and (args.brecq or args.drop):
+            continue            # --brecq's mini-batch size
         if getattr(args, name) is not None:
-            log.warning("--%s ignored: AdaRound here is full-batch over input statistics, not mini-batches of "
-                        "activations; --ada_iters N sets its optimization steps (default 1000)", name)
+            log.warning("--%s ignored: %s; --ada_iters N sets its optimization steps (default 1000)", name,
+                        "--brecq counts steps, not epochs" if args.brecq or args.drop else
+                        "AdaRound here is full-batch over input statistics, not mini-batches of activations")
 
 
 def _main(args, argv, state) -> int:
@@ -303,7 +310,8 @@ def _main(args, argv, state) -> int:
                           input_shapes=parse_input_shapes(args.input_shape), savefp=args.savefp,
                           skip_prof_layer=args.skip_prof_layer, trt_version=args.trt_version,
                           quant_format=args.quant_format, stpu_wg=args.stpu_wg, bias_correction=args.bc,
-                          gptq=args.gptq, adaround=args.adaround, ada_iters=args.ada_iters, sparse=args.sparse,
+                          gptq=args.gptq, adaround=args.adaround, ada_iters=args.ada_iters,
+                          brecq=args.brecq or args.drop, drop=args.drop, ada_bs=args.ada_bs, sparse=args.sparse,
                           gptq_samples=args.gptq_samples, gptq_memory=args.gptq_memory,
                           equalize=not args.no_equalize, shift=not args.no_shift, equalize_samples=args.eq_samples,
                           sens_samples=args.sens_samples, prof_samples=args.prof_samples,

@@ -44,7 +44,10 @@ class QuantConfig:
     bias_correction: bool = False      # --bc
     gptq: bool = False                 # --gptq: output-aware weight rounding (reconstruct.py)
     adaround: bool = False             # --adaround: AdaRound on the same statistics (adaround.py)
-    ada_iters: int = 1000              # --ada_iters: AdaRound's optimization steps per layer
+    ada_iters: int = 1000              # --ada_iters: AdaRound's optimization steps per layer (per block)
+    brecq: bool = False                # --brecq: block reconstruction of the rounding, in torch (brecq.py)
+    drop: bool = False                 # --drop: QDrop during --brecq
+    ada_bs: int | None = None          # --ada_bs: --brecq's samples per optimization step (default 16)
     sparse: object = None              # --sparse N:M or RATE: pruned as rounded (SparseGPT); parsed to (n, m) or a float
     gptq_samples: int | None = None    # --gptq_samples; None: N, at most 256
     gptq_memory: float = 256.0         # --gptq_memory MB: statistics held at once (more passes beyond)
@@ -81,7 +84,8 @@ class QuantConfig:
         if self.equalize_samples is not None and (isinstance(self.equalize_samples, bool) or not isinstance(
                 self.equalize_samples, int) or self.equalize_samples < 1):
             raise ConfigError(f"--eq_samples must be a positive integer, got {self.equalize_samples!r}")
-        for flag in ("savefp", "skip_prof_layer", "stpu_wg", "bias_correction", "gptq", "adaround", "equalize", "shift",
+        for flag in ("savefp", "skip_prof_layer", "stpu_wg", "bias_correction", "gptq", "adaround", "brecq", "drop", "equalize",
+                     "shift",
                      "debug"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
@@ -98,6 +102,15 @@ class QuantConfig:
             if self.adaround:
                 raise ConfigError("--sparse with --adaround: pruning is decided with GPTQ's rounding (SparseGPT); "
                                   "drop --adaround (--sparse implies --gptq)")
+        if self.ada_bs is not None and (isinstance(self.ada_bs, bool) or not isinstance(self.ada_bs, int)
+                                        or self.ada_bs < 1):
+            raise ConfigError(f"--ada_bs must be a positive integer, got {self.ada_bs!r}")
+        if self.drop and not self.brecq:
+            object.__setattr__(self, "brecq", True)
+        if self.brecq and (self.gptq or self.adaround or self.sparse is not None):
+            raise ConfigError("--brecq/--drop with --gptq/--adaround/--sparse: each chooses the weights' rounding; "
+                              "use one (--brecq fits blocks of layers in torch, --adaround and --gptq single layers "
+                              "from statistics)")
         if self.gptq and self.adaround:
             raise ConfigError("--gptq and --adaround both choose the weights' rounding from the same statistics; "
                               "use one (--adaround optimizes it by gradient descent, --gptq greedily)")

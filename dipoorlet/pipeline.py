@@ -311,10 +311,14 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
     check_output_dir(out_dir)
     plat = platform_mod.load(cfg.deploy)
     check_bits(cfg, plat)
-    if cfg.gptq_samples and not (cfg.gptq or cfg.adaround or cfg.sparse is not None):
-        log.warning("--gptq_samples applies with --gptq, --adaround or --sparse only; ignored")
-    if cfg.ada_iters != 1000 and not cfg.adaround:
-        log.warning("--ada_iters applies with --adaround only; ignored")
+    if cfg.brecq:
+        from dipoorlet.torch_graph import import_torch
+
+        import_torch()       # before any pass: a missing optional extra is a one-line error
+    if cfg.gptq_samples and not (cfg.gptq or cfg.adaround or cfg.brecq or cfg.sparse is not None):
+        log.warning("--gptq_samples applies with --gptq, --adaround, --brecq or --sparse only; ignored")
+    if cfg.ada_iters != 1000 and not (cfg.adaround or cfg.brecq):
+        log.warning("--ada_iters applies with --adaround or --brecq/--drop only; ignored")
     if cfg.max_a16_layers is not None and not cfg.auto_a16:
         log.warning("--max_a16_layers applies with --auto_a16 only; ignored")
     if cfg.max_w8_layers is not None and not cfg.auto_w8:
@@ -402,10 +406,11 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         corrections = bias_correction.correct(g, places, plan, data, indices, comm, cfg.device)
         timings["bias_correction_s"] = time.perf_counter() - t
     reconstructed = None
-    rounding = "adaround" if cfg.adaround else "sparse" if cfg.sparse is not None else "gptq" if cfg.gptq else None
+    rounding = ("adaround" if cfg.adaround else "sparse" if cfg.sparse is not None else "gptq" if cfg.gptq
+                else ("qdrop" if cfg.drop else "brecq") if cfg.brecq else None)
     # with --auto_w8 the rounding is fitted after the search, on the grids the search leaves
     # (where it has narrow weights to choose from)
-    defer = rounding in ("gptq", "adaround") and cfg.auto_w8 is not None and any(
+    defer = rounding in ("gptq", "adaround", "brecq", "qdrop") and cfg.auto_w8 is not None and any(
         plan.weights[wp.tensor].bits < plat.weight.bits for (n, i), wp in places.weights.items()
         if not is_bias(g, n, i) and wp.tensor in plan.weights)
 
@@ -413,6 +418,17 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         from dipoorlet import reconstruct
 
         t = time.perf_counter()
+        if cfg.brecq:
+            from dipoorlet import brecq
+
+            k = min(cfg.data_num, cfg.gptq_samples or brecq.DEFAULT_SAMPLES)
+            if k < cfg.data_num and not cfg.gptq_samples:
+                log.info("%s: the first %d of %d samples, held in both streams (--gptq_samples to change)",
+                         rounding, k, cfg.data_num)
+            out = brecq.reconstruct_blocks(g, places, plan, data, shard(k, comm.rank, comm.world), comm, k,
+                                           cfg.ada_iters, cfg.drop, shifted, batch=cfg.ada_bs)
+            timings[f"{rounding}_s"] = time.perf_counter() - t
+            return out
         k = min(cfg.data_num, cfg.gptq_samples or reconstruct.DEFAULT_SAMPLES)
         if k < cfg.data_num and not cfg.gptq_samples:
             log.info("%s: statistics over the first %d of %d samples (--gptq_samples to change)", rounding, k,
@@ -509,10 +525,11 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
             g, places, plan, analysis["isolated"], data, shard(analysis["sens_samples"], comm.rank, comm.world),
             comm, cfg.device, equalize_on=eq_on, equalized=equalized, smooth="Mul" not in plat.quantize_ops,
             shifted=shifted, platform=plat.name, samples=analysis["sens_samples"], method=cfg.act_quant,
-            gptq={r["node"] for r in reconstructed["gain_db"]}
+            gptq=set(reconstructed.get("changed", ())) if reconstructed and rounding in ("brecq", "qdrop")
+            and not defer else {r["node"] for r in reconstructed["gain_db"]}
             if reconstructed and reconstructed.get("gain_db") and rounding != "sparse" and not defer else (),
             gptq_ran=reconstructed is not None, max_act_bits=plat.activation.max_bits,
-            rounding="--adaround" if rounding == "adaround" else "--gptq",
+            rounding={"adaround": "--adaround", "brecq": "--brecq", "qdrop": "--drop"}.get(rounding, "--gptq"),
             sparse={r["node"]: r["db"] for r in reconstructed["gain_db"]} | {
                 n: None for n in reconstructed.get("magnitude", [])} if rounding == "sparse" else None,
             sparse_pattern=reconstructed.get("pattern") if rounding == "sparse" else None,
@@ -527,6 +544,13 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
             floated = [r["node"] for r in reconstructed["gain_db"] if r["node"] not in kept]
             reconstructed["gain_db"] = [r for r in reconstructed["gain_db"] if r["node"] in kept]
             reconstructed["layers"] = len(reconstructed["gain_db"])
+            if floated:
+                reconstructed["kept_float_by_auto_skip"] = floated
+        if rounding in ("brecq", "qdrop") and reconstructed and reconstructed.get("changed"):
+            kept = set(places.quantized_nodes)
+            floated = [n for n in reconstructed["changed"] if n not in kept]
+            reconstructed["changed"] = [n for n in reconstructed["changed"] if n in kept]
+            reconstructed["layers"] = len(reconstructed["changed"])
             if floated:
                 reconstructed["kept_float_by_auto_skip"] = floated
         if rounding == "sparse" and reconstructed and reconstructed.get("magnitude"):

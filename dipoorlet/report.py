@@ -102,7 +102,7 @@ def build(rows, places, meta: dict, analysis: dict | None = None, stats=None, pl
         rep["sensitivity_samples"] = analysis["sens_samples"]
     if "bias_correction" in analysis:
         rep["bias_correction"] = analysis["bias_correction"]
-    for key in ("gptq", "adaround", "sparse"):
+    for key in ("gptq", "adaround", "sparse", "brecq", "qdrop"):
         if key in analysis:
             rep[key] = analysis[key]
     if "equalization" in analysis:
@@ -246,6 +246,15 @@ def _transforms(report: dict) -> list[str]:
                      f"{100 * sp.get('zero_fraction', 0):.1f}% of their weights zero"
                      + (" (output error added against dense rounding: " + ", ".join(
                          f"{r['node']} {-r['db']:.1f} dB" for r in worst[:5]) + ")" if worst else ""))
+    br = report.get("brecq") or report.get("qdrop") or {}
+    if br.get("candidates"):
+        kept = [r for r in br.get("block_loss") or [] if r.get("kept") and r.get("loss_db") is not None]
+        lines.append(f"- {'qdrop' if br.get('drop') else 'brecq'}: {br['layers']} of {br['candidates']} layers "
+                     f"re-rounded in {sum(1 for r in br.get('block_loss') or [] if r.get('kept'))} of {br['blocks']} "
+                     f"blocks, {br.get('iters', '?')} steps each over {br.get('samples', '?')} samples"
+                     + (f" (block output error on them: median {float(np.median([r['loss_db'] for r in kept])):.1f} dB)"
+                        if kept else "")
+                     + (f"; {len(br['skipped'])} left alone" if br.get("skipped") else ""))
     key = "adaround" if report.get("adaround") else "gptq"
     gq = report.get(key) or {}
     if gq.get("candidates"):

@@ -203,6 +203,26 @@ def rebased_biases(g, plan, rows, weights: dict) -> dict:
     return out
 
 
+def rebased_for_values(g, plan, rows, old: dict, new: dict) -> dict:
+    """Like :func:`rebased_biases` for weights whose dequantized values changed on the same grid
+    (``old``/``new``: weight tensor -> dequantized value; --brecq's rounding): bias name -> the
+    value that absorbs the shift through the new weights."""
+    out = {}
+    for r in rows:
+        for name in r["consumers"]:
+            node = g.node_by_name[name]
+            wt = node.input[1]
+            if wt not in new:
+                continue
+            owned = [k for k, o in plan.value_owners.items() if o == name and k != wt and k in plan.values]
+            if len(owned) != 1:
+                continue
+            corr = _shift_through(node, r["shift"], old[wt]) - _shift_through(node, r["shift"], new[wt])
+            b = np.asarray(plan.values[owned[0]])
+            out[owned[0]] = (b.astype(np.float64) + corr.reshape(b.shape)).astype(b.dtype)
+    return out
+
+
 def _drop(g, names: set) -> None:
     """Remove the replaced biases no node reads any more, and their graph-input entries (old
     exporters list initializers as inputs), one by one: rebuilding the initializer list would

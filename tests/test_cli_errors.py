@@ -43,7 +43,18 @@ class Case:
 
 
 def run_cli(case: Case, capsys):
-    rc = main(case.argv())
+    blocked = getattr(case, "block_torch", False)
+    saved = sys.modules.get("torch", "absent")
+    if blocked:
+        sys.modules["torch"] = None         # import torch now raises ImportError, as without the extra
+    try:
+        rc = main(case.argv())
+    finally:
+        if blocked:
+            if saved == "absent":
+                del sys.modules["torch"]
+            else:
+                sys.modules["torch"] = saved
     err = capsys.readouterr().err
     return rc, err
 
@@ -303,14 +314,25 @@ def auto_w8_malformed(c):
     return ["--auto_w8 'most'", "e.g. 0.999"]
 
 
-def reference_brecq(c):
+def brecq_with_gptq(c):
+    c.extra = ["--brecq", "--gptq"]
+    return ["--brecq/--drop with --gptq", "use one"]
+
+
+def drop_with_sparse(c):
+    c.extra = ["--drop", "--sparse", "2:4"]
+    return ["--brecq/--drop with", "--sparse", "use one"]
+
+
+def ada_bs_zero(c):
+    c.extra = ["--brecq", "--ada_bs", "0"]
+    return ["--ada_bs", "positive integer", "0"]
+
+
+def brecq_without_torch(c):
     c.extra = ["--brecq"]
-    return ["--brecq", "not built here", "--adaround"]
-
-
-def reference_drop(c):
-    c.extra = ["--drop"]
-    return ["--drop", "QDrop", "--adaround"]
+    c.block_torch = True
+    return ["--brecq and --drop need PyTorch", "pip install", "--adaround"]
 
 
 def reference_update_bn(c):
@@ -326,7 +348,7 @@ CASES = [missing_model, model_is_a_folder, not_onnx, external_data_missing, cust
          platform_not_utf8, platform_bits_16, platform_weight_bits_16, trt_version_not_digits,
          two_npz_files, prof_samples_zero, gptq_and_adaround, ada_iters_zero,
          sparse_malformed, sparse_n_not_below_m, sparse_with_adaround, auto_w8_malformed,
-         reference_brecq, reference_drop, reference_update_bn]
+         brecq_with_gptq, drop_with_sparse, ada_bs_zero, brecq_without_torch, reference_update_bn]
 
 
 @pytest.mark.parametrize("breaker", CASES, ids=[f.__name__ for f in CASES])

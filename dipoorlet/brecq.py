@@ -1,0 +1,521 @@
+"""Block reconstruction of the weights' rounding (``--brecq``; with ``--drop``, QDrop).
+
+BRECQ (Li et al., ICLR 2021) chooses every weight's rounding (the grid point below or above
+it, AdaRound's rectified-sigmoid relaxation annealed to a hard choice) so that a *block* of
+layers reproduces the float model's output of that block, not each layer its own output: the
+layers of a block compensate each other's rounding and the nonlinearities between them are in
+the loss. QDrop (Wei et al., ICLR 2022) adds random dropping of activation quantization during
+that optimization: each element of each quantized activation inside the block keeps its float
+value with probability 0.5, and the block's input mixes the quantized and the float model's
+input likewise, which flattens the loss surface the rounding is fitted on and carries better to
+data the rounding did not see.
+
+How it runs here:
+
+- the QDQ model the plan gives (activation grids, shifts and all) is executed in PyTorch
+  (:mod:`dipoorlet.torch_graph`), in two streams that share tensor names: the quantized model
+  (``q``) and the float model it was made from (``f``);
+- the graph is cut into blocks of consecutive nodes (in the model's order) that hold 2 to 8
+  layers with weights; a block ends where the fewest tensors cross the cut (a residual block's
+  end), never inside a stretch the executor cannot differentiate (an op run through
+  ``onnx.reference``);
+- per block: the float stream's block outputs are the targets, the quantized stream's block
+  inputs (every earlier block already rounded) the inputs; Adam moves the rounding variables for
+  ``--ada_iters`` steps over mini-batches of the stored samples (``--ada_bs``, default 16); the
+  loss is the block outputs' squared error relative to the float outputs' energy, normalized to 1
+  at nearest rounding, plus AdaRound's regularizer (weight 10 against the mean over the block's
+  weights, as ``--adaround``; exponent annealed 20 -> 2 after a 20% warm-up);
+- the biases of the block's Conv/ConvTranspose/Gemm layers are learned with the rounding (in
+  units of the layer's output rounding noise, so one step size serves every layer): the block
+  also removes the mean error its rounding leaves, as ``--bc`` and the closed-form bias of
+  ``--adaround`` do for one layer;
+- a block keeps its new rounding and biases only where the hard-rounded loss over all its
+  samples is below nearest rounding's; then both streams move past it;
+- a layer that reads a shifted tensor (trt's activation shift, ``shift.py``) holds ``b - W_q d``:
+  the trained block sees that bias follow the rounding, and the written bias is rebased on the
+  chosen integers.
+
+Memory holds the tensors that cross the current cut, for the samples used (``--gptq_samples``,
+default at most 64 here), in both streams: it does not grow with N beyond that cap. Each grid's
+largest and smallest weights keep their nearest levels (as ``--gptq`` and ``--adaround`` do).
+Under MPI each process holds its share of the samples and draws its own mini-batches from
+it; every step's gradient is the mean over the processes (an allreduce), and after each block
+every process continues from rank 0's rounding. The result is therefore not byte-identical to a
+one-process run (other mini-batches), unlike ``--gptq``/``--adaround``, whose statistics are
+exact sums.
+
+Differences from the reference tool (ModelTC's Dipoorlet): blocks are cut from the graph's
+own structure (the reference takes runs of successive Conv/Gemm layers), every activation grid
+inside the block is simulated as the backend will run it (the reference quantizes each layer's
+output), and the loss covers every tensor leaving the block.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import numpy as np
+
+from dipoorlet.adaround import BETA, GAMMA, WARMUP, ZETA
+from dipoorlet.progress import progress
+from dipoorlet.qdq import insert_qdq
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SAMPLES = 64       # samples held in both streams when --gptq_samples is not given (at most N)
+MIN_LAYERS, MAX_LAYERS = 2, 8
+BATCH = 16                 # samples per optimization step (all of them where fewer)
+LAMBDA = 10.0              # the regularizer's weight: mean over the block's weights, against the normalized loss
+LR = 0.01                  # Adam's step on the rounding variables
+DROP = 0.5                 # QDrop: probability that an element keeps its float value
+SEED = 20251125
+LEARN_BIAS = True          # Conv/ConvTranspose/Gemm biases are learned with the rounding
+LEARNABLE_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+
+
+def _is_float(t) -> bool:
+    return t.is_floating_point()
+
+
+class Soft:
+    """One weight's rounding: integers base + h(V), h relaxed in [0, 1] or hard."""
+
+    def __init__(self, torch, W: np.ndarray, qp, pins: np.ndarray):
+        self.torch = torch
+        s = np.asarray(qp.scale, np.float64)
+        z = np.asarray(qp.zero_point, np.float64)
+        if s.ndim == 1 and W.ndim > 1:
+            shape = [1] * W.ndim
+            shape[qp.axis] = -1
+            s, z = s.reshape(shape), (z.reshape(shape) if z.ndim else z)
+        x = W.astype(np.float64) / s + z
+        base = np.floor(x)
+        rtn = np.clip(np.rint(x), qp.qmin, qp.qmax)
+        fixed = (base < qp.qmin) | (base + 1 > qp.qmax) | pins
+        self.free = torch.from_numpy(~fixed)
+        self.base = torch.from_numpy(np.where(fixed, rtn, base).astype(np.float32))
+        self.s = torch.from_numpy(np.broadcast_to(s, W.shape).astype(np.float32).copy())
+        self.z = torch.from_numpy(np.broadcast_to(z, W.shape).astype(np.float32).copy())
+        frac = np.clip(x - base, 0.0, 1.0)
+        p = np.clip((frac - GAMMA) / (ZETA - GAMMA), 1e-4, 1 - 1e-4)
+        self.V = torch.nn.Parameter(torch.from_numpy(np.log(p / (1 - p)).astype(np.float32)))
+        self.nearest = torch.from_numpy(((rtn - base) * (~fixed)).astype(np.float32))
+        self.mode = "soft"       # soft | hard | nearest
+        self.n_free = int((~fixed).sum())
+
+    def h(self):
+        torch = self.torch
+        return torch.clamp(torch.sigmoid(self.V) * (ZETA - GAMMA) + GAMMA, 0.0, 1.0)
+
+    def __call__(self, hard: bool):
+        if self.mode == "nearest":
+            h = self.nearest
+        elif self.mode == "hard" or hard:
+            h = (self.V.detach() >= 0).float()      # h(V) >= 0.5
+        else:
+            h = self.h()
+        return (self.base + h * self.free - self.z) * self.s
+
+    def reg(self, beta):
+        h = self.h()[self.free]
+        return (1.0 - (2.0 * h - 1.0).abs().pow(beta)).sum()
+
+    def integers(self) -> np.ndarray:
+        h = (self.V.detach() >= 0).float() if self.mode != "nearest" else self.nearest
+        return (self.base + h * self.free).numpy()
+
+
+class Bias:
+    """A learned bias: b0 + u * unit, u from 0; ``unit`` per output channel is the size of the
+    layer's output rounding noise (input step x weight step x sqrt(fan-in)), so one learning rate
+    serves every layer."""
+
+    def __init__(self, torch, b0: np.ndarray, unit: np.ndarray):
+        self.b0 = torch.from_numpy(np.array(b0, np.float32))
+        self.unit = torch.from_numpy(np.broadcast_to(np.asarray(unit, np.float32), self.b0.shape).copy())
+        self.V = torch.nn.Parameter(torch.zeros_like(self.b0))
+        self.mode = "nearest"      # nearest (b0) | soft/hard (learned)
+        self.n_free = 0
+
+    def __call__(self, hard: bool = True):
+        return self.b0 if self.mode == "nearest" else self.b0 + self.V * self.unit
+
+    def value(self) -> np.ndarray:
+        return self().detach().numpy()
+
+
+def _pins(W: np.ndarray, qp) -> np.ndarray:
+    """Each grid's largest and smallest weight (per channel along the grid's axis, else of the
+    tensor)."""
+    mask = np.zeros(W.shape, bool)
+    if np.ndim(qp.scale) and W.ndim > 1:
+        m = np.moveaxis(W, qp.axis, 0).reshape(W.shape[qp.axis], -1)
+        mm = np.moveaxis(mask, qp.axis, 0).reshape(m.shape)      # a view onto mask
+        rows = np.arange(m.shape[0])
+        mm[rows, np.argmax(m, axis=1)] = True
+        mm[rows, np.argmin(m, axis=1)] = True
+    else:
+        mask.flat[np.argmax(W)] = True
+        mask.flat[np.argmin(W)] = True
+    return mask
+
+
+def _layout(tg, learn_pos: list[int]):
+    """Blocks as (start, end, layer positions) over tg.nodes, and each tensor's last reader."""
+    nodes = tg.nodes
+    produced_at = {i: -1 for i in tg.inputs}
+    last = {}
+    for k, n in enumerate(nodes):
+        for t in tg.reads(n):
+            if t in tg.consts or t in tg.wdq:
+                continue
+            last[t] = max(last.get(t, -1), k)
+        for o in n.output:
+            if o:
+                produced_at[o] = k
+    for o in tg.outputs:
+        last[o] = len(nodes)
+    # live[p]: tensors produced before position p that a node at p or later reads
+    start_at: dict[int, int] = {}
+    end_at: dict[int, int] = {}
+    for t, k in produced_at.items():
+        if t in last and last[t] > k:
+            start_at[k + 1] = start_at.get(k + 1, 0) + 1
+            end_at[last[t] + 1] = end_at.get(last[t] + 1, 0) + 1
+    live = np.zeros(len(nodes) + 1, np.int64)
+    cur = 0
+    for p in range(len(nodes) + 1):
+        cur += start_at.get(p, 0) - end_at.get(p, 0)
+        live[p] = cur
+    opaque = [k for k, o in enumerate(tg.opaque) if o]
+    blocks = []
+    s = 0
+    L = len(learn_pos)
+    begin = 0                      # the earliest position the next block may start at
+    while s < L:
+        # the layers after s that can share its block: no opaque node between them
+        best = None
+        e = s
+        while e < L:
+            lo = learn_pos[e] + 1
+            hi = learn_pos[e + 1] if e + 1 < L else len(nodes)
+            blocked = [k for k in opaque if lo - 1 < k < hi]
+            top = blocked[0] if blocked else hi
+            if e + 1 == L:
+                top = lo                   # the last layer's block ends right after it
+            gap = list(range(lo, top + 1))
+            p = min(gap, key=lambda q: live[q])
+            if best is None or live[p] < best[0] or (e - s + 1 < MIN_LAYERS and live[p] <= best[0]):
+                best = (live[p], p, e)
+            if blocked or e + 1 == L or e - s + 1 >= MAX_LAYERS or (
+                    e - s + 1 >= MIN_LAYERS and live[p] <= max(1, min(live[lo:top + 1]))):
+                if not blocked and e + 1 < L and e - s + 1 >= MIN_LAYERS and live[p] <= best[0]:
+                    best = (live[p], p, e)
+                break
+            e += 1
+        _, end, e = best
+        start = begin
+        blocks.append((start, end, learn_pos[s:e + 1]))
+        # the next block starts after any opaque node between this block's end and its layer
+        nxt = learn_pos[e + 1] if e + 1 < L else len(nodes)
+        between = [k for k in opaque if end <= k < nxt]
+        begin = (between[-1] + 1) if between else end
+        s = e + 1
+    return blocks, last
+
+
+def reconstruct_blocks(g, places, plan, data, indices, comm, samples: int, iters: int, drop: bool,
+                       shifted=(), batch: int | None = None) -> dict:
+    """Fit the rounding of every Conv/ConvTranspose/Gemm/MatMul weight block by block; results go
+    into ``plan.values`` (owned by the layer). Returns the summary for report.json."""
+    from dipoorlet.pipeline import is_bias
+    from dipoorlet.torch_graph import TorchGraph, import_torch
+
+    torch = import_torch()
+    t0 = time.perf_counter()
+    qmodel = insert_qdq(g, places, plan)
+    qnodes = {n.name: n for n in qmodel.graph.node}
+    uses: dict[str, int] = {}
+    for wp in places.weights.values():
+        uses[wp.tensor] = uses.get(wp.tensor, 0) + 1
+    values = plan.values
+    float_values, learn = {}, {}
+    skipped = {}
+    for (name, index), wp in places.weights.items():
+        qp = plan.weights.get(wp.tensor)
+        if qp is None or name not in qnodes:
+            continue
+        out = qnodes[name].input[index]
+        src = values.get(wp.tensor) if (wp.tensor in values and plan.value_owners.get(wp.tensor) in (None, name)) \
+            else g.weight(wp.tensor)
+        float_values[out] = np.asarray(src, np.float32)
+        if is_bias(g, name, index):
+            continue
+        op = g.node_by_name[name].op_type
+        if op not in LEARNABLE_OPS:
+            continue
+        if uses[wp.tensor] != 1:
+            skipped[name] = "weight shared with another node"
+            continue
+        learn[out] = (name, wp.tensor, qp)
+    # constants the plan replaced in the quantized model (shifted biases, --bc): the float
+    # stream reads the float graph's own
+    qinit = {t.name for t in qmodel.graph.initializer}
+    float_consts = {k: g.weight(k) for k in values if k in qinit and k in g.initializers}
+    tg = TorchGraph(qmodel, float_values, float_consts)
+    for r in shifted:
+        for name in r["consumers"]:
+            node = qnodes.get(name)
+            if node is not None and node.input[1] in learn:
+                alpha = float(next((a.f for a in node.attribute if a.name == "alpha"), 1.0))
+                tg.shift_corr[name] = (node.input[1], float(r["shift"]), alpha)
+    torch.manual_seed(SEED)
+    softs = {}
+    for out, (name, tensor, qp) in learn.items():
+        W = np.asarray(float_values[out], np.float64)
+        softs[out] = Soft(torch, W, qp, _pins(W, qp))
+        softs[out].mode = "nearest"
+        tg.soft[out] = softs[out]
+    # biases of Conv/ConvTranspose/Gemm layers whose input has a grid: learned with the rounding
+    biases, bias_of = {}, {}
+    for out, (name, tensor, qp) in learn.items():
+        node = qnodes[name]
+        if not LEARN_BIAS or node.op_type not in ("Conv", "ConvTranspose", "Gemm") or len(node.input) < 3 \
+                or not node.input[2]:
+            continue
+        bname = node.input[2]
+        chain = tg.chains.get(node.input[0])
+        if chain is None or chain.scale.ndim or (bname not in tg.consts and bname not in tg.wdq):
+            continue
+        b0 = tg.value(bname, {}, "q").numpy()
+        W = float_values[out]
+        s_w = np.asarray(qp.scale, np.float64)
+        if node.op_type == "ConvTranspose":
+            fan_in = W.shape[0] * int(np.prod(W.shape[2:]))
+        elif node.op_type == "Gemm":
+            fan_in = W.shape[0] if _gemm_trans(node) == 0 else W.shape[1]
+        else:
+            fan_in = int(np.prod(W.shape[1:]))
+        unit = float(chain.scale.item()) * s_w * math.sqrt(fan_in)
+        if b0.ndim != 1 or np.size(unit) not in (1, b0.size):
+            continue
+        biases[bname] = Bias(torch, b0, unit)
+        bias_of[out] = bname
+        tg.bias[bname] = biases[bname]
+    readers = {}
+    for k, n in enumerate(tg.nodes):
+        for i in n.input:
+            if i in learn:
+                readers.setdefault(k, []).append(i)
+    learn_pos = sorted(readers)
+    if not learn_pos:
+        return {"blocks": 0, "layers": 0, "candidates": 0, "skipped": skipped}
+    blocks, last = _layout(tg, learn_pos)
+    total = comm.allreduce_sum(np.array([len(indices)], np.float64))[0]
+    log.info("%s: %d layers in %d blocks, %d samples, %d steps per block", "qdrop" if drop else "brecq",
+             len(learn_pos), len(blocks), int(total), iters)
+    # the samples, both streams: tensor name -> torch tensor
+    qs, fs = [], []
+    for i in indices:
+        feed = {k: torch.from_numpy(np.array(v)) for k, v in data.sample(i).items()}
+        qs.append(dict(feed))
+        fs.append(dict(feed))
+    pos = 0
+    records = []
+    gen = torch.Generator().manual_seed(SEED + comm.rank)
+    rng = np.random.default_rng(SEED + comm.rank)
+    for bi, (start, end, layer_pos) in enumerate(progress(blocks, "brecq blocks", comm)):
+        with torch.no_grad():
+            for envs in (qs, fs):
+                for env in envs:
+                    tg.run(env, pos, start, "q" if envs is qs else "f")
+                    _forget(env, last, start)
+        produced = {o for n in tg.nodes[start:end] for o in n.output if o}
+        outs = [t for t in produced if last.get(t, -1) >= end]
+        ins = sorted({t for n in tg.nodes[start:end] for t in tg.reads(n)
+                      if t not in produced and t not in tg.consts and t not in tg.wdq})
+        targets = []
+        with torch.no_grad():
+            for env in fs:
+                tg.run(env, start, end, "f")
+                targets.append({t: env[t] for t in outs if _is_float(env[t])})
+        outs = [t for t in outs if targets and t in targets[0]]
+        names = [tg.nodes[k].name for k in layer_pos]
+        mine = [o for k in layer_pos for o in readers[k]]
+        blk_softs = [softs[o] for o in mine] + [biases[bias_of[o]] for o in mine if o in bias_of]
+
+        # samples whose block inputs have the same shapes run as one batch (concatenated on the
+        # first axis) where the block allows it: checked on the float stream against the targets
+        groups: dict[tuple, list[int]] = {}
+        for j, env in enumerate(qs):
+            groups.setdefault(tuple(tuple(env[t].shape) if t in env else None for t in ins), []).append(j)
+        stack = {t: all(t in qs[j] and _is_float(qs[j][t]) and qs[j][t].ndim and qs[j][t].shape[0] == 1
+                        for j in range(len(qs))) for t in ins}
+
+        def run_batch(idx, mode, mode_drop=0.0, hard=False, fmix=None, check=False):
+            src = qs if mode == "q" else fs
+            env = {}
+            for t in ins:
+                if t not in src[idx[0]]:
+                    continue
+                env[t] = torch.cat([src[j][t] for j in idx], 0) if stack[t] and len(idx) > 1 else src[idx[0]][t]
+                if fmix is not None and stack[t]:
+                    f = torch.cat([fs[j][t] for j in idx], 0) if len(idx) > 1 else fs[idx[0]][t]
+                    if f.shape == env[t].shape:
+                        env[t] = torch.where(torch.rand(f.shape, generator=gen) < fmix, f, env[t])
+            tg.run(env, start, end, mode, drop=mode_drop, gen=gen, hard=hard)
+            tot = 0.0
+            for t in outs:
+                f = torch.cat([targets[j][t] for j in idx], 0) if len(idx) > 1 else targets[idx[0]][t]
+                if check:
+                    if env[t].shape != f.shape or not torch.allclose(env[t], f, rtol=1e-3, atol=1e-5 * float(
+                            f.abs().max()) + 1e-12):
+                        return None
+                    continue
+                d = (env[t] - f).reshape(len(idx), -1)
+                ff = f.reshape(len(idx), -1)
+                tot = tot + (d.pow(2).sum(1) / (ff.pow(2).sum(1) + 1e-12)).sum()
+            return tot
+
+        batched = all(stack.values()) and bool(outs)
+        if batched:
+            big = max(groups.values(), key=len)
+            if len(big) > 1:
+                with torch.no_grad():
+                    batched = run_batch(big[:2], "f", check=True) is not None
+        if not batched:
+            groups = {(j,): [j] for j in range(len(qs))}
+        bs = max(1, min(batch or BATCH, len(qs)))
+        chunks = [grp[i:i + (bs if batched else 1)] for grp in groups.values()
+                  for i in range(0, len(grp), bs if batched else 1)]
+
+        def block_loss(idx_lists, **kw):
+            tot = 0.0
+            for idx in idx_lists:
+                tot = tot + run_batch(idx, "q", **kw)
+            return tot
+
+        for sft in blk_softs:
+            sft.mode = "nearest"
+        with torch.no_grad():
+            l_near = float(comm.allreduce_sum(np.array([float(block_loss(chunks))]))[0])
+        for sft in blk_softs:
+            sft.mode = "soft"
+        rounders = [s for s in blk_softs if isinstance(s, Soft)]
+        n_free = sum(s.n_free for s in rounders)
+        params = [s.V for s in blk_softs]
+        opt = torch.optim.Adam(params, lr=LR)
+        warm = int(WARMUP * iters)
+        norm = l_near / max(total, 1.0) if l_near > 0 else 1.0
+        for it in range(iters if params and l_near > 0 else 0):
+            idx_lists = _draw(groups, bs, batched, rng)
+            opt.zero_grad()
+            loss = block_loss(idx_lists, mode_drop=DROP if drop else 0.0, fmix=DROP if drop else None) / (bs * norm)
+            if it >= warm:
+                beta = BETA[1] + (BETA[0] - BETA[1]) * max(0.0, 1.0 - (it - warm) / max(iters - warm, 1))
+                loss = loss + LAMBDA * sum(s.reg(beta) for s in rounders) / max(n_free, 1)
+            if idx_lists:
+                loss.backward()
+            if comm.world > 1:
+                grads = np.concatenate([(p.grad.numpy().ravel() if p.grad is not None else
+                                         np.zeros(p.numel(), np.float32)) for p in params])
+                grads = comm.allreduce_sum(grads.astype(np.float64)) / comm.world
+                off = 0
+                for p in params:
+                    p.grad = torch.from_numpy(grads[off:off + p.numel()].astype(np.float32).reshape(p.shape))
+                    off += p.numel()
+            opt.step()
+        if comm.world > 1:       # every process continues from rank 0's rounding, whatever the sums did
+            for sft, v in zip(blk_softs, comm.bcast([sft.V.detach().numpy() for sft in blk_softs])):
+                with torch.no_grad():
+                    sft.V.copy_(torch.from_numpy(v))
+        for sft in blk_softs:
+            sft.mode = "hard"
+        with torch.no_grad():
+            l_hard = float(comm.allreduce_sum(np.array([float(block_loss(chunks, hard=True))]))[0])
+        kept = l_hard < l_near
+        if not kept:
+            for sft in blk_softs:
+                sft.mode = "nearest"
+        records.append({"block": bi, "layers": names, "outputs": len(outs),
+                        "loss_db": round(10 * math.log10(l_hard / l_near), 3) if l_near > 0 and l_hard > 0 else None,
+                        "kept": bool(kept)})
+        log.info("%s block %d/%d (%s): block output error %.4g -> %.4g%s", "qdrop" if drop else "brecq", bi + 1,
+                 len(blocks), ", ".join(names), l_near, l_hard,
+                  "" if kept else " (nearest kept)")
+        with torch.no_grad():
+            for env in qs:
+                tg.run(env, start, end, "q")
+                _forget(env, last, end)
+            for env in fs:
+                _forget(env, last, end)
+        pos = end
+    changed, old_w, new_w = [], {}, {}
+    for out, (name, tensor, qp) in learn.items():
+        sft = softs[out]
+        if sft.mode != "hard":
+            continue
+        ints = sft.integers()
+        near = (sft.base + sft.nearest * sft.free).numpy()
+        if np.array_equal(ints, near):
+            continue
+        z, s = sft.z.numpy().astype(np.float64), sft.s.numpy().astype(np.float64)
+        old_w[tensor], new_w[tensor] = (near - z) * s, (ints - z) * s
+        plan.values[tensor] = new_w[tensor].astype(g.weight(tensor).dtype)
+        plan.value_owners[tensor] = name
+        changed.append(name)
+    for out, bname in bias_of.items():
+        b = biases[bname]
+        if b.mode == "nearest" or not np.any(b.V.detach().numpy()):
+            continue
+        name = learn[out][0]
+        tensor = next(wp.tensor for (n, i), wp in places.weights.items() if n == name and i == 2) \
+            if bname in tg.wdq else bname
+        plan.values[tensor] = b.value().astype(np.float32)
+        plan.value_owners[tensor] = name
+        if name not in changed:
+            changed.append(name)
+    if shifted and new_w:
+        from dipoorlet.shift import rebased_for_values
+
+        # a shifted input's consumers hold b - W_q d: rebase on the new W_q
+        plan.values.update(rebased_for_values(g, plan, shifted, old_w, new_w))
+    gains = [r["loss_db"] for r in records if r["kept"] and r["loss_db"] is not None]
+    log.info("%s: %d of %d blocks re-rounded (%d layers) over %d samples in %.1f s; block output error "
+             "change: median %.1f dB", "qdrop" if drop else "brecq", sum(r["kept"] for r in records), len(records),
+             len(changed), int(total), time.perf_counter() - t0, float(np.median(gains)) if gains else 0.0)
+    return {"blocks": len(records), "layers": len(changed), "changed": changed, "candidates": len(learn),
+            "samples": int(total),
+            "iters": iters, "drop": bool(drop), "block_loss": records, "skipped": skipped}
+
+
+def _gemm_trans(node) -> int:
+    return next((a.i for a in node.attribute if a.name == "transB"), 0)
+
+
+def _draw(groups: dict, bs: int, batched: bool, rng) -> list[list[int]]:
+    """One step's samples: ``bs`` of them (all where fewer), as batches of equal input shapes
+    (groups drawn by their size until ``bs`` samples are in) or one by one."""
+    n = sum(len(v) for v in groups.values())
+    if n == 0:
+        return []
+    if not batched:
+        return [[int(j)] for j in rng.choice(n, min(bs, n), replace=False)]
+    keys = list(groups)
+    sizes = np.array([len(groups[k]) for k in keys], np.float64)
+    out, count = [], 0
+    for gi in rng.choice(len(keys), len(keys), replace=False, p=sizes / sizes.sum()):
+        grp = groups[keys[gi]]
+        take = min(bs - count, len(grp))
+        out.append([int(j) for j in rng.choice(grp, take, replace=False)])
+        count += take
+        if count >= bs:
+            break
+    return out
+
+
+def _forget(env: dict, last: dict, p: int) -> None:
+    """Drop the tensors no node at position p or later reads."""
+    for t in [t for t in env if last.get(t, -1) < p]:
+        del env[t]

@@ -1,0 +1,289 @@
+"""--brecq / --drop: block reconstruction in torch (dipoorlet/brecq.py, dipoorlet/torch_graph.py).
+Oracles: onnxruntime runs of the float and quantized models, numpy for the integers and biases."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import dipoorlet
+
+from conftest import initializer, input_feeds, make_model, ort_run, rand, save, tiny_cnn, vi, write_samples
+
+torch = pytest.importorskip("torch", reason="--brecq needs the [torch] extra")
+
+from dipoorlet.torch_graph import TorchGraph  # noqa: E402
+
+
+def _run_torch(model, feed, mode="q"):
+    tg = TorchGraph(model, {})
+    env = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in feed.items()}
+    with torch.no_grad():
+        tg.run(env, 0, len(tg.nodes), mode)
+    return tg, [env[o].numpy() for o in tg.outputs]
+
+
+def _cnn_ops_model():
+    """Most CNN ops the executor maps, with awkward attributes (asymmetric pads, ceil mode,
+    output padding, both Resize modes it runs natively)."""
+    inits = {
+        "w1": rand((8, 3, 3, 3), 1, 0.3), "b1": rand((8,), 2, 0.1),
+        "wd": rand((8, 1, 3, 3), 3, 0.3),
+        "bn_s": np.abs(rand((8,), 4)) + 0.5, "bn_b": rand((8,), 5, 0.1), "bn_m": rand((8,), 6, 0.1),
+        "bn_v": np.abs(rand((8,), 7)) + 0.5,
+        "wt": rand((8, 4, 2, 2), 8, 0.3), "bt": rand((4,), 9, 0.1),
+        "scales2": np.array([1, 1, 2, 2], np.float32), "roi": np.zeros(0, np.float32),
+        "sizes": np.array([1, 4, 6, 7], np.int64),
+        "pads": np.array([0, 0, 1, 2, 0, 0, 1, 0], np.int64),
+        "lo": np.array(-0.5, np.float32), "hi": np.array(0.8, np.float32),
+        "split": np.array([4, 4], np.int64), "ax": np.array([2, 3], np.int64),
+        "wf": rand((6, 8), 10, 0.3), "bf": rand((6,), 11, 0.1),
+    }
+    n = helper.make_node
+    nodes = [
+        n("Pad", ["x", "pads"], ["xp"], name="pad", mode="reflect"),
+        n("Conv", ["xp", "w1", "b1"], ["c1"], name="conv1", pads=[0, 1, 1, 0], strides=[2, 1]),
+        n("HardSwish", ["c1"], ["h1"], name="hs"),
+        n("Conv", ["h1", "wd"], ["c2"], name="dw", pads=[1, 1, 1, 1], group=8),
+        n("BatchNormalization", ["c2", "bn_s", "bn_b", "bn_m", "bn_v"], ["bn"], name="bn", epsilon=1e-3),
+        n("LeakyRelu", ["bn"], ["lr"], name="lrelu", alpha=0.1),
+        n("MaxPool", ["lr"], ["mp"], name="mp", kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1], ceil_mode=1),
+        n("AveragePool", ["mp"], ["ap"], name="ap", kernel_shape=[2, 2], strides=[1, 1], pads=[1, 1, 1, 1],
+          count_include_pad=0),
+        n("ConvTranspose", ["ap", "wt", "bt"], ["ct"], name="deconv", strides=[2, 2], pads=[1, 0, 0, 1],
+          output_padding=[1, 1]),
+        n("Resize", ["ct", "roi", "scales2"], ["up"], name="up", mode="nearest",
+          coordinate_transformation_mode="asymmetric", nearest_mode="floor"),
+        n("Resize", ["ct", "roi", "", "sizes"], ["lin"], name="lin", mode="linear",
+          coordinate_transformation_mode="half_pixel"),
+        n("GlobalAveragePool", ["up"], ["gu"], name="gu"),
+        n("Concat", ["lin", "lin"], ["cat"], name="cat", axis=1),
+        n("Split", ["cat", "split"], ["s1", "s2"], name="split", axis=1),
+        n("Sigmoid", ["s1"], ["sg"], name="sig"),
+        n("Tanh", ["s2"], ["th"], name="tanh"),
+        n("ReduceMean", ["sg"], ["rm"], name="rmean", axes=[1], keepdims=1),
+        n("Mul", ["th", "rm"], ["m1"], name="mul"),
+        n("Clip", ["m1", "lo", "hi"], ["cl"], name="clip"),
+        n("HardSigmoid", ["cl"], ["hsg"], name="hsig", alpha=0.3, beta=0.4),
+        n("Add", ["hsg", "gu"], ["ad"], name="add_bcast"),
+        n("ReduceSum", ["ad", "ax"], ["rs"], name="rsum", keepdims=0),
+        n("Einsum", ["rs", "rs"], ["ein"], name="einsum", equation="ij,ij->ij"),   # no mapping: onnx.reference
+        n("Concat", ["ein", "rs"], ["r8"], name="cat2", axis=1),
+        n("Gemm", ["r8", "wf", "bf"], ["g"], name="fc", transB=1),
+        n("Softmax", ["g"], ["y"], name="softmax", axis=1),
+    ]
+    return make_model(nodes, [vi("x", [1, 3, 9, 11])], [vi("y", [1, 6])], inits, opset=14)
+
+
+def _transformer_ops_model():
+    """Token ids through an embedding, LayerNorm, attention with shapes computed in the graph,
+    an Erf GELU and the integer/boolean ops such graphs carry."""
+    D, H, T = 8, 2, 5
+    inits = {
+        "emb": rand((11, D), 1), "ln_s": np.abs(rand((D,), 2)) + 0.5, "ln_b": rand((D,), 3, 0.1),
+        "wq": rand((D, D), 4, 0.4), "wk": rand((D, D), 5, 0.4), "wv": rand((D, D), 6, 0.4),
+        "bq": rand((D,), 7, 0.1), "zero": np.array([0], np.int64), "heads": np.array([H, D // H], np.int64),
+        "sqrt2": np.array(np.sqrt(2.0), np.float32), "half": np.array(0.5, np.float32),
+        "one": np.array(1.0, np.float32), "scale": np.array(np.sqrt(D / H), np.float32),
+        "s0": np.array([1], np.int64), "e0": np.array([4], np.int64), "ax1": np.array([1], np.int64),
+        "pad_id": np.array(0, np.int64), "neg": np.array(-1e4, np.float32), "flat": np.array([0, -1], np.int64),
+        "ax0": np.array([0], np.int64), "shape3": np.array([1, T, D], np.int64),
+    }
+    n = helper.make_node
+    nodes = [
+        n("Gather", ["emb", "ids"], ["e"], name="embed", axis=0),
+        n("LayerNormalization", ["e", "ln_s", "ln_b"], ["ln"], name="ln", axis=-1, epsilon=1e-5),
+        n("MatMul", ["ln", "wq"], ["q0"], name="mm_q"),
+        n("Add", ["q0", "bq"], ["q"], name="add_q"),
+        n("MatMul", ["ln", "wk"], ["k"], name="mm_k"),
+        n("MatMul", ["ln", "wv"], ["v"], name="mm_v"),
+        n("Shape", ["q"], ["shp"], name="shape"),
+        n("Slice", ["shp", "zero", "e0", "zero"], ["bt"], name="slice_shape"),
+        n("Gather", ["shp", "zero"], ["b0"], name="g_b"),
+        n("Slice", ["shp", "s0", "e0"], ["t_rest"], name="slice2"),
+        n("Slice", ["t_rest", "zero", "s0"], ["t0"], name="slice3"),
+        n("Concat", ["b0", "t0", "heads"], ["new_shape"], name="cat_shape", axis=0),
+        n("Reshape", ["q", "new_shape"], ["qh"], name="rq"),
+        n("Reshape", ["k", "new_shape"], ["kh"], name="rk"),
+        n("Reshape", ["v", "new_shape"], ["vh"], name="rv"),
+        n("Transpose", ["qh"], ["qt"], name="tq", perm=[0, 2, 1, 3]),
+        n("Transpose", ["kh"], ["kt"], name="tk", perm=[0, 2, 3, 1]),
+        n("Transpose", ["vh"], ["vt"], name="tv", perm=[0, 2, 1, 3]),
+        n("MatMul", ["qt", "kt"], ["att0"], name="qk"),
+        n("Div", ["att0", "scale"], ["att1"], name="div"),
+        n("Equal", ["ids", "pad_id"], ["is_pad"], name="eq"),
+        n("Unsqueeze", ["is_pad", "ax1"], ["pad4a"], name="unsq1"),
+        n("Unsqueeze", ["pad4a", "ax1"], ["pad4"], name="unsq2"),
+        n("Where", ["pad4", "neg", "att1"], ["att2"], name="where"),
+        n("Softmax", ["att2"], ["p"], name="softmax", axis=-1),
+        n("MatMul", ["p", "vt"], ["ctx"], name="pv"),
+        n("Transpose", ["ctx"], ["ctx2"], name="tc", perm=[0, 2, 1, 3]),
+        n("Reshape", ["ctx2", "shape3"], ["ctx3"], name="rc"),
+        n("Div", ["ctx3", "sqrt2"], ["g0"], name="gdiv"),
+        n("Erf", ["g0"], ["g1"], name="erf"),
+        n("Add", ["g1", "one"], ["g2"], name="gadd"),
+        n("Mul", ["ctx3", "g2"], ["g3"], name="gmul"),
+        n("Mul", ["g3", "half"], ["gelu"], name="ghalf"),
+        n("Cast", ["is_pad"], ["padf"], name="cast", to=TensorProto.FLOAT),
+        n("Unsqueeze", ["padf", "ax1"], ["padf3"], name="unsq3"),
+        n("Transpose", ["padf3"], ["padf4"], name="tpad", perm=[0, 2, 1]),
+        n("Sub", ["one", "padf4"], ["keep"], name="sub"),
+        n("Mul", ["gelu", "keep"], ["masked"], name="mask"),
+        n("ReduceSum", ["masked", "ax1"], ["pooled"], name="pool", keepdims=0),
+        n("Abs", ["pooled"], ["ab"], name="abs"),
+        n("Sqrt", ["ab"], ["y"], name="sqrt"),
+    ]
+    return make_model(nodes, [vi("ids", [1, T], TensorProto.INT64)], [vi("y", [1, D])], inits, opset=17)
+
+
+@pytest.mark.parametrize("build", [_cnn_ops_model, _transformer_ops_model], ids=["cnn_ops", "transformer_ops"])
+def test_torch_executor_matches_onnxruntime_on_float_models(build):
+    model = build()
+    for feed in input_feeds(model, 3, seed=4, int_high=11):
+        want = ort_run(model, feed)[0]
+        tg, (got,) = _run_torch(model, feed, "f")
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    opaque = [n.op_type for n, o in zip(tg.nodes, tg.opaque) if o]
+    assert opaque == (["Einsum"] if build is _cnn_ops_model else [])
+
+
+@pytest.mark.parametrize("deploy", ["trt", "snpe"])
+def test_torch_executor_runs_the_qdq_model_as_onnxruntime_does(tmp_path, deploy):
+    """q mode over the written QDQ model (4-bit weights, int32 biases and asymmetric activations
+    on snpe): onnxruntime with Q/DQ as float is the oracle."""
+    model = tiny_cnn(seed=3)
+    feeds = input_feeds(model, 6, seed=5)
+    path = save(model, tmp_path / "m.onnx")
+    data = write_samples(tmp_path / "data", feeds)
+    dipoorlet.quantize(model=path, input_dir=data, data_num=6, deploy=deploy, output_dir=tmp_path / "out",
+                       act_quant="minmax", w_bits=4, skip_prof_layer=True)
+    q = onnx.load(str(tmp_path / "out" / "quant_model.onnx"))
+    for feed in feeds:
+        want = ort_run(q, feed)[0]
+        tg, (got,) = _run_torch(q, feed, "q")
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+    assert len(tg.chains) >= 3 and not any(tg.opaque)
+
+
+def _shifted_net(seed=0):
+    """Conv-Relu-Conv-Relu-GAP-Gemm: the ReLU outputs read by an unpadded Conv and, through the
+    pooling, by the Gemm get trt's activation shift."""
+    r = np.random.default_rng(seed)
+    he = lambda shape, fan_in: (r.standard_normal(shape) * np.sqrt(2.0 / fan_in)).astype(np.float32)
+    inits = {"w1": he((12, 3, 3, 3), 27), "b1": (r.standard_normal(12) * 0.1).astype(np.float32),
+             "w2": he((16, 12, 1, 1), 12), "b2": (r.standard_normal(16) * 0.1).astype(np.float32),
+             "w3": he((16, 16, 3, 3), 144), "b3": (r.standard_normal(16) * 0.1).astype(np.float32),
+             "wf": he((10, 16), 16), "bf": (r.standard_normal(10) * 0.1).astype(np.float32)}
+    n = helper.make_node
+    nodes = [n("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+             n("Relu", ["c1"], ["r1"], name="relu1"),
+             n("Conv", ["r1", "w2", "b2"], ["c2"], name="conv2"),
+             n("Relu", ["c2"], ["r2"], name="relu2"),
+             n("Conv", ["r2", "w3", "b3"], ["c3"], name="conv3", pads=[1, 1, 1, 1]),
+             n("Add", ["c3", "c2"], ["a3"], name="add3"),
+             n("Relu", ["a3"], ["r3"], name="relu3"),
+             n("GlobalAveragePool", ["r3"], ["g"], name="gap"),
+             n("Flatten", ["g"], ["f"], name="flatten"),
+             n("Gemm", ["f", "wf", "bf"], ["y"], name="fc", transB=1)]
+    return make_model(nodes, [vi("x", [1, 3, 12, 12])], [vi("y", [1, 10])], inits)
+
+
+def _error(model, q, feeds):
+    return sum(float(np.sum((ort_run(model, f)[0].astype(np.float64) - ort_run(q, f)[0]) ** 2)) for f in feeds)
+
+
+def test_brecq_and_qdrop_lower_the_output_error_with_integers_next_to_the_weights(tmp_path):
+    """3-bit weights: block reconstruction (and QDrop) lower the network output's error against
+    the float model measured by onnxruntime on held-out inputs; every integer is the level just
+    below or above w/s, each channel's largest and smallest weights keep their nearest levels, and
+    the grids are the nearest run's."""
+    model = _shifted_net()
+    path = save(model, tmp_path / "m.onnx")
+    feeds = input_feeds(model, 24, seed=1)
+    held = input_feeds(model, 24, seed=99)
+    data = write_samples(tmp_path / "data", feeds)
+    errs, qs, reps = {}, {}, {}
+    for how in ("nearest", "brecq", "drop"):
+        out = tmp_path / how
+        dipoorlet.quantize(model=path, input_dir=data, data_num=len(feeds), deploy="trt", output_dir=out,
+                           act_quant="minmax", equalize=False, w_bits=3, skip_prof_layer=True,
+                           brecq=how != "nearest", drop=how == "drop", ada_iters=150)
+        qs[how] = onnx.load(str(out / "quant_model.onnx"))
+        errs[how] = _error(model, qs[how], held)
+        reps[how] = json.loads((out / "report.json").read_text())
+    assert errs["brecq"] < 0.8 * errs["nearest"], errs
+    assert errs["drop"] < 0.8 * errs["nearest"], errs
+    rep = reps["brecq"]["brecq"]
+    assert rep["layers"] >= 3 and rep["candidates"] == 4 and not rep["drop"]
+    assert reps["drop"]["qdrop"]["drop"]
+    assert rep["blocks"] == len(rep["block_loss"]) >= 2
+    for w in ("w1", "w2", "w3", "wf"):
+        ints = initializer(qs["brecq"], f"{w}_quantized").astype(np.float64)
+        s = initializer(qs["brecq"], f"{w}_scale").astype(np.float64)
+        np.testing.assert_array_equal(s, initializer(qs["nearest"], f"{w}_scale"))
+        wf = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == w)).astype(np.float64)
+        x = wf / s.reshape([-1] + [1] * (wf.ndim - 1))
+        assert np.all(np.abs(ints - x) < 1.0 + 1e-9)
+        near = initializer(qs["nearest"], f"{w}_quantized")
+        flat, nflat = x.reshape(len(x), -1), near.reshape(len(x), -1)
+        rows = np.arange(len(x))
+        for end in (flat.argmax(1), flat.argmin(1)):
+            np.testing.assert_array_equal(ints.reshape(len(x), -1)[rows, end], nflat[rows, end])
+
+
+def test_brecq_rebases_the_biases_that_absorb_a_shift(tmp_path, monkeypatch):
+    """A shifted input's consumer holds b - W_q d in the quantized model: after --brecq moved W_q,
+    the written bias is rebuilt from the written integers (numpy from report.json's shift rows;
+    bias learning off, so that the bias is the shift's alone)."""
+    import dipoorlet.brecq
+
+    monkeypatch.setattr(dipoorlet.brecq, "LEARN_BIAS", False)
+    model = _shifted_net(seed=2)
+    path = save(model, tmp_path / "m.onnx")
+    feeds = input_feeds(model, 12, seed=3)
+    data = write_samples(tmp_path / "data", feeds)
+    out = tmp_path / "out"
+    dipoorlet.quantize(model=path, input_dir=data, data_num=len(feeds), deploy="trt", output_dir=out,
+                       act_quant="minmax", equalize=False, w_bits=3, skip_prof_layer=True, brecq=True,
+                       ada_iters=200)
+    rep = json.loads((out / "report.json").read_text())
+    q = onnx.load(str(out / "quant_model.onnx"))
+    qnodes = {n.name: n for n in q.graph.node}
+    checked = 0
+    for row in rep["shift"]:
+        for name in row["consumers"]:
+            node = qnodes[name]
+            wname = node.input[1].removesuffix("_dq")
+            if name not in rep["brecq"]["changed"]:
+                continue
+            ints = initializer(q, f"{wname}_quantized").astype(np.float64)
+            s = initializer(q, f"{wname}_scale").astype(np.float64)
+            wq = ints * s.reshape([-1] + [1] * (ints.ndim - 1))
+            sums = lambda a: a.reshape(a.shape[0], -1).sum(1)
+            b_orig = numpy_helper.to_array(next(x for x in model.graph.initializer
+                                                if x.name == {"conv2": "b2", "conv3": "b3", "fc": "bf"}[name]))
+            np.testing.assert_allclose(initializer(q, node.input[2]), b_orig - row["shift"] * sums(wq),
+                                       rtol=1e-5, atol=1e-6)
+            checked += 1
+    assert checked >= 1
+
+
+def test_drop_from_the_cli(tmp_path):
+    model = tiny_cnn(seed=1)
+    path = save(model, tmp_path / "m.onnx")
+    data = write_samples(tmp_path / "data", input_feeds(model, 6, seed=2))
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, "-m", "dipoorlet", "-M", str(path), "-I", str(data), "-N", "6",
+                          "-D", "trt", "-O", str(out), "--drop", "--ada_iters", "30", "--w_bits", "4",
+                          "--skip_layers", "conv2"], capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["qdrop"]["drop"] and rep["qdrop"]["candidates"] == 2          # conv2 kept float
+    assert "qdrop" in res.stderr and "calibration" in res.stderr
+    np.testing.assert_array_equal(initializer(onnx.load(str(out / "quant_model.onnx")), "w2"),
+                                  numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "w2")))
