@@ -192,10 +192,13 @@ def _layout(tg, learn_pos: list[int]):
     blocks = []
     s = 0
     L = len(learn_pos)
+    # the fewest tensors any cut between two layers leaves live (1 in a CNN; more where a
+    # tensor such as an attention mask is read all along)
+    floor = min((int(live[learn_pos[e] + 1:learn_pos[e + 1] + 1].min()) for e in range(L - 1)), default=1)
     begin = 0                      # the earliest position the next block may start at
     while s < L:
-        # the layers after s that can share its block: no opaque node between them
-        best = None
+        # candidate ends after layer e: (live tensors, cut position, e); no opaque node inside
+        cands = []
         e = s
         while e < L:
             lo = learn_pos[e] + 1
@@ -204,19 +207,16 @@ def _layout(tg, learn_pos: list[int]):
             top = blocked[0] if blocked else hi
             if e + 1 == L:
                 top = lo                   # the last layer's block ends right after it
-            gap = list(range(lo, top + 1))
-            p = min(gap, key=lambda q: live[q])
-            if best is None or live[p] < best[0] or (e - s + 1 < MIN_LAYERS and live[p] <= best[0]):
-                best = (live[p], p, e)
-            if blocked or e + 1 == L or e - s + 1 >= MAX_LAYERS or (
-                    e - s + 1 >= MIN_LAYERS and live[p] <= max(1, min(live[lo:top + 1]))):
-                if not blocked and e + 1 < L and e - s + 1 >= MIN_LAYERS and live[p] <= best[0]:
-                    best = (live[p], p, e)
+            p = min(range(lo, top + 1), key=lambda q: live[q])
+            cands.append((int(live[p]), p, e))
+            n_layers = e - s + 1
+            if blocked or e + 1 == L or n_layers >= MAX_LAYERS or (n_layers >= MIN_LAYERS and live[p] <= floor):
                 break
             e += 1
-        _, end, e = best
-        start = begin
-        blocks.append((start, end, learn_pos[s:e + 1]))
+        # at least MIN_LAYERS layers where the graph allows, then the fewest live tensors
+        full = [c for c in cands if c[2] - s + 1 >= MIN_LAYERS] or cands
+        _, end, e = min(full, key=lambda c: (c[0], c[1]))
+        blocks.append((begin, end, learn_pos[s:e + 1]))
         # the next block starts after any opaque node between this block's end and its layer
         nxt = learn_pos[e + 1] if e + 1 < L else len(nodes)
         between = [k for k in opaque if end <= k < nxt]
@@ -350,8 +350,8 @@ def reconstruct_blocks(g, places, plan, data, indices, comm, samples: int, iters
         groups: dict[tuple, list[int]] = {}
         for j, env in enumerate(qs):
             groups.setdefault(tuple(tuple(env[t].shape) if t in env else None for t in ins), []).append(j)
-        stack = {t: all(t in qs[j] and _is_float(qs[j][t]) and qs[j][t].ndim and qs[j][t].shape[0] == 1
-                        for j in range(len(qs))) for t in ins}
+        # (the first axis need not be 1: a sequence model's frames are its batch; the check decides)
+        stack = {t: all(t in qs[j] and _is_float(qs[j][t]) and qs[j][t].ndim for j in range(len(qs))) for t in ins}
 
         def run_batch(idx, mode, mode_drop=0.0, hard=False, fmix=None, check=False):
             src = qs if mode == "q" else fs
@@ -417,6 +417,9 @@ def reconstruct_blocks(g, places, plan, data, indices, comm, samples: int, iters
                 loss = loss + LAMBDA * sum(s.reg(beta) for s in rounders) / max(n_free, 1)
             if idx_lists:
                 loss.backward()
+                for p in params:       # a Sqrt at 0 (a magnitude) gives inf * 0: no step there
+                    if p.grad is not None:
+                        torch.nan_to_num_(p.grad, nan=0.0, posinf=0.0, neginf=0.0)
             if comm.world > 1:
                 grads = np.concatenate([(p.grad.numpy().ravel() if p.grad is not None else
                                          np.zeros(p.numel(), np.float32)) for p in params])

@@ -653,7 +653,8 @@ _OPS = {
     "Min": lambda self, n, ins: _fold(self.torch.minimum, ins),
     "Sum": lambda self, n, ins: _fold(lambda a, b: a + b, ins),
     "Where": lambda self, n, ins: self.torch.where(ins[0].bool(), ins[1], ins[2]),
-    "Sqrt": _unary(lambda t, x: t.sqrt(x)), "Neg": _unary(lambda t, x: -x), "Abs": _unary(lambda t, x: x.abs()),
+    # at exact zeros (a magnitude of silence) sqrt's gradient is inf * 0 = NaN: clamped there
+    "Sqrt": _unary(lambda t, x: t.sqrt(t.clamp(x, min=1e-30)) if x.is_floating_point() else t.sqrt(x)), "Neg": _unary(lambda t, x: -x), "Abs": _unary(lambda t, x: x.abs()),
     "Exp": _unary(lambda t, x: t.exp(x)), "Log": _unary(lambda t, x: t.log(x)),
     "Reciprocal": _unary(lambda t, x: 1.0 / x), "Floor": _unary(lambda t, x: t.floor(x)),
     "Ceil": _unary(lambda t, x: t.ceil(x)),

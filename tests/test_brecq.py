@@ -287,3 +287,35 @@ def test_drop_from_the_cli(tmp_path):
     assert "qdrop" in res.stderr and "calibration" in res.stderr
     np.testing.assert_array_equal(initializer(onnx.load(str(out / "quant_model.onnx")), "w2"),
                                   numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "w2")))
+
+
+def test_brecq_survives_a_sqrt_at_zero(tmp_path):
+    """A magnitude (Sqrt of a square, as an STFT front end computes) over inputs with silent
+    stretches: its gradient at exact zeros is inf * 0 = NaN. The block still trains (NaN
+    gradients count as 0) and the written model is finite and better than nearest rounding."""
+    r = np.random.default_rng(0)
+    inits = {"w1": (r.standard_normal((8, 3, 3, 3)) * 0.3).astype(np.float32),
+             "w2": (r.standard_normal((8, 8, 1, 1)) * 0.3).astype(np.float32)}
+    n = helper.make_node
+    nodes = [n("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+             n("Mul", ["c1", "c1"], ["sq"], name="square"),
+             n("Sqrt", ["sq"], ["mag"], name="sqrt"),
+             n("Conv", ["mag", "w2"], ["y"], name="conv2")]
+    model = make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("y", [1, 8, 8, 8])], inits)
+    path = save(model, tmp_path / "m.onnx")
+    feeds = input_feeds(model, 8, seed=1)
+    for f in feeds:
+        f["x"][:, :, :4] = 0.0          # silence: conv1's output is exactly 0 there
+    data = write_samples(tmp_path / "data", feeds)
+    errs = {}
+    for how in ("nearest", "brecq"):
+        out = tmp_path / how
+        dipoorlet.quantize(model=path, input_dir=data, data_num=8, deploy="trt", output_dir=out,
+                           act_quant="minmax", equalize=False, shift=False, w_bits=3, skip_prof_layer=True,
+                           brecq=how == "brecq", ada_iters=200)
+        q = onnx.load(str(out / "quant_model.onnx"))
+        errs[how] = _error(model, q, feeds)
+    rep = json.loads((tmp_path / "brecq" / "report.json").read_text())
+    assert rep["brecq"]["block_loss"][0]["kept"], rep["brecq"]["block_loss"]
+    assert "conv1" in rep["brecq"]["changed"]           # its gradient passes the Sqrt
+    assert np.isfinite(errs["brecq"]) and errs["brecq"] < errs["nearest"], errs
