@@ -216,6 +216,7 @@ def _layout(tg, learn_pos: list[int]):
         # at least MIN_LAYERS layers where the graph allows, then the fewest live tensors
         full = [c for c in cands if c[2] - s + 1 >= MIN_LAYERS] or cands
         _, end, e = min(full, key=lambda c: (c[0], c[1]))
+        end = _past_affine(tg, end, live)
         blocks.append((begin, end, learn_pos[s:e + 1]))
         # the next block starts after any opaque node between this block's end and its layer
         nxt = learn_pos[e + 1] if e + 1 < L else len(nodes)
@@ -285,6 +286,8 @@ def reconstruct_blocks(g, places, plan, data, indices, comm, samples: int, iters
                 or not node.input[2]:
             continue
         bname = node.input[2]
+        if sum(1 for m in qmodel.graph.node for i in m.input if i == bname) != 1:
+            continue            # a bias read by several layers keeps its value
         chain = tg.chains.get(node.input[0])
         if chain is None or chain.scale.ndim or (bname not in tg.consts and bname not in tg.wdq):
             continue
@@ -307,6 +310,13 @@ def reconstruct_blocks(g, places, plan, data, indices, comm, samples: int, iters
     for k, n in enumerate(tg.nodes):
         for i in n.input:
             if i in learn:
+                if tg.opaque[k]:       # runs outside torch (e.g. an auto_pad SAME Conv): no gradient
+                    skipped[n.name] = f"{n.op_type} runs outside torch here (no gradient)"
+                    tg.soft.pop(i, None)
+                    bname = bias_of.pop(i, None)
+                    if bname:
+                        tg.bias.pop(bname, None)
+                    continue
                 readers.setdefault(k, []).append(i)
     learn_pos = sorted(readers)
     if not learn_pos:
@@ -378,12 +388,15 @@ def reconstruct_blocks(g, places, plan, data, indices, comm, samples: int, iters
                 tot = tot + (d.pow(2).sum(1) / (ff.pow(2).sum(1) + 1e-12)).sum()
             return tot
 
-        batched = all(stack.values()) and bool(outs)
+        batched = all(stack.values()) and bool(outs) and all(targets[0][t].ndim for t in outs)
         if batched:
             big = max(groups.values(), key=len)
             if len(big) > 1:
-                with torch.no_grad():
-                    batched = run_batch(big[:2], "f", check=True) is not None
+                try:            # a Reshape to a fixed batch of 1 fails here, or gives other values
+                    with torch.no_grad():
+                        batched = run_batch(big[:2], "f", check=True) is not None
+                except RuntimeError:
+                    batched = False
         if not batched:
             groups = {(j,): [j] for j in range(len(qs))}
         bs = max(1, min(batch or BATCH, len(qs)))
@@ -415,7 +428,7 @@ def reconstruct_blocks(g, places, plan, data, indices, comm, samples: int, iters
             if it >= warm:
                 beta = BETA[1] + (BETA[0] - BETA[1]) * max(0.0, 1.0 - (it - warm) / max(iters - warm, 1))
                 loss = loss + LAMBDA * sum(s.reg(beta) for s in rounders) / max(n_free, 1)
-            if idx_lists:
+            if idx_lists and loss.requires_grad:
                 loss.backward()
                 for p in params:       # a Sqrt at 0 (a magnitude) gives inf * 0: no step there
                     if p.grad is not None:
@@ -491,6 +504,24 @@ def reconstruct_blocks(g, places, plan, data, indices, comm, samples: int, iters
     return {"blocks": len(records), "layers": len(changed), "changed": changed, "candidates": len(learn),
             "samples": int(total),
             "iters": iters, "drop": bool(drop), "block_loss": records, "skipped": skipped}
+
+
+def _past_affine(tg, p: int, live) -> int:
+    """Move a cut past the Add/Sub/Mul/Div of a constant that reads the tensor just produced (a
+    MatMul's bias, an absorbed shift, a --bc correction): the block's loss then sees the layer's
+    whole output, not a part that a constant outside the block changes."""
+    nodes = tg.nodes
+    while p < len(nodes) and p > 0 and live[p + 1] <= live[p]:
+        n = nodes[p]
+        prev = {o for o in nodes[p - 1].output if o}
+        if n.op_type not in ("Add", "Sub", "Mul", "Div") or tg.opaque[p]:
+            break
+        data = [i for i in n.input if i in prev]
+        const = [i for i in n.input if i in tg.consts]
+        if len(data) != 1 or len(const) != 1:
+            break
+        p += 1
+    return p
 
 
 def _gemm_trans(node) -> int:

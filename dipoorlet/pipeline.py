@@ -493,11 +493,11 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         w8.measured = analysis.pop("_scorer").score(insert_qdq(g, places, plan))
         w8.met = w8.measured.value(w8.criterion) >= w8.target
     if w8 is not None and not w8.met and defer and w8.after.value(w8.criterion) >= w8.target:
-        log.warning("auto_w8: the search met %s %s on nearest rounding (%.6f), but with the --%s rounding fitted "
+        log.warning("auto_w8: the search met %s %s on nearest rounding (%.6f), but with the %s rounding fitted "
                     "afterwards the model as written reads %.6f on the same samples (the rounding fits each "
-                    "layer's output on the calibration data, not this score); compare without --%s",
-                    w8.criterion, w8.target, w8.after.value(w8.criterion), rounding,
-                    w8.measured.value(w8.criterion), rounding)
+                    "layer's output on the calibration data, not this score); compare without %s",
+                    w8.criterion, w8.target, w8.after.value(w8.criterion), _flag(rounding),
+                    w8.measured.value(w8.criterion), _flag(rounding))
     elif w8 is not None and not w8.met:
         log.warning("auto_w8: target %s %s not met (%s %.6f with %d layers' weights on %d-bit grids over the %d "
                     "sensitivity samples); %s", w8.criterion, w8.target, w8.criterion,
@@ -529,12 +529,12 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
             and not defer else {r["node"] for r in reconstructed["gain_db"]}
             if reconstructed and reconstructed.get("gain_db") and rounding != "sparse" and not defer else (),
             gptq_ran=reconstructed is not None, max_act_bits=plat.activation.max_bits,
-            rounding={"adaround": "--adaround", "brecq": "--brecq", "qdrop": "--drop"}.get(rounding, "--gptq"),
+            rounding=_flag(rounding) if rounding in ("adaround", "brecq", "qdrop") else "--gptq",
             sparse={r["node"]: r["db"] for r in reconstructed["gain_db"]} | {
                 n: None for n in reconstructed.get("magnitude", [])} if rounding == "sparse" else None,
             sparse_pattern=reconstructed.get("pattern") if rounding == "sparse" else None,
             promoted=w8.float_layers if w8 is not None else (),
-            deferred=f"--{rounding}" if defer else None)
+            deferred=_flag(rounding) if defer else None)
     if analysis.get("auto_skip") is not None:
         places = places.restrict([n for n in places.quantized_nodes
                                   if n not in analysis["auto_skip"].float_layers])
@@ -699,6 +699,11 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, pl
                     "samples); a larger --max_float_layers may meet it", a.criterion, a.target, a.criterion,
                     a.after.value(a.criterion), len(a.float_layers), n)
     return out
+
+
+def _flag(rounding: str) -> str:
+    """The flag that chose the rounding ("qdrop" runs under --drop)."""
+    return "--drop" if rounding == "qdrop" else f"--{rounding}"
 
 
 def _warn_matmulnbits(g: Graph, places, plan: QuantPlan) -> None:

@@ -66,6 +66,8 @@ class TorchGraph:
         self.torch = torch
         graph = model.graph
         self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
+        self.opset_imports = list(model.opset_import)
+        self.ir_version = model.ir_version
         self.consts: dict[str, object] = {}
         for t in graph.initializer:
             self.consts[t.name] = numpy_helper.to_array(t)
@@ -134,25 +136,50 @@ class TorchGraph:
         return t
 
     def _supported(self, n) -> bool:
-        if n.domain not in ("", "ai.onnx"):
-            return False
+        """Whether the node runs through a torch mapping (with a gradient); otherwise it runs in
+        onnxruntime (or onnx.reference) and is opaque to block reconstruction."""
         if n.op_type == "DequantizeLinear" and n.output[0] in self.chains:
             return True
-        if n.op_type == "Resize":
+        if n.domain not in ("", "ai.onnx") or n.op_type not in _OPS:
+            return False
+        op = n.op_type
+        if op in ("Conv", "ConvTranspose", "AveragePool", "MaxPool") and \
+                _attr(n, "auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET", b"VALID", "VALID"):
+            return False
+        if op == "Resize":
             mode = _attr(n, "mode", b"nearest")
             ctm = _attr(n, "coordinate_transformation_mode", b"half_pixel")
             nm = _attr(n, "nearest_mode", b"round_prefer_floor")
+            if _attr(n, "axes") is not None or _attr(n, "antialias", 0) or self.opset < 11:
+                return False
             if mode == b"nearest":
                 return ctm == b"asymmetric" and nm == b"floor"
-            if mode == b"linear":
-                return ctm in (b"half_pixel", b"pytorch_half_pixel", b"align_corners")
+            return mode == b"linear" and ctm in (b"half_pixel", b"align_corners")
+        if op in ("MaxPool", "LayerNormalization", "Dropout", "BatchNormalization") and \
+                any(o for o in n.output[1:]):
             return False
-        if n.op_type == "MaxPool" and len(n.output) > 1 and n.output[1]:
+        if op == "ConvTranspose" and _attr(n, "output_shape") is not None:
             return False
-        if n.op_type in ("Conv", "ConvTranspose", "AveragePool", "MaxPool") and \
-                _attr(n, "auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
-            return False
-        return n.op_type in _OPS
+        if op in ("MaxPool", "AveragePool"):
+            nd = len(_attr(n, "kernel_shape", []))
+            pads = list(_attr(n, "pads", [0] * (2 * nd)))
+            asym = pads[:nd] != pads[nd:]
+            if asym and (_attr(n, "ceil_mode", 0) or (op == "AveragePool" and not _attr(n, "count_include_pad", 0))):
+                return False
+            if op == "AveragePool" and any(d != 1 for d in _attr(n, "dilations", [1] * nd)):
+                return False
+        if op == "Pad":
+            mode = _attr(n, "mode", b"constant")
+            if mode == b"constant":
+                return True
+            if mode not in (b"reflect", b"edge") or len(n.input) < 2 or n.input[1] not in self.consts:
+                return False
+            pads = [int(v) for v in np.asarray(self.consts[n.input[1]]).reshape(-1)]
+            k = len(pads) // 2
+            return len(n.input) < 4 and k >= 3 and not any(pads[:2] + pads[k:k + 2])
+        if op == "Cast":
+            return _attr(n, "to") in _DTYPES
+        return True
 
     # ---- running ------------------------------------------------------------------------
     def value(self, name, env, mode, hard=True):
@@ -207,11 +234,10 @@ class TorchGraph:
                 else:
                     env[n.output[0]] = x
                 continue
-            ins = [self.value(i, env, mode, hard) for i in n.input]
             if self.opaque[k]:
-                outs = self._reference(n, ins)
+                outs = self._reference(n, env, mode, hard)
             else:
-                outs = _OPS[n.op_type](self, n, ins)
+                outs = _OPS[n.op_type](self, n, [self.value(i, env, mode, hard) for i in n.input])
             if not isinstance(outs, (list, tuple)):
                 outs = [outs]
             if mode == "q" and n.name in self.shift_corr:
@@ -272,28 +298,43 @@ class TorchGraph:
         q = torch.clamp(v + z, fq.qmin, fq.qmax)
         return (q - z) * s
 
-    def _reference(self, n, ins):
-        from onnx.reference import ReferenceEvaluator
+    def _reference(self, n, env, mode, hard):
+        """Run one node outside torch (no gradient): onnxruntime, else onnx.reference. Subgraph
+        bodies (If, Loop) get the outer tensors they read."""
+        names = list(dict.fromkeys(self.reads(n)))
+        feed = {}
+        for name in names:
+            v = self.value(name, env, mode, hard)
+            feed[name] = v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v)
+        key = (id(n), tuple((k, feed[k].dtype.str, feed[k].ndim) for k in names))
+        runner = self._ref.get(key)
+        if runner is None:
+            runner = self._ref[key] = self._runner(n, names, feed)
+        outs = runner(feed)
+        return [self.torch.from_numpy(np.array(o)) for o in outs]
 
-        ev = self._ref.get(id(n))
-        if ev is None:
-            vi = [onnx.helper.make_tensor_value_info(f"i{j}", onnx.TensorProto.UNDEFINED, None)
-                  for j in range(len(n.input))]
-            node = onnx.NodeProto()
-            node.CopyFrom(n)
-            del node.input[:]
-            node.input.extend([f"i{j}" if name else "" for j, name in enumerate(n.input)])
-            del node.output[:]
-            node.output.extend([f"o{j}" for j in range(len(n.output))])
-            g = onnx.helper.make_graph([node], "one", vi, [onnx.helper.make_tensor_value_info(
-                f"o{j}", onnx.TensorProto.UNDEFINED, None) for j in range(len(n.output))])
-            m = onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid(n.domain or "", self.opset)])
+    def _runner(self, n, names, feed):
+        from onnx import helper
+
+        ins = [helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(feed[k].dtype),
+                                             [None] * feed[k].ndim) for k in names]
+        outs = [helper.make_tensor_value_info(o, onnx.TensorProto.UNDEFINED, None) for o in n.output if o]
+        m = helper.make_model(helper.make_graph([n], "one", ins, outs), opset_imports=self.opset_imports)
+        m.ir_version = self.ir_version
+        try:
+            import onnxruntime as ort
+
+            typed = onnx.shape_inference.infer_shapes(m)
+            so = ort.SessionOptions()
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+            so.intra_op_num_threads = 1
+            sess = ort.InferenceSession(typed.SerializeToString(), so, providers=["CPUExecutionProvider"])
+            return lambda f: sess.run(None, f)
+        except Exception:      # noqa: BLE001 - onnx.reference is the fallback, its error the one reported
+            from onnx.reference import ReferenceEvaluator
+
             ev = ReferenceEvaluator(m)
-            self._ref[id(n)] = ev
-        feed = {f"i{j}": (v.detach().cpu().numpy() if hasattr(v, "detach") else v)
-                for j, v in enumerate(ins) if v is not None}
-        outs = ev.run(None, feed)
-        return [self.torch.from_numpy(np.ascontiguousarray(o)) for o in outs]
+            return lambda f: ev.run(None, f)
 
 
 # ---- op mappings ---------------------------------------------------------------------------
@@ -432,8 +473,9 @@ def _reshape(self, n, ins):
 
 def _flatten(self, n, ins):
     x = ins[0]
-    axis = _attr(n, "axis", 1) % max(x.ndim, 1) if x.ndim else 0
-    return x.reshape(int(np.prod(x.shape[:axis])), -1)
+    axis = _attr(n, "axis", 1)
+    axis = axis + x.ndim if axis < 0 else axis
+    return x.reshape(int(np.prod(x.shape[:axis])), int(np.prod(x.shape[axis:])))
 
 
 def _axes(self, n, ins, idx=1):
@@ -476,13 +518,14 @@ def _slice(self, n, ins):
     for s, e, a, st in zip(starts, ends, axes, steps):
         a %= x.ndim
         dim = x.shape[a]
-        if st < 0:
-            idx = np.arange(dim)[slice(s if s < dim else dim - 1 if s >= 0 else s, e if e >= -dim else None, st)]
-            x = x.index_select(a, self.torch.as_tensor(idx.copy(), dtype=self.torch.long))
-            continue
-        s = max(min(s, dim), -dim)
-        e = max(min(e, dim), -dim - 1)
-        sl[a] = slice(s, e if e != -dim - 1 else 0, st)
+        s = s + dim if s < 0 else s
+        e = e + dim if e < 0 else e
+        if st > 0:
+            sl[a] = slice(min(max(s, 0), dim), min(max(e, 0), dim), st)
+        else:       # clamped to [0, dim-1] and [-1, dim-1]; -1 means "through index 0"
+            s, e = min(max(s, 0), dim - 1), min(max(e, -1), dim - 1)
+            idx = np.arange(s, e, st, dtype=np.int64)
+            x = x.index_select(a, self.torch.from_numpy(idx))
     return x[tuple(sl)]
 
 
@@ -635,7 +678,9 @@ def _gelu(self, n, ins):
 
 
 def _range(self, n, ins):
-    return self.torch.arange(ins[0].item(), ins[1].item(), ins[2].item(), dtype=ins[0].dtype)
+    start, limit, delta = ins[0].item(), ins[1].item(), ins[2].item()
+    count = max(int(np.ceil((limit - start) / delta)), 0)
+    return start + delta * self.torch.arange(count, dtype=ins[0].dtype)
 
 
 _OPS = {

@@ -319,3 +319,84 @@ def test_brecq_survives_a_sqrt_at_zero(tmp_path):
     assert rep["brecq"]["block_loss"][0]["kept"], rep["brecq"]["block_loss"]
     assert "conv1" in rep["brecq"]["changed"]           # its gradient passes the Sqrt
     assert np.isfinite(errs["brecq"]) and errs["brecq"] < errs["nearest"], errs
+
+
+def _one_node(op, x_shape, attrs=None, extra=None, opset=13, out_elem=TensorProto.FLOAT, x_elem=TensorProto.FLOAT):
+    inits = dict(extra or {})
+    node = helper.make_node(op, ["x"] + list(inits), ["y"], name="n", **(attrs or {}))
+    return make_model([node], [vi("x", x_shape, x_elem)], [vi("y", None, out_elem)], inits, opset=opset, check=False)
+
+
+EDGE_CASES = {
+    # ONNX clamps a negative-step start below -dim to 0 (one element), ends at -1 means "through 0"
+    "slice_neg_step": _one_node("Slice", [2, 5], extra={"st": np.array([-9], np.int64), "en": np.array([-10], np.int64),
+                                                          "ax": np.array([1], np.int64), "sp": np.array([-1], np.int64)}),
+    "flatten_axis_ndim": _one_node("Flatten", [2, 3, 4], {"axis": 3}),
+    "avgpool_asym_no_pad_count": _one_node("AveragePool", [1, 2, 5, 5], {"kernel_shape": [2, 2], "pads": [0, 0, 1, 1],
+                                                                         "count_include_pad": 0}),
+    "maxpool_ceil_asym": _one_node("MaxPool", [1, 2, 7, 8], {"kernel_shape": [3, 3], "strides": [2, 2],
+                                                            "pads": [0, 0, 1, 1], "ceil_mode": 1}),
+    "pad_edge_on_channels": _one_node("Pad", [1, 2, 3, 3], {"mode": "edge"},
+                                      extra={"p": np.array([0, 1, 0, 0, 0, 1, 0, 0], np.int64)}),
+    "conv_same_upper": _one_node("Conv", [1, 2, 5, 6], {"auto_pad": "SAME_UPPER", "strides": [2, 2]},
+                                 extra={"w": rand((3, 2, 3, 3), 1)}),
+    "resize_pytorch_half_pixel": _one_node("Resize", [1, 2, 3, 5], {"mode": "linear",
+                                                                     "coordinate_transformation_mode": "pytorch_half_pixel"},
+                                           extra={"roi": np.zeros(0, np.float32),
+                                                  "sc": np.array([1, 1, 1.7, 0.2], np.float32)}),
+    "convtranspose_output_shape": _one_node("ConvTranspose", [1, 2, 4, 5], {"strides": [2, 2], "output_shape": [9, 11]},
+                                            extra={"w": rand((2, 3, 3, 3), 2)}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EDGE_CASES))
+def test_torch_executor_edge_cases_match_onnxruntime(name):
+    """Attribute combinations torch does not run as ONNX does either map exactly or run outside
+    torch (onnxruntime on the one node): the values must match in both cases."""
+    model = EDGE_CASES[name]
+    for feed in input_feeds(model, 2, seed=7):
+        want = ort_run(model, feed)[0]
+        _, (got,) = _run_torch(model, feed, "f")
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_torch_executor_runs_if_bodies_that_read_outer_tensors():
+    """An If whose branches read a tensor of the enclosing graph runs outside torch with it."""
+    then = helper.make_graph([helper.make_node("Mul", ["x", "x"], ["t"])], "then", [], [vi("t", [2, 3])])
+    other = helper.make_graph([helper.make_node("Neg", ["x"], ["e"])], "else", [], [vi("e", [2, 3])])
+    nodes = [helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0),
+             helper.make_node("Greater", ["s", "zero"], ["c"]),
+             helper.make_node("If", ["c"], ["y"], name="if", then_branch=then, else_branch=other)]
+    model = make_model(nodes, [vi("x", [2, 3])], [vi("y", [2, 3])], {"zero": np.array(0.0, np.float32)})
+    for feed in input_feeds(model, 3, seed=2):
+        want = ort_run(model, feed)[0]
+        tg, (got,) = _run_torch(model, feed, "f")
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert [n.op_type for n, o in zip(tg.nodes, tg.opaque) if o] == ["If"]
+
+
+def test_brecq_with_a_fixed_batch_reshape_and_a_same_padded_conv(tmp_path):
+    """Exported classifiers reshape to [1, K] (samples cannot be stacked: one at a time) and a
+    TF-converted Conv pads SAME_UPPER (runs outside torch: left at nearest rounding, with the
+    reason); the run completes and the other layers are re-rounded."""
+    r = np.random.default_rng(3)
+    inits = {"w1": (r.standard_normal((4, 3, 3, 3)) * 0.3).astype(np.float32),
+             "w2": (r.standard_normal((4, 4, 3, 3)) * 0.3).astype(np.float32),
+             "shape": np.array([1, 4 * 8 * 8], np.int64),
+             "wf": (r.standard_normal((5, 256)) * 0.1).astype(np.float32), "bf": np.zeros(5, np.float32)}
+    n = helper.make_node
+    nodes = [n("Conv", ["x", "w1"], ["c1"], name="same", auto_pad="SAME_UPPER"),
+             n("Relu", ["c1"], ["r1"], name="relu1"),
+             n("Conv", ["r1", "w2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+             n("Reshape", ["c2", "shape"], ["f"], name="flat"),
+             n("Gemm", ["f", "wf", "bf"], ["y"], name="fc", transB=1)]
+    model = make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("y", [1, 5])], inits)
+    path = save(model, tmp_path / "m.onnx")
+    data = write_samples(tmp_path / "data", input_feeds(model, 6, seed=1))
+    out = tmp_path / "out"
+    dipoorlet.quantize(model=path, input_dir=data, data_num=6, deploy="trt", output_dir=out, act_quant="minmax",
+                       w_bits=4, skip_prof_layer=True, brecq=True, ada_iters=40)
+    rep = json.loads((out / "report.json").read_text())["brecq"]
+    assert "same" in rep["skipped"] and "outside torch" in rep["skipped"]["same"]
+    assert rep["candidates"] == 3 and rep["blocks"] >= 1
