@@ -313,6 +313,17 @@ class TorchGraph:
         outs = runner(feed)
         return [self.torch.from_numpy(np.array(o)) for o in outs]
 
+    def _outside(self, n, ins):
+        """Run a node that has no subgraph outside torch on already-computed inputs."""
+        names = [i for i in n.input if i]
+        feed = {k: (v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v))
+                for k, v in zip(n.input, ins) if k}
+        key = ("outside", id(n), tuple((k, feed[k].dtype.str, feed[k].ndim) for k in names))
+        runner = self._ref.get(key)
+        if runner is None:
+            runner = self._ref[key] = self._runner(n, names, feed)
+        return [self.torch.from_numpy(np.array(o)) for o in runner(feed)]
+
     def _runner(self, n, names, feed):
         from onnx import helper
 
@@ -589,6 +600,9 @@ def _resize(self, n, ins):
     x = ins[0]
     scales = ins[2] if len(ins) > 2 and ins[2] is not None and ins[2].numel() else None
     sizes = ins[3] if len(ins) > 3 and ins[3] is not None and ins[3].numel() else None
+    lead = _ints(sizes)[:2] if sizes is not None else [float(v) for v in scales.tolist()[:2]]
+    if x.ndim not in (3, 4, 5) or (lead != list(x.shape[:2]) if sizes is not None else lead != [1.0, 1.0]):
+        return self._outside(n, ins)         # batch or channels resized, or another rank
     if sizes is not None:
         size = _ints(sizes)[2:]
     else:

@@ -344,6 +344,9 @@ EDGE_CASES = {
                                                                      "coordinate_transformation_mode": "pytorch_half_pixel"},
                                            extra={"roi": np.zeros(0, np.float32),
                                                   "sc": np.array([1, 1, 1.7, 0.2], np.float32)}),
+    "resize_channels": _one_node("Resize", [1, 2, 3, 4], {"mode": "nearest", "coordinate_transformation_mode": "asymmetric",
+                                                      "nearest_mode": "floor"},
+                                 extra={"roi": np.zeros(0, np.float32), "sc": np.array([1, 2, 2, 2], np.float32)}),
     "convtranspose_output_shape": _one_node("ConvTranspose", [1, 2, 4, 5], {"strides": [2, 2], "output_shape": [9, 11]},
                                             extra={"w": rand((2, 3, 3, 3), 2)}),
 }
