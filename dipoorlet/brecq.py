@@ -226,7 +226,7 @@ def _layout(tg, learn_pos: list[int]):
     return blocks, last
 
 
-def reconstruct_blocks(g, places, plan, data, indices, comm, samples: int, iters: int, drop: bool,
+def reconstruct_blocks(g, places, plan, data, indices, comm, iters: int, drop: bool,
                        shifted=(), batch: int | None = None) -> dict:
     """Fit the rounding of every Conv/ConvTranspose/Gemm/MatMul weight block by block; results go
     into ``plan.values`` (owned by the layer). Returns the summary for report.json."""

@@ -425,7 +425,7 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
             if k < cfg.data_num and not cfg.gptq_samples:
                 log.info("%s: the first %d of %d samples, held in both streams (--gptq_samples to change)",
                          rounding, k, cfg.data_num)
-            out = brecq.reconstruct_blocks(g, places, plan, data, shard(k, comm.rank, comm.world), comm, k,
+            out = brecq.reconstruct_blocks(g, places, plan, data, shard(k, comm.rank, comm.world), comm,
                                            cfg.ada_iters, cfg.drop, shifted, batch=cfg.ada_bs)
             timings[f"{rounding}_s"] = time.perf_counter() - t
             return out
