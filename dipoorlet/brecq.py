@@ -54,6 +54,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import Counter
 
 import numpy as np
 
@@ -280,13 +281,14 @@ def reconstruct_blocks(g, places, plan, data, indices, comm, iters: int, drop: b
         tg.soft[out] = softs[out]
     # biases of Conv/ConvTranspose/Gemm layers whose input has a grid: learned with the rounding
     biases, bias_of = {}, {}
+    reads = Counter(i for m in qmodel.graph.node for i in m.input)
     for out, (name, tensor, qp) in learn.items():
         node = qnodes[name]
         if not LEARN_BIAS or node.op_type not in ("Conv", "ConvTranspose", "Gemm") or len(node.input) < 3 \
                 or not node.input[2]:
             continue
         bname = node.input[2]
-        if sum(1 for m in qmodel.graph.node for i in m.input if i == bname) != 1:
+        if reads[bname] != 1:
             continue            # a bias read by several layers keeps its value
         chain = tg.chains.get(node.input[0])
         if chain is None or chain.scale.ndim or (bname not in tg.consts and bname not in tg.wdq):

@@ -184,29 +184,22 @@ def rebased_biases(g, plan, rows, weights: dict) -> dict:
     ``weights`` maps weight tensor -> QParams (--auto_w8's 8-bit grids). Returns bias name ->
     value for the consumers of ``rows`` (this module's report rows) whose weight has a new grid;
     the shift itself is unchanged."""
-    out = {}
+    old, new = {}, {}
     for r in rows:
         for name in r["consumers"]:
-            node = g.node_by_name[name]
-            wt = node.input[1]
-            if wt not in weights or wt not in plan.weights:
-                continue
-            owned = [k for k, o in plan.value_owners.items() if o == name and k != wt and k in plan.values]
-            if len(owned) != 1:
-                continue
-            w = g.weight(wt)
-            old = dequantize_array(quantize_array(w, plan.weights[wt]), plan.weights[wt]).astype(np.float64)
-            new = dequantize_array(quantize_array(w, weights[wt]), weights[wt]).astype(np.float64)
-            corr = _shift_through(node, r["shift"], old) - _shift_through(node, r["shift"], new)
-            b = np.asarray(plan.values[owned[0]])
-            out[owned[0]] = (b.astype(np.float64) + corr.reshape(b.shape)).astype(b.dtype)
-    return out
+            wt = g.node_by_name[name].input[1]
+            if wt in weights and wt in plan.weights and wt not in new:
+                w = g.weight(wt)
+                old[wt] = dequantize_array(quantize_array(w, plan.weights[wt]), plan.weights[wt]).astype(np.float64)
+                new[wt] = dequantize_array(quantize_array(w, weights[wt]), weights[wt]).astype(np.float64)
+    return rebased_for_values(g, plan, rows, old, new)
 
 
 def rebased_for_values(g, plan, rows, old: dict, new: dict) -> dict:
-    """Like :func:`rebased_biases` for weights whose dequantized values changed on the same grid
-    (``old``/``new``: weight tensor -> dequantized value; --brecq's rounding): bias name -> the
-    value that absorbs the shift through the new weights."""
+    """The quantized-model biases that absorb a shift, rebased from the dequantized weights
+    ``old`` onto ``new`` (weight tensor -> value: other grids, :func:`rebased_biases`, or another
+    rounding on the same grid, --brecq): bias name -> the value that absorbs the shift through
+    the new weights."""
     out = {}
     for r in rows:
         for name in r["consumers"]:

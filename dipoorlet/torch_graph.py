@@ -301,24 +301,14 @@ class TorchGraph:
     def _reference(self, n, env, mode, hard):
         """Run one node outside torch (no gradient): onnxruntime, else onnx.reference. Subgraph
         bodies (If, Loop) get the outer tensors they read."""
-        names = list(dict.fromkeys(self.reads(n)))
-        feed = {}
-        for name in names:
-            v = self.value(name, env, mode, hard)
-            feed[name] = v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v)
-        key = (id(n), tuple((k, feed[k].dtype.str, feed[k].ndim) for k in names))
-        runner = self._ref.get(key)
-        if runner is None:
-            runner = self._ref[key] = self._runner(n, names, feed)
-        outs = runner(feed)
-        return [self.torch.from_numpy(np.array(o)) for o in outs]
+        return self._outside(n, {k: self.value(k, env, mode, hard) for k in dict.fromkeys(self.reads(n))})
 
-    def _outside(self, n, ins):
-        """Run a node that has no subgraph outside torch on already-computed inputs."""
-        names = [i for i in n.input if i]
-        feed = {k: (v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v))
-                for k, v in zip(n.input, ins) if k}
-        key = ("outside", id(n), tuple((k, feed[k].dtype.str, feed[k].ndim) for k in names))
+    def _outside(self, n, values: dict):
+        """Run node ``n`` outside torch on ``values`` (tensor name -> value); one session per node
+        and input signature, reused for every sample."""
+        feed = {k: (v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v)) for k, v in values.items()}
+        names = list(feed)
+        key = (id(n), tuple((k, feed[k].dtype.str, feed[k].ndim) for k in names))
         runner = self._ref.get(key)
         if runner is None:
             runner = self._ref[key] = self._runner(n, names, feed)
@@ -602,7 +592,7 @@ def _resize(self, n, ins):
     sizes = ins[3] if len(ins) > 3 and ins[3] is not None and ins[3].numel() else None
     lead = _ints(sizes)[:2] if sizes is not None else [float(v) for v in scales.tolist()[:2]]
     if x.ndim not in (3, 4, 5) or (lead != list(x.shape[:2]) if sizes is not None else lead != [1.0, 1.0]):
-        return self._outside(n, ins)         # batch or channels resized, or another rank
+        return self._outside(n, {k: v for k, v in zip(n.input, ins) if k})   # N/C resized, or another rank
     if sizes is not None:
         size = _ints(sizes)[2:]
     else:
