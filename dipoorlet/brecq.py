@@ -51,6 +51,7 @@ output), and the loss covers every tensor leaving the block.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -73,6 +74,7 @@ DROP = 0.5                 # QDrop: probability that an element keeps its float 
 SEED = 20251125
 LEARN_BIAS = True          # Conv/ConvTranspose/Gemm biases are learned with the rounding
 LEARNABLE_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+LR_STEP = 2e-3             # Adam's step on the log of a learned activation scale (--lsq)
 
 
 def _is_float(t) -> bool:
@@ -141,6 +143,25 @@ class Bias:
 
     def __call__(self, hard: bool = True):
         return self.b0 if self.mode == "nearest" else self.b0 + self.V * self.unit
+
+    def value(self) -> np.ndarray:
+        return self().detach().numpy()
+
+
+class Step:
+    """A learned activation scale (``--lsq``): s0 * exp(V), V from 0, shared by every chain of one
+    grid (tensors a backend ties together share it). LSQ's gradient reaches V through the
+    straight-through rounding of the chains that read it."""
+
+    def __init__(self, torch, s0):
+        self.torch = torch
+        self.s0 = torch.from_numpy(np.array(s0, np.float32))
+        self.V = torch.nn.Parameter(torch.zeros_like(self.s0))
+        self.mode = "nearest"      # nearest (s0) | soft/hard (learned)
+        self.n_free = 0
+
+    def __call__(self):
+        return self.s0 if self.mode == "nearest" else self.s0 * self.torch.exp(self.V)
 
     def value(self) -> np.ndarray:
         return self().detach().numpy()
@@ -228,7 +249,7 @@ def _layout(tg, learn_pos: list[int]):
 
 
 def reconstruct_blocks(g, places, plan, data, indices, comm, iters: int, drop: bool,
-                       shifted=(), batch: int | None = None) -> dict:
+                       shifted=(), batch: int | None = None, lsq: bool = False) -> dict:
     """Fit the rounding of every Conv/ConvTranspose/Gemm/MatMul weight block by block; results go
     into ``plan.values`` (owned by the layer). Returns the summary for report.json."""
     from dipoorlet.pipeline import is_bias
@@ -324,6 +345,20 @@ def reconstruct_blocks(g, places, plan, data, indices, comm, iters: int, drop: b
     if not learn_pos:
         return {"blocks": 0, "layers": 0, "candidates": 0, "skipped": skipped}
     blocks, last = _layout(tg, learn_pos)
+    # --lsq: one learned scale per activation grid (the tensors a backend ties share one), learned
+    # in the block that holds every chain reading it; power-of-two grids keep theirs
+    groups_lsq: dict[int, dict] = {}
+    if lsq:
+        at = {n.output[0]: k for k, n in enumerate(tg.nodes) if n.output and n.output[0] in tg.chains}
+        for dq, fq in tg.chains.items():
+            tensor = fq.src if fq.src in plan.activations else dq if dq in plan.activations else None
+            rule = plan.rules.get(tensor)
+            if tensor is None or dq not in at or (rule is not None and rule.power_of_two):
+                continue
+            qp = plan.activations[tensor]
+            grp = groups_lsq.setdefault(id(qp), {"step": Step(torch, fq.scale.numpy()), "pos": [], "qp": qp})
+            grp["pos"].append(at[dq])
+            fq.step = grp["step"]
     total = comm.allreduce_sum(np.array([len(indices)], np.float64))[0]
     log.info("%s: %d layers in %d blocks, %d samples, %d steps per block", "qdrop" if drop else "brecq",
              len(learn_pos), len(blocks), int(total), iters)
@@ -356,6 +391,7 @@ def reconstruct_blocks(g, places, plan, data, indices, comm, iters: int, drop: b
         names = [tg.nodes[k].name for k in layer_pos]
         mine = [o for k in layer_pos for o in readers[k]]
         blk_softs = [softs[o] for o in mine] + [biases[bias_of[o]] for o in mine if o in bias_of]
+        blk_steps = [grp["step"] for grp in groups_lsq.values() if all(start <= k < end for k in grp["pos"])]
 
         # samples whose block inputs have the same shapes run as one batch (concatenated on the
         # first axis) where the block allows it: checked on the float stream against the targets
@@ -411,16 +447,20 @@ def reconstruct_blocks(g, places, plan, data, indices, comm, iters: int, drop: b
                 tot = tot + run_batch(idx, "q", **kw)
             return tot
 
-        for sft in blk_softs:
+        for sft in blk_softs + blk_steps:
             sft.mode = "nearest"
         with torch.no_grad():
             l_near = float(comm.allreduce_sum(np.array([float(block_loss(chunks))]))[0])
-        for sft in blk_softs:
+        if not blk_softs:
+            blk_steps = []          # a block without rounding to learn keeps its scales too
+        for sft in blk_softs + blk_steps:
             sft.mode = "soft"
         rounders = [s for s in blk_softs if isinstance(s, Soft)]
         n_free = sum(s.n_free for s in rounders)
-        params = [s.V for s in blk_softs]
-        opt = torch.optim.Adam(params, lr=LR)
+        params = [s.V for s in blk_softs + blk_steps]
+        opt = torch.optim.Adam([grp for grp in ({"params": [s.V for s in blk_softs], "lr": LR},
+                                                {"params": [s.V for s in blk_steps], "lr": LR_STEP})
+                                if grp["params"]] or [{"params": [torch.zeros(1, requires_grad=True)]}])
         warm = int(WARMUP * iters)
         norm = l_near / max(total, 1.0) if l_near > 0 else 1.0
         for it in range(iters if params and l_near > 0 else 0):
@@ -445,23 +485,43 @@ def reconstruct_blocks(g, places, plan, data, indices, comm, iters: int, drop: b
                     off += p.numel()
             opt.step()
         if comm.world > 1:       # every process continues from rank 0's rounding, whatever the sums did
-            for sft, v in zip(blk_softs, comm.bcast([sft.V.detach().numpy() for sft in blk_softs])):
+            learned = blk_softs + blk_steps
+            for sft, v in zip(learned, comm.bcast([sft.V.detach().numpy() for sft in learned])):
                 with torch.no_grad():
                     sft.V.copy_(torch.from_numpy(v))
-        for sft in blk_softs:
+
+        def hard_loss():
+            with torch.no_grad():
+                return float(comm.allreduce_sum(np.array([float(block_loss(chunks, hard=True))]))[0])
+
+        for sft in blk_softs + blk_steps:
             sft.mode = "hard"
-        with torch.no_grad():
-            l_hard = float(comm.allreduce_sum(np.array([float(block_loss(chunks, hard=True))]))[0])
+        l_hard = hard_loss()
+        scales_kept = bool(blk_steps)
+        if blk_steps:           # the learned scales stay only where they lower the loss the rounding reached
+            for st in blk_steps:
+                st.mode = "nearest"
+            l_fixed = hard_loss()
+            if l_fixed <= l_hard:
+                l_hard, scales_kept = l_fixed, False
+            else:
+                for st in blk_steps:
+                    st.mode = "hard"
         kept = l_hard < l_near
         if not kept:
-            for sft in blk_softs:
+            scales_kept = False
+            for sft in blk_softs + blk_steps:
                 sft.mode = "nearest"
-        records.append({"block": bi, "layers": names, "outputs": len(outs),
-                        "loss_db": round(10 * math.log10(l_hard / l_near), 3) if l_near > 0 and l_hard > 0 else None,
-                        "kept": bool(kept)})
-        log.info("%s block %d/%d (%s): block output error %.4g -> %.4g%s", "qdrop" if drop else "brecq", bi + 1,
+        rec = {"block": bi, "layers": names, "outputs": len(outs),
+               "loss_db": round(10 * math.log10(l_hard / l_near), 3) if l_near > 0 and l_hard > 0 else None,
+               "kept": bool(kept)}
+        if lsq:
+            rec["scales"] = len(blk_steps) if scales_kept else 0
+        records.append(rec)
+        log.info("%s block %d/%d (%s): block output error %.4g -> %.4g%s%s", "qdrop" if drop else "brecq", bi + 1,
                  len(blocks), ", ".join(names), l_near, l_hard,
-                  "" if kept else " (nearest kept)")
+                 "" if kept else " (nearest kept)",
+                 f" ({len(blk_steps)} activation scales learned)" if scales_kept else "")
         with torch.no_grad():
             for env in qs:
                 tg.run(env, start, end, "q")
@@ -499,13 +559,39 @@ def reconstruct_blocks(g, places, plan, data, indices, comm, iters: int, drop: b
 
         # a shifted input's consumers hold b - W_q d: rebase on the new W_q
         plan.values.update(rebased_for_values(g, plan, shifted, old_w, new_w))
+    ratios = []
+    if groups_lsq:
+        # learned scales replace their grids (every tensor that shares one): the clip range follows
+        # the scale, the zero point stays
+        new_qp = {}
+        for key, grp in groups_lsq.items():
+            st = grp["step"]
+            if st.mode == "nearest" or not np.any(st.V.detach().numpy()):
+                continue
+            qp = grp["qp"]
+            r = np.exp(st.V.detach().numpy().astype(np.float64))
+            new_qp[key] = dataclasses.replace(
+                qp, scale=st.value().astype(np.float32),
+                lo=(np.asarray(qp.lo, np.float64) * r).astype(np.float32),
+                hi=(np.asarray(qp.hi, np.float64) * r).astype(np.float32))
+            ratios.append(float(np.mean(r)))
+        for t, qp in list(plan.activations.items()):
+            if id(qp) in new_qp:
+                plan.activations[t] = new_qp[id(qp)]
+        for grp in groups_lsq.values():
+            for fq in tg.chains.values():
+                if fq.step is grp["step"]:
+                    fq.step = None
     gains = [r["loss_db"] for r in records if r["kept"] and r["loss_db"] is not None]
     log.info("%s: %d of %d blocks re-rounded (%d layers) over %d samples in %.1f s; block output error "
              "change: median %.1f dB", "qdrop" if drop else "brecq", sum(r["kept"] for r in records), len(records),
              len(changed), int(total), time.perf_counter() - t0, float(np.median(gains)) if gains else 0.0)
     return {"blocks": len(records), "layers": len(changed), "changed": changed, "candidates": len(learn),
             "samples": int(total),
-            "iters": iters, "drop": bool(drop), "block_loss": records, "skipped": skipped}
+            "iters": iters, "drop": bool(drop), "block_loss": records, "skipped": skipped,
+            **({"lsq": {"grids": len(groups_lsq), "learned": len(ratios),
+                        "scale_ratio": [round(min(ratios), 4), round(float(np.median(ratios)), 4),
+                                        round(max(ratios), 4)] if ratios else None}} if lsq else {})}
 
 
 def _past_affine(tg, p: int, live) -> int:

@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drop", action="store_true",
                    help="QDrop: --brecq with activation quantization randomly dropped (p = 0.5 per element) "
                         "while the rounding is fitted; implies --brecq")
+    p.add_argument("--lsq", action="store_true",
+                   help="learn the activation scales inside each --brecq block with the rounding (LSQ's "
+                        "gradient); a block keeps them only where they lower its output error; implies --brecq")
     p.add_argument("--sparse", default=None, metavar="N:M|RATE",
                    help="prune the quantized Conv/Gemm/MatMul weights as they are rounded (SparseGPT, from the "
                         "--gptq statistics): N:M keeps at most N non-zero weights in every M consecutive input "
@@ -282,11 +285,11 @@ def _note_reference_flags(args) -> None:
     if args.we:
         log.info("--we: weight/activation equalization is on by default here (--no_equalize turns it off)")
     for name in ("ada_bs", "ada_epoch"):
-        if name == "ada_bs" and (args.brecq or args.drop):
+        if name == "ada_bs" and (args.brecq or args.drop or args.lsq):
             continue            # --brecq's mini-batch size
         if getattr(args, name) is not None:
             log.warning("--%s ignored: %s; --ada_iters N sets its optimization steps (default 1000)", name,
-                        "--brecq counts steps, not epochs" if args.brecq or args.drop else
+                        "--brecq counts steps, not epochs" if args.brecq or args.drop or args.lsq else
                         "AdaRound here is full-batch over input statistics, not mini-batches of activations")
 
 
@@ -311,7 +314,8 @@ def _main(args, argv, state) -> int:
                           skip_prof_layer=args.skip_prof_layer, trt_version=args.trt_version,
                           quant_format=args.quant_format, stpu_wg=args.stpu_wg, bias_correction=args.bc,
                           gptq=args.gptq, adaround=args.adaround, ada_iters=args.ada_iters,
-                          brecq=args.brecq or args.drop, drop=args.drop, ada_bs=args.ada_bs, sparse=args.sparse,
+                          brecq=args.brecq or args.drop or args.lsq, drop=args.drop,
+                          lsq=args.lsq, ada_bs=args.ada_bs, sparse=args.sparse,
                           gptq_samples=args.gptq_samples, gptq_memory=args.gptq_memory,
                           equalize=not args.no_equalize, shift=not args.no_shift, equalize_samples=args.eq_samples,
                           sens_samples=args.sens_samples, prof_samples=args.prof_samples,

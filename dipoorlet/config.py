@@ -47,6 +47,7 @@ class QuantConfig:
     ada_iters: int = 1000              # --ada_iters: AdaRound's optimization steps per layer (per block)
     brecq: bool = False                # --brecq: block reconstruction of the rounding, in torch (brecq.py)
     drop: bool = False                 # --drop: QDrop during --brecq
+    lsq: bool = False                  # --lsq: activation scales learned during --brecq (LSQ)
     ada_bs: int | None = None          # --ada_bs: --brecq's samples per optimization step (default 16)
     sparse: object = None              # --sparse N:M or RATE: pruned as rounded (SparseGPT); parsed to (n, m) or a float
     gptq_samples: int | None = None    # --gptq_samples; None: N, at most 256
@@ -84,7 +85,7 @@ class QuantConfig:
         if self.equalize_samples is not None and (isinstance(self.equalize_samples, bool) or not isinstance(
                 self.equalize_samples, int) or self.equalize_samples < 1):
             raise ConfigError(f"--eq_samples must be a positive integer, got {self.equalize_samples!r}")
-        for flag in ("savefp", "skip_prof_layer", "stpu_wg", "bias_correction", "gptq", "adaround", "brecq", "drop", "equalize",
+        for flag in ("savefp", "skip_prof_layer", "stpu_wg", "bias_correction", "gptq", "adaround", "brecq", "drop", "lsq", "equalize",
                      "shift",
                      "debug"):
             if not isinstance(getattr(self, flag), bool):
@@ -105,10 +106,10 @@ class QuantConfig:
         if self.ada_bs is not None and (isinstance(self.ada_bs, bool) or not isinstance(self.ada_bs, int)
                                         or self.ada_bs < 1):
             raise ConfigError(f"--ada_bs must be a positive integer, got {self.ada_bs!r}")
-        if self.drop and not self.brecq:
+        if (self.drop or self.lsq) and not self.brecq:
             object.__setattr__(self, "brecq", True)
         if self.brecq and (self.gptq or self.adaround or self.sparse is not None):
-            raise ConfigError("--brecq/--drop with --gptq/--adaround/--sparse: each chooses the weights' rounding; "
+            raise ConfigError("--brecq/--drop/--lsq with --gptq/--adaround/--sparse: each chooses the weights' rounding; "
                               "use one (--brecq fits blocks of layers in torch, --adaround and --gptq single layers "
                               "from statistics)")
         if self.gptq and self.adaround:

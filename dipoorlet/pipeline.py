@@ -426,7 +426,7 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
                 log.info("%s: the first %d of %d samples, held in both streams (--gptq_samples to change)",
                          rounding, k, cfg.data_num)
             out = brecq.reconstruct_blocks(g, places, plan, data, shard(k, comm.rank, comm.world), comm,
-                                           cfg.ada_iters, cfg.drop, shifted, batch=cfg.ada_bs)
+                                           cfg.ada_iters, cfg.drop, shifted, batch=cfg.ada_bs, lsq=cfg.lsq)
             timings[f"{rounding}_s"] = time.perf_counter() - t
             return out
         k = min(cfg.data_num, cfg.gptq_samples or reconstruct.DEFAULT_SAMPLES)

@@ -254,7 +254,10 @@ def _transforms(report: dict) -> list[str]:
                      f"blocks, {br.get('iters', '?')} steps each over {br.get('samples', '?')} samples"
                      + (f" (block output error on them: median {float(np.median([r['loss_db'] for r in kept])):.1f} dB)"
                         if kept else "")
-                     + (f"; {len(br['skipped'])} left alone" if br.get("skipped") else ""))
+                     + (f"; {len(br['skipped'])} left alone" if br.get("skipped") else "")
+                     + (f"; {br['lsq']['learned']} of {br['lsq']['grids']} activation scales learned (x"
+                        f"{br['lsq']['scale_ratio'][0]:.3g}-{br['lsq']['scale_ratio'][2]:.3g})"
+                        if (br.get("lsq") or {}).get("learned") else ""))
     key = "adaround" if report.get("adaround") else "gptq"
     gq = report.get(key) or {}
     if gq.get("candidates"):

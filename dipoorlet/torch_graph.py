@@ -25,7 +25,7 @@ def import_torch():
     try:
         import torch
     except ImportError:
-        raise ConfigError("--brecq and --drop need PyTorch, an optional extra: pip install 'dipoorlet[torch]' "
+        raise ConfigError("--brecq, --drop and --lsq need PyTorch, an optional extra: pip install 'dipoorlet[torch]' "
                           "(a CPU build: pip install torch --index-url https://download.pytorch.org/whl/cpu); "
                           "--adaround and --gptq need no torch") from None
     return torch
@@ -53,6 +53,7 @@ class FakeQuant:
 
     def __init__(self, src, scale, zp, qmin, qmax, axis):
         self.src, self.scale, self.zp, self.qmin, self.qmax, self.axis = src, scale, zp, qmin, qmax, axis
+        self.step = None      # a callable giving a learned scale in q mode (--lsq), else ``scale``
 
 
 class TorchGraph:
@@ -287,7 +288,7 @@ class TorchGraph:
 
     def _fake_quant(self, x, fq: FakeQuant):
         torch = self.torch
-        s, z = fq.scale, fq.zp
+        s, z = (fq.scale if fq.step is None else fq.step()), fq.zp
         if s.ndim == 1 and x.ndim > 1:
             shape = [1] * x.ndim
             shape[fq.axis] = -1
@@ -295,6 +296,8 @@ class TorchGraph:
         v = x / s
         r = torch.round(v)
         v = v + (r - v).detach()          # straight-through: the gradient of rounding is 1
+        # (a learned scale then gets LSQ's gradient: round(x/s) - x/s inside the grid, the
+        # clamp level outside it)
         q = torch.clamp(v + z, fq.qmin, fq.qmax)
         return (q - z) * s
 

@@ -316,12 +316,12 @@ def auto_w8_malformed(c):
 
 def brecq_with_gptq(c):
     c.extra = ["--brecq", "--gptq"]
-    return ["--brecq/--drop with --gptq", "use one"]
+    return ["--brecq/--drop/--lsq with --gptq", "use one"]
 
 
 def drop_with_sparse(c):
     c.extra = ["--drop", "--sparse", "2:4"]
-    return ["--brecq/--drop with", "--sparse", "use one"]
+    return ["--brecq/--drop/--lsq with", "--sparse", "use one"]
 
 
 def ada_bs_zero(c):
@@ -332,7 +332,18 @@ def ada_bs_zero(c):
 def brecq_without_torch(c):
     c.extra = ["--brecq"]
     c.block_torch = True
-    return ["--brecq and --drop need PyTorch", "pip install", "--adaround"]
+    return ["--brecq, --drop and --lsq need PyTorch", "pip install", "--adaround"]
+
+
+def lsq_without_torch(c):
+    c.extra = ["--lsq"]
+    c.block_torch = True
+    return ["--lsq need PyTorch", "pip install"]
+
+
+def lsq_with_adaround(c):
+    c.extra = ["--lsq", "--adaround"]
+    return ["--brecq/--drop/--lsq with --gptq/--adaround", "use one"]
 
 
 def reference_update_bn(c):
@@ -348,7 +359,8 @@ CASES = [missing_model, model_is_a_folder, not_onnx, external_data_missing, cust
          platform_not_utf8, platform_bits_16, platform_weight_bits_16, trt_version_not_digits,
          two_npz_files, prof_samples_zero, gptq_and_adaround, ada_iters_zero,
          sparse_malformed, sparse_n_not_below_m, sparse_with_adaround, auto_w8_malformed,
-         brecq_with_gptq, drop_with_sparse, ada_bs_zero, brecq_without_torch, reference_update_bn]
+         brecq_with_gptq, drop_with_sparse, ada_bs_zero, brecq_without_torch,
+         lsq_without_torch, lsq_with_adaround, reference_update_bn]
 
 
 @pytest.mark.parametrize("breaker", CASES, ids=[f.__name__ for f in CASES])

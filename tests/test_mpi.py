@@ -122,7 +122,8 @@ def test_brecq_under_mpi_sums_gradients_over_processes(case, tmp_path):
     extra = ["--w_bits", "3", "--skip_prof_layer", "--no_equalize"]
     outs = {}
     for name, ranks, flags in (("nearest", 1, []), ("one", 1, ["--brecq", "--ada_iters", "60"]),
-                               ("two", 2, ["--brecq", "--ada_iters", "60"])):
+                               ("two", 2, ["--brecq", "--ada_iters", "60"]),
+                               ("two_lsq", 2, ["--lsq", "--ada_iters", "60"])):
         out = tmp_path / name
         res = _run(case, out, "minmax " + " ".join(extra + flags), ranks)
         assert res.returncode == 0, res.stderr
@@ -131,9 +132,10 @@ def test_brecq_under_mpi_sums_gradients_over_processes(case, tmp_path):
 
     rep = json.loads((tmp_path / "two" / "report.json").read_text())
     assert rep["brecq"]["samples"] == 11 and rep["brecq"]["layers"] >= 1
+    assert "lsq" in json.loads((tmp_path / "two_lsq" / "report.json").read_text())["brecq"]
     model = onnx.load(str(case / "m.onnx"))
     feeds = [{"x": np.fromfile(case / "calib" / "x" / f"{i}.bin", np.float32).reshape(1, 3, 12, 12)}
              for i in range(11)]
     err = {k: sum(float(np.sum((ort_run(model, f)[0] - ort_run(q, f)[0]) ** 2)) for f in feeds)
            for k, q in outs.items()}
-    assert err["one"] < err["nearest"] and err["two"] < err["nearest"], err
+    assert err["one"] < err["nearest"] and err["two"] < err["nearest"] and err["two_lsq"] < err["nearest"], err
