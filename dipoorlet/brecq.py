@@ -451,16 +451,13 @@ def reconstruct_blocks(g, places, plan, data, indices, comm, iters: int, drop: b
             sft.mode = "nearest"
         with torch.no_grad():
             l_near = float(comm.allreduce_sum(np.array([float(block_loss(chunks))]))[0])
-        if not blk_softs:
-            blk_steps = []          # a block without rounding to learn keeps its scales too
         for sft in blk_softs + blk_steps:
             sft.mode = "soft"
         rounders = [s for s in blk_softs if isinstance(s, Soft)]
         n_free = sum(s.n_free for s in rounders)
         params = [s.V for s in blk_softs + blk_steps]
-        opt = torch.optim.Adam([grp for grp in ({"params": [s.V for s in blk_softs], "lr": LR},
-                                                {"params": [s.V for s in blk_steps], "lr": LR_STEP})
-                                if grp["params"]] or [{"params": [torch.zeros(1, requires_grad=True)]}])
+        opt = torch.optim.Adam([{"params": [s.V for s in blk_softs], "lr": LR}]
+                               + ([{"params": [s.V for s in blk_steps], "lr": LR_STEP}] if blk_steps else []))
         warm = int(WARMUP * iters)
         norm = l_near / max(total, 1.0) if l_near > 0 else 1.0
         for it in range(iters if params and l_near > 0 else 0):

@@ -450,6 +450,8 @@ def test_lsq_learns_activation_scales_that_lower_the_error(tmp_path):
     rep = json.loads((tmp_path / "lsq" / "report.json").read_text())["brecq"]
     assert rep["lsq"]["learned"] >= 1 and rep["lsq"]["grids"] >= rep["lsq"]["learned"]
     assert sum(b.get("scales", 0) for b in rep["block_loss"]) >= rep["lsq"]["learned"]
+    assert f"{rep['lsq']['learned']} of {rep['lsq']['grids']} activation scales learned" in \
+        (tmp_path / "lsq" / "report.md").read_text()
     clip = json.loads((tmp_path / "lsq" / "trt_clip_val.json").read_text())["blob_range"]
     moved = 0
     for t, amax in clip.items():
