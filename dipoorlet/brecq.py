@@ -575,10 +575,6 @@ def reconstruct_blocks(g, places, plan, data, indices, comm, iters: int, drop: b
         for t, qp in list(plan.activations.items()):
             if id(qp) in new_qp:
                 plan.activations[t] = new_qp[id(qp)]
-        for grp in groups_lsq.values():
-            for fq in tg.chains.values():
-                if fq.step is grp["step"]:
-                    fq.step = None
     gains = [r["loss_db"] for r in records if r["kept"] and r["loss_db"] is not None]
     log.info("%s: %d of %d blocks re-rounded (%d layers) over %d samples in %.1f s; block output error "
              "change: median %.1f dB", "qdrop" if drop else "brecq", sum(r["kept"] for r in records), len(records),
