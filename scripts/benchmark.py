@@ -76,9 +76,35 @@ def resolve_task(name: str):
     raise SystemExit(msg)
 
 
-def default_shared() -> Path | None:
-    p = ROOT.parent / "shared" / "data"
-    return p if p.is_dir() else None
+def default_shared(announce: bool = True) -> Path | None:
+    """The real-data folder: ``$DIPOORLET_SHARED_DATA``, else ``shared/data`` beside this checkout or
+    beside the main checkout of a git worktree (a worktree under /tmp has no ``../shared``). Without
+    one the tasks render their inputs, and the figures are not the README's: that is said on stderr."""
+    import subprocess
+
+    env = os.environ.get("DIPOORLET_SHARED_DATA")
+    if env:
+        if not Path(env).is_dir():
+            raise SystemExit(f"DIPOORLET_SHARED_DATA={env} is not a folder; point it at the real-data folder "
+                             f"(shared/data) or unset it")
+        return Path(env)
+    roots = [ROOT]
+    try:
+        common = subprocess.run(["git", "rev-parse", "--path-format=absolute", "--git-common-dir"], cwd=ROOT,
+                                capture_output=True, text=True, timeout=10)
+        if common.returncode == 0 and common.stdout.strip():
+            roots.append(Path(common.stdout.strip()).parent)
+    except (OSError, subprocess.SubprocessError):
+        pass
+    for root in roots:
+        p = root.parent / "shared" / "data"
+        if p.is_dir():
+            return p
+    if announce:
+        print(f"note: no real data folder found ({ROOT.parent / 'shared' / 'data'} missing, DIPOORLET_SHARED_DATA "
+              f"unset): the tasks render their inputs here, so the figures are not comparable with the README's; "
+              f"pass --shared DIR", file=sys.stderr, flush=True)
+    return None
 
 
 # ----------------------------------------------------------------------------------- calibration data
@@ -418,12 +444,14 @@ def main(argv=None) -> int:
               f"Float pass over the calibration samples: {fp.get('float_run_s', float('nan')):.2f} s inference, "
               f"{r['wall_s']:.2f} s in a fresh process (the `× float pass` column divides by this).\n"
               f"Metrics: simulated (onnxruntime with graph optimizations off), versus the float model "
-              f"and, where there are labels, versus them.\n\n")
+              f"and, where there are labels, versus them.\n"
+              f"Data: {'real, from ' + str(shared) if shared else 'rendered here (no real data folder)'}.\n\n")
     print()
     print(header + md)
     (out / "results.md").write_text(header + md + "\n")
     (out / "results.json").write_text(json.dumps(
-        {"task": task.name, "n_calib": task.n_calib, "model": str(task.model), "float_pass": fp,
+        {"task": task.name, "n_calib": task.n_calib, "model": str(task.model), "data": str(shared) if shared else None,
+         "float_pass": fp,
          "float_pass_process_s": r["wall_s"], "rows": rows}, indent=2, default=str))
     return 0
 

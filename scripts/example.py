@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     args, extra = ap.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
 
-    shared = None if args.no_shared else default_shared()
+    shared = None if args.no_shared else default_shared(announce=False)
     prepare = resolve_task(args.task)
     out = Path(args.out) / args.task
     print(f"[1/3] preparing {args.task}: model and {args.n_calib} calibration samples "

@@ -29,8 +29,9 @@ def main(argv=None) -> int:
     ap.add_argument("-A", default="mse")
     ap.add_argument("--out", default=str(ROOT / "scripts" / ".cache" / "platforms"))
     ap.add_argument("--args", default="", help="extra dipoorlet flags for every run, e.g. '--a_bits 16'")
+    ap.add_argument("--shared", default=None, help="real data folder (default: shared/data beside the checkout)")
     a = ap.parse_args(argv)
-    shared = default_shared()
+    shared = Path(a.shared) if a.shared else default_shared()
     results = {}
     for name in a.tasks.split(","):
         task = resolve_task(name)(Path(a.out) / f"{name}-work", a.N, shared)
