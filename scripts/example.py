@@ -65,7 +65,7 @@ def main(argv=None) -> int:
         print(f"dipoorlet failed (exit code {r.returncode})", file=sys.stderr)
         return r.returncode or 1
 
-    print(f"[3/3] evaluating float and quantized models ...", flush=True)
+    print("[3/3] evaluating float and quantized models ...", flush=True)
     fm, qm = task.evaluate(task.model), task.evaluate(qmodel)
     keys = [task.headline] + [k for k, v in fm.items() if k != task.headline and not k.startswith("n_")
                               and isinstance(v, (int, float)) and not isinstance(v, bool)]
