@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -259,10 +261,33 @@ def main(argv=None) -> int:
     share_cores()      # under mpirun/srun: this process's share of the cores (before numpy's pools start)
     args = build_parser().parse_args(argv)
     state = {"out_dir": None, "ok": False}
+    previous = _catch_sigterm()
     try:
         return _main(args, argv, state)
     finally:
         finish_log(state["out_dir"], state["ok"])
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(BaseException):
+    """SIGTERM (slurm's time limit, kill, a CI step's timeout): unwinds like Ctrl-C, so the
+    staging folder goes and -O keeps what it held."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
+def _catch_sigterm():
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        return signal.signal(signal.SIGTERM, _on_sigterm)
+    except (ValueError, OSError):
+        return None
 
 
 REFERENCE_ONLY = {
@@ -291,6 +316,9 @@ def _note_reference_flags(args) -> None:
             log.warning("--%s ignored: %s; --ada_iters N sets its optimization steps (default 1000)", name,
                         "--brecq counts steps, not epochs" if args.brecq or args.drop or args.lsq else
                         "AdaRound here is full-batch over input statistics, not mini-batches of activations")
+
+
+_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG}
 
 
 def _main(args, argv, state) -> int:
@@ -346,7 +374,9 @@ def _main(args, argv, state) -> int:
         return 0
     except DipoorletError as exc:
         if debug and (comm is None or comm.world == 1):
-            raise
+            import traceback
+
+            traceback.print_exc()    # --debug: the traceback, and still the exit code of bad input
         where = f" (rank {comm.rank})" if comm is not None and comm.world > 1 else ""
         print(f"dipoorlet: error{where}: {exc}", file=sys.stderr)
         logging.getLogger("dipoorlet").debug("error: %s", exc)
@@ -355,6 +385,16 @@ def _main(args, argv, state) -> int:
             finish_log(state["out_dir"], False)   # MPI_Abort skips every finally block
             comm.abort(exc.exit_code)  # take every rank down now, never leave them waiting
         return exc.exit_code
+    except OSError as exc:
+        if exc.errno not in _DISK_ERRNOS:
+            raise
+        # the disk, not the tool: one line (the outputs are written into staging and published
+        # all at once, so -O keeps what it held)
+        print(f"dipoorlet: error: {exc.strerror}{': ' + str(exc.filename) if exc.filename else ''}; free space "
+              f"or choose another -O (or --savefp off); -O keeps what it held", file=sys.stderr)
+        if comm is not None and comm.world > 1:
+            comm.abort(2)
+        return 2
     except Exception as exc:
         if comm is not None and comm.world > 1:
             import traceback
@@ -366,3 +406,6 @@ def _main(args, argv, state) -> int:
     except KeyboardInterrupt:
         print("dipoorlet: interrupted; no output was written", file=sys.stderr)
         return 130
+    except Terminated:
+        print("dipoorlet: terminated (SIGTERM); no output was written", file=sys.stderr)
+        return 143

@@ -61,20 +61,32 @@ def shard(n: int, rank: int, world: int) -> range:
 
 def parse_input_shapes(items) -> dict[str, tuple]:
     """``["x:1,3,224,224", ...]`` -> {"x": (1, 3, 224, 224)}."""
+    from dipoorlet.errors import ConfigError
+
     shapes = {}
     for item in items or []:
         name, sep, dims = item.rpartition(":")
         try:
             if not sep or not name:
                 raise ValueError
-            shapes[name] = tuple(int(d) for d in dims.split(","))
-            if any(d <= 0 for d in shapes[name]):
-                raise ValueError
+            shape = tuple(int(d) for d in dims.split(","))
         except ValueError:
-            from dipoorlet.errors import ConfigError
             raise ConfigError(f"--input_shape {item!r} is not NAME:D1,D2,...; "
                               "write e.g. --input_shape x:1,3,224,224") from None
+        if any(d <= 0 for d in shape):
+            raise ConfigError(f"--input_shape {item!r}: every dimension must be a positive integer; "
+                              "write e.g. --input_shape x:1,3,224,224")
+        if name in shapes:
+            raise ConfigError(f"--input_shape names {name!r} twice ({_fmt(shapes[name])} and {_fmt(shape)}); "
+                              "give each input once")
+        shapes[name] = shape
     return shapes
+
+
+class Sample(dict):
+    """One sample's feed ({input name: array}); ``where`` names its file(s) for messages."""
+
+    where: str | None = None
 
 
 class DataSource:
@@ -85,11 +97,21 @@ class DataSource:
         self.specs = specs
         self.n = n
         self.input_shapes = dict(input_shapes or {})
+        self._warned_int: set = set()
         unknown = set(self.input_shapes) - {s.name for s in specs}
         if unknown:
             from dipoorlet.errors import ConfigError
             raise ConfigError(f"--input_shape names {sorted(unknown)}, which are not model inputs "
                               f"{[s.name for s in specs]}; use the model's input names")
+        for spec in specs:
+            given = self.input_shapes.get(spec.name)
+            if given is None or spec.shape is None:
+                continue
+            if len(given) != len(spec.shape) or any(d is not None and d != g for d, g in zip(spec.shape, given)):
+                from dipoorlet.errors import ConfigError
+                raise ConfigError(f"--input_shape {spec.name}:{','.join(map(str, given))} does not fit the "
+                                  f"model's input {spec.name!r} of shape {_fmt(spec.shape)}; --input_shape only "
+                                  f"fills in its dynamic dims ({spec.name}:{_example_dims(spec.shape)})")
         if not self.path.exists():
             raise DataError(f"calibration data {self.path} does not exist; pass -I with a folder "
                             "holding one sub-folder per model input (or an .npz file)")
@@ -148,6 +170,10 @@ class DataSource:
     def _files(self, spec: InputSpec) -> list[Path]:
         folder, files = self.folders[spec.name], []
         names = set(os.listdir(folder))
+        both = [i for i in range(self.n) if f"{i}.npy" in names and f"{i}.bin" in names]
+        if both:
+            log.warning("%s holds both %d.npy and %d.bin%s: the .npy files are read", folder, both[0], both[0],
+                        f" (and {len(both) - 1} more such pairs)" if len(both) > 1 else "")
         for i in range(self.n):
             for ext in (".npy", ".bin"):
                 if f"{i}{ext}" in names:
@@ -164,7 +190,15 @@ class DataSource:
         return self.n
 
     def sample(self, i: int) -> dict[str, np.ndarray]:
-        return {s.name: self._read(s, i) for s in self.specs}
+        out = Sample({s.name: self._read(s, i) for s in self.specs})
+        out.where = self.where(i)
+        return out
+
+    def where(self, i: int) -> str:
+        """Sample ``i``'s file(s), for messages."""
+        if self._npz is not None:
+            return f"{self.path}[{i}]"
+        return ", ".join(str(self.files[s.name][i]) for s in self.specs)
 
     def _read(self, spec: InputSpec, i: int) -> np.ndarray:
         if self._npz is not None:
@@ -193,6 +227,9 @@ class DataSource:
                 raw = raw.astype(spec.dtype)
         except DataError:
             raise
+        except PermissionError as exc:
+            raise DataError(f"cannot read calibration file {path} (permission denied); make it readable "
+                            f"(chmod a+r) or run as its owner") from exc
         except Exception as exc:
             raise DataError(f"cannot read calibration file {path} ({exc}); "
                             "write it with numpy.save or as raw binary") from exc
@@ -210,6 +247,10 @@ class DataSource:
                                 f"{spec.name!r} of shape {_fmt(spec.shape)}; check the file or "
                                 "pass --input_shape")
             shape = tuple(size // known if d is None else d for d in spec.shape)
+        elif spec.shape is None:
+            raise DataError(f"input {spec.name!r} has no shape in the model, so {path.name} (raw .bin) is "
+                            f"ambiguous; pass --input_shape {spec.name}:D1,D2,... with all its dims, or "
+                            f"store samples as .npy")
         else:
             raise DataError(f"input {spec.name!r} has shape {_fmt(spec.shape)} with several dynamic "
                             f"dims, so {path.name} (raw .bin) is ambiguous; pass --input_shape "
@@ -223,10 +264,22 @@ class DataSource:
     def _check(self, spec: InputSpec, arr: np.ndarray, where: str) -> np.ndarray:
         if np.issubdtype(spec.dtype, np.floating):
             if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
-                raise DataError(f"{where} has dtype {arr.dtype}, input {spec.name!r} is {spec.dtype}")
-            arr = arr.astype(spec.dtype, copy=False)
+                raise DataError(f"{where} has dtype {arr.dtype}, input {spec.name!r} is {spec.dtype}; "
+                                f"save the sample as {spec.dtype} (numpy: arr.astype(np.{spec.dtype}))")
+            if np.issubdtype(arr.dtype, np.integer) and spec.name not in self._warned_int:
+                self._warned_int.add(spec.name)
+                log.warning("%s holds %s values for float input %r: cast to %s as they are; if these are "
+                            "raw pixels, normalize them as the model expects before calibrating", where,
+                            arr.dtype, spec.name, spec.dtype)
+            src = arr
+            with np.errstate(over="ignore"):     # values beyond float32 are reported below
+                arr = arr.astype(spec.dtype, copy=False)
             if not np.isfinite(arr).all():
                 bad = int((~np.isfinite(arr)).sum())
+                if np.issubdtype(src.dtype, np.floating) and np.isfinite(src).all():
+                    raise DataError(f"{where} holds {bad} values beyond {spec.dtype}'s range (largest |x| "
+                                    f"{float(np.abs(src).max()):.3g}), which input {spec.name!r} cannot "
+                                    "take; fix or remove that sample")
                 raise DataError(f"{where} contains {bad} NaN/Inf values; calibration data must be "
                                 "finite: fix or remove that sample")
         elif np.issubdtype(spec.dtype, np.integer) or spec.dtype == np.bool_:

@@ -50,6 +50,9 @@ class Result:
 
 
 def check_output_dir(path: Path) -> None:
+    if os.path.lexists(path) and not path.is_dir():
+        what = "a broken symbolic link" if path.is_symlink() and not path.exists() else "not a folder"
+        raise OutputError(f"-O {path} is {what}; pass -O with a folder (it is created if missing)")
     try:
         path.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=path, prefix=".write-test")
@@ -58,6 +61,23 @@ def check_output_dir(path: Path) -> None:
     except OSError as exc:
         raise OutputError(f"output folder {path} is not writable ({exc.strerror}); "
                           "pass -O with a folder you can write to") from exc
+
+
+def guard_inputs(model, input_dir, out_dir: Path) -> None:
+    """Refuse, before any work, a run whose outputs would replace its own model or data: -M is a
+    model this tool writes into -O (an earlier run's quant_model.onnx quantized again in place),
+    or -M / -I lies where the --savefp outputs go."""
+    out = Path(out_dir).resolve()
+    m = Path(model).resolve()
+    # (transformed_model.onnx is written only where a transform ran: a run that would replace it is
+    # stopped when the outputs are published, see _publish)
+    if m.parent == out and m.name.startswith(("quant_model.onnx", "quant_model_qdq.onnx")):
+        raise OutputError(f"-M {model} is in -O {out_dir}, where this run writes {m.name}: it would be "
+                          f"overwritten; copy the model elsewhere or choose another -O")
+    for what, path in (("-M", m), ("-I", Path(input_dir).resolve())):
+        if path == out / "output" or out / "output" in path.parents:
+            raise OutputError(f"{what} {path} is under {out / 'output'}, where --savefp writes; "
+                              f"move it or choose another -O")
 
 
 def load_graph(cfg: QuantConfig, plat=None) -> Graph:
@@ -325,8 +345,27 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         log.warning("--max_w8_layers applies with --auto_w8 only; ignored")
     if cfg.stpu_wg and plat.name != "stpu":
         log.warning("--stpu_wg applies to -D stpu only; ignored on %s", plat.name)
+    if cfg.max_float_layers != 10 and not cfg.auto_skip:
+        log.warning("--max_float_layers applies with --auto_skip only; ignored")
+    for flag, value, default, methods in (("--threshold", cfg.threshold, 0.99999, ("hist",)),
+                                          ("--percentile", cfg.percentile, 99.999, ("percentile",)),
+                                          ("--bins", cfg.bins, 2048, ("hist", "mse", "entropy", "percentile"))):
+        if value != default and cfg.act_quant not in methods:
+            log.warning("%s applies with -A %s only; ignored with -A %s", flag, " or ".join(methods), cfg.act_quant)
+    guard_inputs(cfg.model, cfg.input_dir, out_dir)
     g, cfg = load_graph(cfg, plat)
-    data = DataSource(cfg.input_dir, input_specs(g), cfg.data_num, cfg.input_shapes)
+    specs = input_specs(g)
+    if not specs:
+        const = [i.name for i in g.model.graph.input if i.name in g.initializers]
+        raise ModelError(f"model {cfg.model} has no input to calibrate: "
+                         + (f"its graph inputs {const} all have initializers, which make them constants"
+                            if const else "its graph has no inputs")
+                         + "; export the model with the inputs it takes at inference")
+    const = [i.name for i in g.model.graph.input if i.name in g.initializers]
+    if const:
+        log.info("graph inputs with an initializer are treated as constants (their default values): %s",
+                 ", ".join(const[:6]) + (" ..." if len(const) > 6 else ""))
+    data = DataSource(cfg.input_dir, specs, cfg.data_num, cfg.input_shapes)
     indices = shard(cfg.data_num, comm.rank, comm.world)
     _declare_input_ranks(g, data)
 
@@ -363,7 +402,11 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         # one grid per weight tensor: even out the weights' channel ranges between Conv pairs
         equalized = equalize.equalize_weights(g, skip=cfg.skip_layers)
     places = placement_mod.place(g, plat, cfg.skip_layers)
-    unquantized = sorted(set(cfg.layer_bits) - set(places.quantized_nodes))
+    skipped_bits = sorted(set(cfg.layer_bits) & set(cfg.skip_layers))
+    if skipped_bits:
+        log.warning("--layer_bits %s: also in --skip_layers, so kept float; the setting does nothing",
+                    ", ".join(skipped_bits[:5]))
+    unquantized = sorted(set(cfg.layer_bits) - set(places.quantized_nodes) - set(cfg.skip_layers))
     if unquantized:
         log.warning("--layer_bits %s: %s not quantized on %s (kept float), so the setting does nothing",
                     ", ".join(unquantized[:5]), "this node is" if len(unquantized) == 1 else "these nodes are",
@@ -591,35 +634,48 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         # Every collective step is done (the gather waited for all ranks): rank 0 writes.
         rows = profile.summarize(errors, targets_prof, g.output_names,
                                  places.quantized_nodes if not cfg.skip_prof_layer else ())
-        staging.mkdir(exist_ok=True)
-        if cfg.quant_format == "QOP":
-            files = [save_model(qmodel, staging / "quant_model_qdq.onnx"),
-                     save_model(_to_qop(qmodel, data.sample(indices[0])), staging / "quant_model.onnx")]
-        else:
-            files = [save_model(qmodel, staging / "quant_model.onnx")]
-        renamed = any(t not in g.source_names for t in [*plan.activations, *plan.weights])
-        if equalized or shifted or plan.values or renamed or g.prepared["float16_widened"] \
-                or g.prepared["batchnorms_folded"] or g.prepared["elementwise_folded"] \
-                or g.prepared.get("layernorms_fused") or g.prepared.get("hardswish_fused"):
-            files.append(_save_transformed(g, plan, staging / "transformed_model.onnx"))
-        files += export_all(DeployContext(g, plan, places, plat, cfg), staging)
-        meta = {"model": str(cfg.model), "platform": plat.name, "method": cfg.act_quant,
-                **({"score_outputs": list(cfg.score_outputs)} if cfg.score_outputs else {}),
-                "samples": cfg.data_num, "profile_samples": k,
-                "quantized_nodes": len(places.quantized_nodes),
-                "qdq_tensors": sum(1 for t in places.activations if t in plan.activations),
-                "qdq_tensors_16bit": sum(1 for t in places.activations
-                                         if t in plan.activations and plan.activations[t].bits > 8),
-                "weights": len(places.weights),
-                "int32_biases": sum(1 for (_, index) in places.weights if index == 2)}
-        rep = report.build(rows, places, meta, analysis, stats, plan, out_cosines)
-        files += report.write(staging, rep)
+        try:
+            files, rep = _write_staging(cfg, g, plan, places, plat, data, indices, qmodel, staging, equalized,
+                                        shifted, rows, k, analysis, stats, out_cosines)
+        except OSError as exc:
+            what = f": {exc.filename}" if exc.filename else ""
+            raise OutputError(f"could not write the outputs into {out_dir} ({exc.strerror or exc}{what}); free "
+                              f"space there or choose another -O; nothing in it was changed") from exc
         timings["total_s"] = time.perf_counter() - t0
         final = _publish(staging, out_dir, keep=(cfg.model, cfg.input_dir))
         return Result(out_dir, final, rep, rows, timings)
     finally:
         if comm.rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def _write_staging(cfg, g, plan, places, plat, data, indices, qmodel, staging: Path, equalized, shifted, rows,
+                   k, analysis, stats, out_cosines):
+    """Every output file, written into the staging folder; returns (files, report)."""
+    staging.mkdir(exist_ok=True)
+    if cfg.quant_format == "QOP":
+        files = [save_model(qmodel, staging / "quant_model_qdq.onnx"),
+                 save_model(_to_qop(qmodel, data.sample(indices[0])), staging / "quant_model.onnx")]
+    else:
+        files = [save_model(qmodel, staging / "quant_model.onnx")]
+    renamed = any(t not in g.source_names for t in [*plan.activations, *plan.weights])
+    if equalized or shifted or plan.values or renamed or g.prepared["float16_widened"] \
+            or g.prepared["batchnorms_folded"] or g.prepared["elementwise_folded"] \
+            or g.prepared.get("layernorms_fused") or g.prepared.get("hardswish_fused"):
+        files.append(_save_transformed(g, plan, staging / "transformed_model.onnx"))
+    files += export_all(DeployContext(g, plan, places, plat, cfg), staging)
+    meta = {"model": str(cfg.model), "platform": plat.name, "method": cfg.act_quant,
+            **({"score_outputs": list(cfg.score_outputs)} if cfg.score_outputs else {}),
+            "samples": cfg.data_num, "profile_samples": k,
+            "quantized_nodes": len(places.quantized_nodes),
+            "qdq_tensors": sum(1 for t in places.activations if t in plan.activations),
+            "qdq_tensors_16bit": sum(1 for t in places.activations
+                                     if t in plan.activations and plan.activations[t].bits > 8),
+            "weights": len(places.weights),
+            "int32_biases": sum(1 for (_, index) in places.weights if index == 2)}
+    rep = report.build(rows, places, meta, analysis, stats, plan, out_cosines)
+    files += report.write(staging, rep)
+    return files, rep
 
 
 def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, plat=None, shifted=()) -> dict:
@@ -909,36 +965,90 @@ def _fp_saver(staging: Path, outputs: list[str]):
 MANIFEST = ".dipoorlet-files.json"
 
 
+def _kept_paths(keep) -> set:
+    kept = set()
+    for k in keep:
+        try:
+            kept.add(Path(k).resolve())
+        except OSError:
+            pass
+    return kept
+
+
 def _publish(staging: Path, out_dir: Path, keep=()) -> list[Path]:
-    """Move every finished file from staging into -O (each move is an atomic rename), then
-    remove what an earlier run into the same -O wrote and this one did not (a
-    ``transformed_model.onnx`` the new side files do not describe, another backend's files,
-    ``--savefp`` outputs): its list is kept in ``.dipoorlet-files.json``. Only plain files
-    under -O named there are removed: never a symlink or anything reached through one, never a
-    path outside -O, never one of ``keep`` (this run's own model and data)."""
+    """Move every finished file from staging into -O, all or nothing: first every path is checked
+    (no folder in the way, none of ``keep`` overwritten), then the files they replace are moved
+    aside into staging, then the new ones in (each an atomic rename); if a move fails, what was
+    moved goes back and -O holds the earlier run's files as before. Then remove what an earlier
+    run into the same -O wrote and this one did not (a ``transformed_model.onnx`` the new side
+    files do not describe, another backend's files, ``--savefp`` outputs): its list is kept in
+    ``.dipoorlet-files.json``. Only plain files under -O named there are removed: never a symlink
+    or anything reached through one, never a path outside -O, never one of ``keep`` (this run's
+    own model and data)."""
     import json
 
-    final = []
-    for src in sorted(staging.rglob("*")):
-        if src.is_file():
-            dst = out_dir / src.relative_to(staging)
+    kept = _kept_paths(keep)
+    aside = staging / ".replaced"
+    moves = [(src, out_dir / src.relative_to(staging)) for src in sorted(staging.rglob("*")) if src.is_file()]
+    for _, dst in moves:
+        rel = dst.relative_to(out_dir)
+        for parent in [out_dir.joinpath(*rel.parts[:i]) for i in range(1, len(rel.parts))]:
+            if parent.exists() and not parent.is_dir():
+                raise OutputError(f"cannot write {dst}: {parent} is a file, not a folder; remove or rename it, "
+                                  f"or choose another -O; nothing in {out_dir} was changed")
+        if dst.is_dir():
+            raise OutputError(f"cannot write {dst}: a folder of that name is in the way; remove or rename it, "
+                              f"or choose another -O; nothing in {out_dir} was changed")
+        real = dst.resolve() if dst.exists() else None
+        if real is not None and (real in kept or (real.suffix in (".npy", ".bin", ".npz")
+                                                  and any(k in real.parents for k in kept))):
+            raise OutputError(f"cannot write {dst}: it is this run's own input (-M/-I); move the input or "
+                              f"choose another -O; nothing in {out_dir} was changed")
+    moved_aside, moved_in = [], []
+    try:
+        for _, dst in moves:
+            if os.path.lexists(dst):
+                held = aside / dst.relative_to(out_dir)
+                held.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(dst, held)
+                moved_aside.append((held, dst))
+        for src, dst in moves:
             dst.parent.mkdir(parents=True, exist_ok=True)
             os.replace(src, dst)
-            final.append(dst)
+            moved_in.append((src, dst))
+    except OSError as exc:
+        for src, dst in reversed(moved_in):
+            try:
+                os.replace(dst, src)
+            except OSError:
+                pass
+        for held, dst in reversed(moved_aside):
+            try:
+                os.replace(held, dst)
+            except OSError:
+                log.error("could not put back %s (kept in %s)", dst, held)
+        raise OutputError(f"could not write {exc.filename or out_dir} ({exc.strerror or exc}); "
+                          f"the earlier files in {out_dir} are as they were; free space there or choose "
+                          f"another -O") from exc
+    final = [dst for _, dst in moves]
     written = {p.relative_to(out_dir).as_posix() for p in final}
     manifest = out_dir / MANIFEST
     try:
         before = json.loads(manifest.read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError):
         before = []
-    stale = _remove_stale(out_dir, before if isinstance(before, list) else [], written, keep)
+    stale = _remove_stale(out_dir, before if isinstance(before, list) else [], written, kept)
     failed_log = out_dir / "dipoorlet.failed.log"
     if failed_log.is_file() and not failed_log.is_symlink():
         failed_log.unlink()   # the log of a failed run whose predecessors' outputs these replace
     if stale:
         log.info("removed %d files an earlier run wrote into %s and this one did not (%s)", len(stale),
                  out_dir, ", ".join(sorted(stale)[:6]) + (" ..." if len(stale) > 6 else ""))
-    write_json(manifest, {"files": sorted(written)})
+    try:
+        write_json(manifest, {"files": sorted(written)})
+    except OSError as exc:     # the outputs are in place; only the next run's clean-up needs the list
+        log.warning("could not write %s (%s): a later run into this folder will not remove these files",
+                    manifest, exc.strerror or exc)
     return final
 
 
@@ -947,12 +1057,7 @@ def _remove_stale(out_dir: Path, listed: list, written: set, keep) -> list[str]:
     returns their normalized names. See :func:`_publish` for what is never touched."""
     import posixpath
 
-    kept = set()
-    for k in keep:
-        try:
-            kept.add(Path(k).resolve())
-        except OSError:
-            pass
+    kept = keep if isinstance(keep, set) else _kept_paths(keep)
     stale = []
     for rel in listed:
         if not isinstance(rel, str):

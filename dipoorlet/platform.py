@@ -107,9 +107,25 @@ def load(name_or_path: str) -> Platform:
     return parse(data, str(path))
 
 
+def _check_op_types(ops, where: str) -> None:
+    """Every name must be an ONNX op type (a typo such as 'Matmul' would silently match nothing)."""
+    import onnx.defs
+
+    known = {sch.name for sch in onnx.defs.get_all_schemas_with_history()}
+    bad = [o for o in ops if not isinstance(o, str) or o not in known]
+    if bad:
+        lower = {k.lower(): k for k in known}
+        hints = [f"{b!r} (did you mean {lower[b.lower()]!r}?)" if isinstance(b, str) and b.lower() in lower
+                 else repr(b) for b in bad]
+        verb = "is not an ONNX op type" if len(bad) == 1 else "are not ONNX op types"
+        raise ConfigError(f"platform spec {where}: {', '.join(hints)} {verb}; use the op type names of the "
+                          f"ONNX spec, e.g. 'MatMul'")
+
+
 def _need(d: dict, key: str, typ, where: str):
     if key not in d:
-        raise ConfigError(f"platform spec {where}: missing key '{key}'")
+        raise ConfigError(f"platform spec {where}: missing key '{key}'; add it (the specs in platforms/*.toml "
+                          f"show every key)")
     v = d[key]
     if typ is int and isinstance(v, bool) or not isinstance(v, typ):
         raise ConfigError(f"platform spec {where}: key '{key}' must be {typ.__name__}, got {v!r}")
@@ -167,6 +183,7 @@ def parse(data: dict, source: str) -> Platform:
     ops = data["ops"]
     _known(ops, _OPS_KEYS, source + " [ops]")
     quantize = _need(ops, "quantize", list, source + " [ops]")
+    _check_op_types(quantize, source + " [ops] quantize")
     weights = ops.get("weights", {})
     if not isinstance(weights, dict) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
                                                 for v in weights.values()):

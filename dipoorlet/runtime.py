@@ -31,7 +31,7 @@ MIN_SUFFIX, MAX_SUFFIX = "__dpl_min", "__dpl_max"
 def _ort():
     import onnxruntime
 
-    onnxruntime.set_default_logger_severity(3)
+    onnxruntime.set_default_logger_severity(4)     # its errors come back as exceptions
     return onnxruntime
 
 
@@ -103,7 +103,7 @@ class Runner:
         self.outputs = list(outputs)
         self.reduced = list(reduce_minmax)
         so = ort.SessionOptions()
-        so.log_severity_level = 3
+        so.log_severity_level = 4
         so.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
                                        else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
         from dipoorlet.threads import session_threads
@@ -144,8 +144,10 @@ class Runner:
         except Exception as exc:
             msg = ort_message(exc)
             shapes = {k: tuple(v.shape() if callable(v.shape) else v.shape) for k, v in feed.items()}
-            raise ModelError(f"onnxruntime failed to run the model on inputs {shapes}: {msg}; "
-                             "check the calibration data's shapes and dtypes") from exc
+            where = getattr(feed, "where", None)
+            raise ModelError(f"onnxruntime failed to run the model on inputs {shapes}"
+                             f"{' from ' + where if where else ''}: {msg}; check that sample's shapes, dtypes "
+                             "and values (e.g. token ids within the vocabulary)") from exc
         n = len(out_names)
         found = dict(zip(out_names, values[:n]))
         mm = {name: (float(values[n + 2 * i]), float(values[n + 2 * i + 1])) for i, name in enumerate(red_names)}

@@ -178,7 +178,7 @@ def output_is_a_file(c):
     c.out = c.tmp / "out.txt"
     c.out.write_text("not a folder")
     c.args["-O"] = str(c.out)
-    return ["out.txt", "not writable"]
+    return ["out.txt", "not a folder"]
 
 
 def nothing_quantizable(c):
@@ -201,6 +201,49 @@ def score_output_unknown(c):
 def input_shape_malformed(c):
     c.extra = ["--input_shape", "x:1,3,a"]
     return ["x:1,3,a", "--input_shape"]
+
+
+def input_shape_static_conflict(c):
+    c.extra = ["--input_shape", "x:1,3,4,4"]      # the model's x is [1,3,8,8]
+    return ["x:1,3,4,4", "does not fit", "[1,3,8,8]"]
+
+
+def input_shape_twice(c):
+    c.extra = ["--input_shape", "x:1,3,8,8", "x:1,3,8,8"]
+    return ["'x'", "twice"]
+
+
+def input_shape_zero(c):
+    c.extra = ["--input_shape", "x:1,3,0,8"]
+    return ["x:1,3,0,8", "positive"]
+
+
+def sample_beyond_float32(c):
+    np.save(c.data / "x" / "1.npy", np.full((1, 3, 8, 8), 1e39, np.float64))
+    return ["1.npy", "float32's range"]
+
+
+def platform_op_typo(c):
+    text = (platforms_dir() / "trt.toml").read_text(encoding="utf-8")
+    assert '"MatMul"' in text
+    spec = c.tmp / "typo.toml"
+    spec.write_text(text.replace('"MatMul"', '"Matmul"', 1), encoding="utf-8")
+    c.args["-D"] = str(spec)
+    return ["'Matmul'", "'MatMul'", "not an ONNX op type"]
+
+
+def model_without_inputs(c):
+    node = helper.make_node("Constant", [], ["y"], name="k",
+                            value=onnx.numpy_helper.from_array(np.ones((2,), np.float32)))
+    save(make_model([node], [], [vi("y", [2])]), c.model)
+    return ["no input", "has no inputs"]
+
+
+def inputs_all_initializers(c):
+    m = conv_model()
+    m.graph.initializer.append(onnx.numpy_helper.from_array(np.zeros((1, 3, 8, 8), np.float32), "x"))
+    save(m, c.model)
+    return ["no input", "['x']", "initializers"]
 
 
 def input_shape_unknown_name(c):
@@ -354,7 +397,9 @@ def reference_update_bn(c):
 CASES = [missing_model, model_is_a_folder, not_onnx, external_data_missing, custom_op, input_dir_missing, input_folder_missing,
          too_few_files, bin_wrong_size, nan_in_sample, inf_in_npy, unknown_method, unknown_platform,
          output_not_writable, output_is_a_file, nothing_quantizable, skip_layer_unknown, score_output_unknown,
-         input_shape_malformed, input_shape_unknown_name, zero_samples,
+         input_shape_malformed, input_shape_unknown_name, input_shape_static_conflict, input_shape_twice,
+         input_shape_zero, sample_beyond_float32, platform_op_typo, model_without_inputs, inputs_all_initializers,
+         zero_samples,
          weight_bits_above_8, activation_bits_12, activation_bits_16_on_trt, layer_bits_a16_on_trt, npz_scalar,
          platform_not_utf8, platform_bits_16, platform_weight_bits_16, trt_version_not_digits,
          two_npz_files, prof_samples_zero, gptq_and_adaround, ada_iters_zero,
@@ -411,12 +456,145 @@ def test_device_cuda_without_cuda_provider_blames_the_device_not_the_model(tmp_p
     assert "--device cuda" in line and "cannot load the model" not in line
 
 
-def test_debug_raises_with_traceback(tmp_path, capsys):
+def test_debug_prints_the_traceback_and_keeps_exit_code_2(tmp_path, capsys):
     case = Case(tmp_path)
     missing_model(case)
     case.extra = ["--debug"]
-    with pytest.raises(DipoorletError, match="does not exist"):
-        main(case.argv())
+    rc, err = run_cli(case, capsys)
+    assert rc == 2
+    assert "Traceback" in err and "does not exist" in err
+
+
+def test_model_inside_output_folder_is_never_overwritten(tmp_path, capsys):
+    """-M is an earlier run's quant_model.onnx (or any model saved under that name) in -O."""
+    case = Case(tmp_path)
+    case.out.mkdir()
+    target = case.out / "quant_model.onnx"
+    target.write_bytes(case.model.read_bytes())
+    before = target.read_bytes()
+    case.args["-M"] = str(target)
+    rc, err = run_cli(case, capsys)
+    assert rc == 2
+    (line,) = error_lines(err)
+    assert "quant_model.onnx" in line and "overwritten" in line
+    assert target.read_bytes() == before
+    assert {p.name for p in case.out.iterdir()} <= {"quant_model.onnx", "dipoorlet.log"}
+
+
+def _outputs(folder: Path) -> dict:
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file() and not p.name.startswith("dipoorlet")}
+
+
+def test_folder_in_the_way_of_an_output_leaves_the_earlier_outputs(tmp_path, capsys):
+    case = Case(tmp_path)
+    assert run_cli(case, capsys)[0] == 0
+    (case.out / "report.html").unlink()
+    (case.out / "report.html").mkdir()
+    before = _outputs(case.out)
+    case.args["-A"] = "hist"            # a different quant_model.onnx if it were written
+    rc, err = run_cli(case, capsys)
+    assert rc == 2
+    (line,) = error_lines(err)
+    assert "report.html" in line and "folder" in line
+    assert _outputs(case.out) == before
+    assert not list(case.out.glob(".dipoorlet-staging-*"))
+
+
+def test_failed_move_puts_every_earlier_output_back(tmp_path, capsys, monkeypatch):
+    """The outputs go into -O all or nothing: a rename that fails halfway (a full or read-only
+    disk) undoes the ones before it."""
+    import os as _os
+
+    from dipoorlet import pipeline
+
+    case = Case(tmp_path)
+    assert run_cli(case, capsys)[0] == 0
+    before = _outputs(case.out)
+    real_replace, calls = _os.replace, []
+
+    def flaky(src, dst):
+        if ".dipoorlet-staging-" in str(src) and ".replaced" not in str(src) and Path(dst).parent == case.out:
+            calls.append((src, dst))    # a new output moving into -O, after the earlier ones moved aside
+            if len(calls) == 3:
+                raise OSError(28, "No space left on device", str(dst))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(pipeline.os, "replace", flaky)
+    case.args["-A"] = "hist"
+    rc, err = run_cli(case, capsys)
+    monkeypatch.setattr(pipeline.os, "replace", real_replace)
+    assert len(calls) == 3
+    assert rc == 2
+    (line,) = error_lines(err)
+    assert "No space left on device" in line and "as they were" in line
+    assert _outputs(case.out) == before
+    assert not list(case.out.glob(".dipoorlet-staging-*"))
+
+
+def test_outputs_get_the_umask_mode_not_a_private_one(tmp_path, capsys):
+    import os as _os
+
+    case = Case(tmp_path)
+    old = _os.umask(0o022)
+    try:
+        assert run_cli(case, capsys)[0] == 0
+    finally:
+        _os.umask(old)
+    for name in ("quant_model.onnx", "report.json", "trt_calib.cache"):
+        assert (case.out / name).stat().st_mode & 0o777 == 0o644, name
+
+
+def test_sigterm_unwinds_like_ctrl_c(tmp_path, capsys, monkeypatch):
+    import os as _os
+    import signal
+    import time
+
+    from dipoorlet import pipeline
+
+    def killed(cfg, comm=None):
+        _os.kill(_os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        raise AssertionError("SIGTERM did not stop the run")
+
+    monkeypatch.setattr(pipeline, "quantize", killed)
+    case = Case(tmp_path)
+    rc, err = run_cli(case, capsys)
+    assert rc == 143
+    assert "terminated (SIGTERM)" in err
+    assert signal.getsignal(signal.SIGTERM) is not None and "cli" not in str(signal.getsignal(signal.SIGTERM))
+    assert_nothing_written(case)
+
+
+def test_runtime_failure_names_the_sample_file(tmp_path, capsys):
+    """A token id outside the embedding table: onnxruntime fails on that sample, and the one line
+    names its file (and onnxruntime's own error log stays off stderr)."""
+    table = rand((10, 4), 0, 1.0)
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["e"], name="embed"),
+             helper.make_node("MatMul", ["e", "w"], ["y"], name="mm")]
+    model = make_model(nodes, [vi("ids", [1, 3], onnx.TensorProto.INT64)], [vi("y", [1, 3, 2])],
+                       {"table": table, "w": rand((4, 2), 1, 0.5)})
+    case = Case(tmp_path)
+    save(model, case.model)
+    data = tmp_path / "ids_data"
+    (data / "ids").mkdir(parents=True)
+    np.save(data / "ids" / "0.npy", np.array([[1, 2, 3]], np.int64))
+    np.save(data / "ids" / "1.npy", np.array([[1, 50, 3]], np.int64))
+    case.args["-I"] = str(data)
+    rc, err = run_cli(case, capsys)
+    assert rc == 2
+    (line,) = error_lines(err)
+    assert str(data / "ids" / "1.npy") in line and "token ids" in line
+    assert "[E:onnxruntime" not in err
+
+
+def test_integer_samples_for_a_float_input_are_cast_with_a_warning(tmp_path, capsys):
+    case = Case(tmp_path)
+    for i in range(2):
+        np.save(case.data / "x" / f"{i}.npy", np.random.default_rng(i).integers(0, 255, (1, 3, 8, 8), np.uint8))
+    rc, err = run_cli(case, capsys)
+    assert rc == 0
+    warned = [line for line in err.splitlines() if "normalize" in line]
+    assert len(warned) == 1 and "uint8" in warned[0]
 
 
 def test_argparse_errors_are_one_line_exit_2(tmp_path, capsys):

@@ -193,10 +193,21 @@ def test_parse_input_shapes():
     assert parse_input_shapes(["x:1,3,224,224", "a/b:2"]) == {"x": (1, 3, 224, 224), "a/b": (2,)}
 
 
-@pytest.mark.parametrize("bad", ["x", "x:", ":1,2", "x:1,a", "x:1,0", "x:1,-3", "1,3,224"])
+@pytest.mark.parametrize("bad", ["x", "x:", ":1,2", "x:1,a", "1,3,224"])
 def test_parse_input_shapes_rejects_malformed(bad):
     with pytest.raises(ConfigError, match="NAME:D1,D2"):
         parse_input_shapes([bad])
+
+
+@pytest.mark.parametrize("bad", ["x:1,0", "x:1,-3"])
+def test_parse_input_shapes_rejects_dims_below_one(bad):
+    with pytest.raises(ConfigError, match="positive integer"):
+        parse_input_shapes([bad])
+
+
+def test_parse_input_shapes_rejects_an_input_named_twice():
+    with pytest.raises(ConfigError, match="twice"):
+        parse_input_shapes(["x:1,3", "x:1,4"])
 
 
 # ---- sharding -------------------------------------------------------------------------------

@@ -240,6 +240,25 @@ def test_rerun_cleanup_never_follows_links_nor_removes_this_runs_inputs(tmp_path
     assert (out / "notes_link").is_symlink() and (out / "linked").is_symlink()
 
 
+def test_a_rerun_that_would_replace_its_own_model_stops_and_keeps_it(tmp_path, capsys):
+    """-M is -O's transformed_model.onnx and this run transforms again: the outputs are not
+    published, the model and the earlier files stay as they were."""
+    run_cli(tmp_path, "minmax")
+    out = tmp_path / "out"
+    model = out / "transformed_model.onnx"
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and not p.name.startswith("dipoorlet")}
+    try:
+        rc = main(["-M", str(model), "-I", str(tmp_path / "data"), "-N", str(N), "-D", "trt", "-O", str(out),
+                   "-A", "hist", "--bc"])      # --bc's biases make a transformed model
+    finally:
+        _close_logs()
+    assert rc == 2
+    line = [l for l in capsys.readouterr().err.splitlines() if l.startswith("dipoorlet: error:")]
+    assert len(line) == 1 and "transformed_model.onnx" in line[0] and "own input" in line[0]
+    after = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and not p.name.startswith("dipoorlet")}
+    assert after == before
+
+
 def test_a_failed_rerun_keeps_the_log_of_the_outputs_in_the_folder(tmp_path):
     model, _, out = run_cli(tmp_path, "minmax")
     good = (out / "dipoorlet.log").read_text()
