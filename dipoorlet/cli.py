@@ -175,6 +175,11 @@ def finish_log(out_dir: Path | None, ok: bool) -> None:
         if isinstance(h, logging.FileHandler):
             h.close()
             root.removeHandler(h)
+    name_run_log(out_dir, ok)
+
+
+def name_run_log(out_dir: Path | None, ok: bool) -> None:
+    """Rename the closed run log (see :func:`finish_log`)."""
     if out_dir is None or not (out_dir / RUN_LOG).exists():
         return
     from dipoorlet.pipeline import MANIFEST

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from dipoorlet import calibrate, placement as placement_mod, platform as platform_mod, prepare, profile, report, sensitivity
+from dipoorlet import calibrate, layer_errors, placement as placement_mod, platform as platform_mod, prepare, report, sensitivity
 from dipoorlet import shift as shift_mod
 from dipoorlet.config import QuantConfig
 from dipoorlet.data import DataSource, input_specs, shard
@@ -617,7 +617,7 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
     _drop_shapeless_value_info(qmodel)
     _check(qmodel)
 
-    targets_prof = profile.profile_targets(g, places, layers=not cfg.skip_prof_layer)
+    targets_prof = layer_errors.profile_targets(g, places, layers=not cfg.skip_prof_layer)
     # --savefp: every rank writes its samples into one staging folder that rank 0 names.
     staging = out_dir / comm.bcast(f".dipoorlet-staging-{uuid.uuid4().hex[:12]}")
     savefp = _fp_saver(staging, g.output_names) if cfg.savefp else None
@@ -626,13 +626,13 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         k = profile_samples(cfg)
         if k < cfg.data_num:
             log.info("profile: the first %d of %d samples (--prof_samples to change)", k, cfg.data_num)
-        errors, out_cosines = profile.collect_errors(g, qmodel, data, shard(k, comm.rank, comm.world),
+        errors, out_cosines = layer_errors.collect_errors(g, qmodel, data, shard(k, comm.rank, comm.world),
                                                      targets_prof, comm, cfg.device, savefp)
         timings["profile_s"] = time.perf_counter() - t
         if comm.rank != 0:
             return Result(out_dir, [], {}, [], timings)
         # Every collective step is done (the gather waited for all ranks): rank 0 writes.
-        rows = profile.summarize(errors, targets_prof, g.output_names,
+        rows = layer_errors.summarize(errors, targets_prof, g.output_names,
                                  places.quantized_nodes if not cfg.skip_prof_layer else ())
         try:
             files, rep = _write_staging(cfg, g, plan, places, plat, data, indices, qmodel, staging, equalized,

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dipoorlet.progress import progress
-from dipoorlet.profile import TINY, pooled_cosine, sample_sums
+from dipoorlet.layer_errors import TINY, pooled_cosine, sample_sums
 from dipoorlet.qdq import Switchboard
 from dipoorlet.runtime import Runner
 

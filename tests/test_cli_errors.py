@@ -607,7 +607,7 @@ def test_argparse_errors_are_one_line_exit_2(tmp_path, capsys):
 
 def test_failure_during_profile_leaves_no_staging_folder(tmp_path, capsys, monkeypatch):
     """A run that fails after the staging folder exists removes it."""
-    from dipoorlet import profile
+    from dipoorlet import layer_errors as profile
 
     def boom(*a, **k):
         raise DipoorletError("injected failure in the error profile")
@@ -619,7 +619,7 @@ def test_failure_during_profile_leaves_no_staging_folder(tmp_path, capsys, monke
 
 
 def test_failure_after_savefp_samples_leaves_no_partial_outputs(tmp_path, capsys, monkeypatch):
-    from dipoorlet import profile
+    from dipoorlet import layer_errors as profile
 
     real, calls = profile.sample_sums, []
 

@@ -295,3 +295,26 @@ def test_profile_reads_the_first_prof_samples_only_and_savefp_all(tmp_path):
     _, _, out2 = run_cli(tmp_path / "b", extra=["--prof_samples", "2", "--savefp"])
     report2 = json.loads((out2 / "report.json").read_text())
     assert report2["profile_samples"] == len(feeds)
+
+
+def test_python_api_profile_and_quantize_can_be_called_again(tmp_path):
+    """dipoorlet.profile is the API function, before and after a run (a submodule of that name
+    used to replace it on the package once loaded)."""
+    import dipoorlet
+
+    model = tiny_cnn()
+    model_path = save(model, tmp_path / "model.onnx")
+    data = write_samples(tmp_path / "data", input_feeds(model, N, seed=3))
+    reports = []
+    for k in range(2):
+        assert callable(dipoorlet.profile)
+        reports.append(dipoorlet.profile(model=str(model_path), input_dir=str(data), data_num=N, deploy="trt",
+                                         output_dir=str(tmp_path / f"out{k}"), act_quant="minmax"))
+        _close_logs()
+    assert reports[0]["outputs"] == reports[1]["outputs"]
+    res = dipoorlet.quantize(model=str(model_path), input_dir=str(data), data_num=N, deploy="trt",
+                             output_dir=str(tmp_path / "out2"), act_quant="minmax")
+    assert (res.output_dir / "quant_model.onnx").is_file()
+    assert callable(dipoorlet.profile)
+    assert "INFO dipoorlet.pipeline: model" in (res.output_dir / "dipoorlet.log").read_text()
+    assert not (res.output_dir / ".dipoorlet-run.log").exists()

@@ -144,7 +144,7 @@ def test_exact_sum_streams_and_merges_to_math_fsum_in_any_order():
     import math
     import random
 
-    from dipoorlet.profile import ExactSum
+    from dipoorlet.layer_errors import ExactSum
 
     rng = random.Random(3)
     values = [rng.uniform(-1, 1) * 10 ** rng.randint(-12, 12) for _ in range(3000)] + [1e16, 1.0, -1e16]
@@ -170,7 +170,7 @@ def test_exact_sum_streams_and_merges_to_math_fsum_in_any_order():
 def test_error_stats_match_the_per_sample_computation():
     import math
 
-    from dipoorlet.profile import ErrorStats, sample_metrics
+    from dipoorlet.layer_errors import ErrorStats, sample_metrics
 
     rng = np.random.default_rng(0)
     pairs = [(rng.standard_normal(50).astype(np.float32), rng.standard_normal(50).astype(np.float32))
@@ -189,7 +189,7 @@ def test_error_stats_match_the_per_sample_computation():
 @pytest.mark.parametrize("n", [0, 1, 8191, 8192, 8193, 40000])
 def test_sample_metrics_match_numpy_across_chunk_boundaries(n):
     """The metrics are summed over 8,192-value pieces: against numpy on whole float64 arrays."""
-    from dipoorlet.profile import sample_metrics
+    from dipoorlet.layer_errors import sample_metrics
     rng = np.random.default_rng(n)
     f = rng.standard_normal((1, n)).astype(np.float32)
     q = f + 0.01 * rng.standard_normal((1, n)).astype(np.float32)
@@ -269,7 +269,7 @@ def test_a_single_value_output_gets_one_cosine_over_the_samples(tmp_path):
 def test_sample_metrics_of_tensors_of_different_sizes_are_nan():
     """An output whose length the quantization changed (an NMS box list): no cosine, no error,
     counted as NaN rather than compared on a truncated copy."""
-    from dipoorlet.profile import sample_sums
+    from dipoorlet.layer_errors import sample_sums
     f, q = np.ones(7, np.float32), np.ones(10, np.float32)
     for a, b in ((f, q), (q, f)):
         cos, err, sig, mx, fq, qq = sample_sums(a, b)
