@@ -464,3 +464,35 @@ def test_score_outputs_restrict_what_the_sensitivity_and_fail_below_judge(tmp_pa
 def test_score_outputs_naming_no_output_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match=r"--score_outputs names \['w'\], which are not outputs"):
         quantize_model(tmp_path, _two_heads(), n=2, score_outputs=("w",))
+
+
+def test_a_few_logits_are_scored_by_one_cosine_over_the_samples(tmp_path):
+    """Two logits per sample: the search scores them by the cosine over all samples' logits
+    together (a 2-vector's own cosine is nearly a sign check), against numpy on onnxruntime's
+    logits of the float and the written model."""
+    import copy
+
+    from conftest import ort_run
+
+    inits = {"w": rand((4, 3, 3, 3), 0, 0.5), "wf": rand((2, 4), 1, 0.5), "bf": np.array([0.2, -0.1], np.float32)}
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("GlobalAveragePool", ["c"], ["g"], name="gap"),
+             helper.make_node("Flatten", ["g"], ["f"], name="flatten"),
+             helper.make_node("Gemm", ["f", "wf", "bf"], ["logits"], name="fc", transB=1),
+             helper.make_node("Softmax", ["logits"], ["p"], name="sm", axis=1)]
+    model = make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("p", [1, 2])], inits)
+    feeds = input_feeds(model, 8, seed=4)
+    res, qm = quantize_model(tmp_path, model, feeds=feeds, n=8, sens_samples=8, auto_skip="cosine:0.001",
+                             w_bits=3, a_bits=3, equalize=False)
+    before = res.report["auto_skip"]["before"]
+
+    def logits(m):
+        m = copy.deepcopy(m)
+        m.graph.output.append(helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, None))
+        return np.concatenate([ort_run(m, x)[-1].ravel() for x in feeds]).astype(np.float64)
+
+    f, q = logits(model), logits(qm)
+    pooled = f @ q / np.sqrt((f @ f) * (q @ q))
+    per_sample = np.mean([a @ b / np.sqrt((a @ a) * (b @ b)) for a, b in zip(f.reshape(-1, 2), q.reshape(-1, 2))])
+    assert before["cosine"] == pytest.approx(pooled, abs=1e-5)
+    assert abs(pooled - per_sample) > 1e-4          # the two differ here: the test tells them apart
