@@ -211,6 +211,10 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
         wsq = _weight_sqnr(g, places, plan, s.node)
         if wsq is not None:
             row["weight_sqnr_db"] = wsq
+        wbits = next((plan.weights[wp.tensor].bits for wp in places.weights.values()
+                      if wp.node == s.node and wp.index == 1 and wp.tensor in plan.weights), None)
+        if wbits is not None and wbits < 8:
+            row["weight_bits"] = int(wbits)
         spread = _per_tensor_weight_spread(g, places, plan, s.node)
         if spread is not None:
             row["weight_channel_spread"] = spread
@@ -274,8 +278,11 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | 
         if gptq:
             return (f"weight rounding dominates{at}, after {rounding} chose its rounding: its weights need more "
                     f"bits (--layer_bits {row.get('node', 'NODE')}=w8 where fewer were set), or {keep}")
+        bits = row.get("weight_bits")
+        wider = (f", 8-bit weights for it (--layer_bits {node}=w8; they are {bits}-bit now)"
+                 if bits is not None and bits < 8 else "")
         return (f"weight rounding dominates{at}: --gptq chooses the rounding by this layer's output error "
-                f"(one extra pass), or {keep}")
+                f"(one extra pass){wider}, or {keep}")
     facts = []
     for a in row.get("activations", []):
         if "shifted_from" in a:

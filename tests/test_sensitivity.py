@@ -416,6 +416,15 @@ def test_advice_on_input_rounding_names_gptq_only_where_it_could_run():
     assert "--gptq" not in _advice(dict(row, activations=[]), "trt", gptq_hint=True)
 
 
+def test_advice_on_a_narrow_weight_names_eight_bits_for_that_layer():
+    """--layer_bits conv=w4 and the weights dominate: the advice offers 8-bit weights for it."""
+    from dipoorlet.diagnose import _advice
+
+    row = {"node": "conv", "cause": "weights", "weight_sqnr_db": 14.0, "weight_bits": 4}
+    assert "--layer_bits conv=w8; they are 4-bit now" in _advice(row, "rv")
+    assert "--layer_bits conv=w8" not in _advice(dict(row, weight_bits=None), "rv")
+
+
 def test_diagnosis_names_a_grid_shared_through_a_concat(tmp_path):
     """s (small values) feeds Conv B and, with b (100x larger), a Concat; qnn gives a Concat's
     inputs and output one grid, so B's input is not clipped but sits on a grid far wider than its
