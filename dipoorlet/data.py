@@ -210,6 +210,8 @@ class DataSource:
             path = self.files[spec.name][i]
             where = str(path)
             arr = self._read_file(spec, path)
+            if path.suffix == ".npy" and spec.shape and len(spec.shape) == arr.ndim + 1 and spec.shape[0] in (1, None):
+                arr = arr[None]     # a sample saved without its batch axis, as an .npz row holds it
         return self._check(spec, arr, where)
 
     def _read_file(self, spec: InputSpec, path: Path) -> np.ndarray:

@@ -113,6 +113,18 @@ def test_npy_samples_keep_their_own_shapes(tmp_path):
     assert [src.sample(i)["x"].shape for i in range(2)] == shapes
 
 
+def test_npy_without_the_batch_axis_gets_it_as_an_npz_row_does(tmp_path):
+    (tmp_path / "x").mkdir()
+    arr = rand((3, 8, 8), 4)
+    np.save(tmp_path / "x" / "0.npy", arr)
+    src = DataSource(tmp_path, [InputSpec("x", F32, (1, 3, 8, 8))], 1)
+    np.testing.assert_array_equal(src.sample(0)["x"], arr[None])
+    # a batch of 4 declared: a 3-D sample is not one of its rows
+    src4 = DataSource(tmp_path, [InputSpec("x", F32, (4, 3, 8, 8))], 1)
+    with pytest.raises(DataError, match="expects"):
+        src4.sample(0)
+
+
 def test_npy_of_wrong_static_shape_is_rejected(tmp_path):
     (tmp_path / "x").mkdir()
     np.save(tmp_path / "x" / "0.npy", rand((1, 4, 8, 8)))
