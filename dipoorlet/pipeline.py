@@ -1004,7 +1004,7 @@ def _publish(staging: Path, out_dir: Path, keep=()) -> list[Path]:
                                                   and any(k in real.parents for k in kept))):
             raise OutputError(f"cannot write {dst}: it is this run's own input (-M/-I); move the input or "
                               f"choose another -O; nothing in {out_dir} was changed")
-    moved_aside, moved_in = [], []
+    moved_aside, moved_in, made = [], [], []
     try:
         for _, dst in moves:
             if os.path.lexists(dst):
@@ -1013,13 +1013,22 @@ def _publish(staging: Path, out_dir: Path, keep=()) -> list[Path]:
                 os.replace(dst, held)
                 moved_aside.append((held, dst))
         for src, dst in moves:
-            dst.parent.mkdir(parents=True, exist_ok=True)
+            rel = dst.relative_to(out_dir)
+            for parent in [out_dir.joinpath(*rel.parts[:i]) for i in range(1, len(rel.parts))]:
+                if not parent.exists():
+                    parent.mkdir()
+                    made.append(parent)
             os.replace(src, dst)
             moved_in.append((src, dst))
     except OSError as exc:
         for src, dst in reversed(moved_in):
             try:
                 os.replace(dst, src)
+            except OSError:
+                pass
+        for folder in reversed(made):        # folders this run created (--savefp's output/...)
+            try:
+                folder.rmdir()
             except OSError:
                 pass
         for held, dst in reversed(moved_aside):

@@ -531,6 +531,33 @@ def test_failed_move_puts_every_earlier_output_back(tmp_path, capsys, monkeypatc
     assert not list(case.out.glob(".dipoorlet-staging-*"))
 
 
+def test_failed_move_removes_the_folders_it_made(tmp_path, capsys, monkeypatch):
+    """--savefp's output/<name>/ folders, new in -O, go again when the publishing is undone."""
+    import os as _os
+
+    from dipoorlet import pipeline
+
+    case = Case(tmp_path)
+    assert run_cli(case, capsys)[0] == 0
+    before = _outputs(case.out)
+    real_replace, calls = _os.replace, []
+
+    def flaky(src, dst):
+        if ".dipoorlet-staging-" in str(src) and ".replaced" not in str(src) and case.out in Path(dst).parents:
+            calls.append(dst)
+            if any("output" in Path(c).relative_to(case.out).parts[:1] for c in calls):
+                raise OSError(28, "No space left on device", str(dst))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(pipeline.os, "replace", flaky)
+    case.extra = ["--savefp"]
+    rc, err = run_cli(case, capsys)
+    monkeypatch.setattr(pipeline.os, "replace", real_replace)
+    assert rc == 2 and any("output" in Path(c).parts for c in calls)
+    assert _outputs(case.out) == before
+    assert not (case.out / "output").exists()
+
+
 def test_outputs_get_the_umask_mode_not_a_private_one(tmp_path, capsys):
     import os as _os
 
