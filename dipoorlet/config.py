@@ -1,6 +1,7 @@
 """Run configuration: one frozen dataclass, validated on creation."""
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +57,7 @@ class QuantConfig:
     equalize_samples: int | None = None  # --eq_samples; None: equalize.default_samples(N)
     shift: bool = True                 # --no_shift: no asymmetric-grid shift on symmetric backends
     device: str = "cpu"
+    custom_op_libs: tuple = ()         # --custom_op_lib: onnxruntime custom-op libraries (.so/.dll)
     debug: bool = False
 
     def __post_init__(self):
@@ -165,6 +167,12 @@ class QuantConfig:
                               f"got {self.trt_version!r}")
         if self.quant_format not in ("QDQ", "QOP"):
             raise ConfigError(f"--quant_format must be QDQ or QOP, got {self.quant_format!r}")
+        libs = (self.custom_op_libs,) if isinstance(self.custom_op_libs, (str, os.PathLike)) else self.custom_op_libs
+        object.__setattr__(self, "custom_op_libs", tuple(str(x) for x in libs))
+        for lib in self.custom_op_libs:
+            if not os.path.isfile(lib):
+                raise ConfigError(f"--custom_op_lib {lib} is not a file; pass the path of the onnxruntime custom-op "
+                                  f"library (.so/.dll/.dylib), e.g. onnxruntime_extensions.get_library_path()")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
 

@@ -103,6 +103,17 @@ def load_graph(cfg: QuantConfig, plat=None) -> Graph:
                     "widened; inputs %s now float32); the backends build float32 Q/DQ models and run "
                     "the layers left float in FP16 when asked (e.g. TensorRT --fp16)", cfg.model,
                     done["float16_widened"], sorted(g.file_dtypes) or "none")
+    untyped = [o for n in g.graph.node for o in n.output if o and g.elem_type(o) is None]
+    if untyped:
+        # ONNX shape inference knows no custom op's outputs: onnxruntime (with --custom_op_lib)
+        # says which are float, so the ops that read them are quantized as usual
+        from dipoorlet.runtime import resolve_types
+
+        found = resolve_types(g.model, untyped)
+        g.graph.value_info.extend(onnx.helper.make_tensor_value_info(k, v, None) for k, v in found.items())
+        if found:
+            g.refresh()
+            log.info("%d tensors typed by onnxruntime where ONNX shape inference left them untyped", len(found))
     cfg = _follow_folds(cfg, g)
     unknown = [o for o in cfg.score_outputs if o not in g.output_names]
     if unknown:
@@ -324,6 +335,15 @@ def plan_weights(g: Graph, places, plan: QuantPlan, plat, cfg: QuantConfig, skip
 
 
 def quantize(cfg: QuantConfig, comm=None) -> Result:
+    """The whole run (see the module docstring); every onnxruntime session in it registers
+    ``cfg.custom_op_libs``."""
+    from dipoorlet.runtime import custom_op_libs
+
+    with custom_op_libs(cfg.custom_op_libs):
+        return _quantize(cfg, comm)
+
+
+def _quantize(cfg: QuantConfig, comm=None) -> Result:
     comm = comm or SingleProcess()
     t0 = time.perf_counter()
     timings = {}

@@ -226,7 +226,7 @@ def convert_checked(model: onnx.ModelProto, feed: dict, max_tries: int = 50):
     result or None: its own fusions of the QDQ ops left can fail where the ops themselves run)."""
     import onnxruntime as ort
 
-    from dipoorlet.runtime import ort_message
+    from dipoorlet.runtime import ort_message, session_options
 
     if model.ByteSize() >= 2**31 - 1:   # no in-memory session for a model over 2 GB
         out, converted = convert(model)
@@ -234,8 +234,7 @@ def convert_checked(model: onnx.ModelProto, feed: dict, max_tries: int = 50):
     def run(m, optimize=False):
         # optimizations off: the QLinear ops run on their own kernels, the QDQ rest as float, so
         # a failure is one of ours; on: as deployed, onnxruntime also fuses the QDQ rest
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
+        so = session_options()
         if not optimize:
             so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])

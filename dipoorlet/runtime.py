@@ -10,6 +10,7 @@ itself and not the saturation quirks of CPU int8 kernels on processors without V
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -93,6 +94,78 @@ def _exposed_model_bytes_or_path(model: onnx.ModelProto, outputs: list[str],
             g.node.pop()
 
 
+# --custom_op_lib: libraries every session of the run registers (set for one run by
+# :func:`custom_op_libs`; the model's ops from their domains stay float)
+_CUSTOM_OP_LIBS: list[str] = []
+ORT_DOMAINS = ("", "ai.onnx", "ai.onnx.ml", "com.microsoft", "com.microsoft.nchwc", "com.ms.internal.nhwc")
+
+
+@contextlib.contextmanager
+def custom_op_libs(paths):
+    """Register ``paths`` in every session made inside the block."""
+    saved = list(_CUSTOM_OP_LIBS)
+    _CUSTOM_OP_LIBS[:] = [str(p) for p in paths]
+    try:
+        yield
+    finally:
+        _CUSTOM_OP_LIBS[:] = saved
+
+
+def session_options():
+    """onnxruntime SessionOptions with this run's custom-op libraries and logging off (its errors
+    come back as exceptions)."""
+    ort = _ort()
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    for lib in _CUSTOM_OP_LIBS:
+        try:
+            so.register_custom_ops_library(lib)
+        except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own types
+            from dipoorlet.errors import ConfigError
+            raise ConfigError(f"--custom_op_lib {lib}: onnxruntime cannot load it ({ort_message(exc)}); pass a "
+                              f"custom-op library built for this onnxruntime ({ort.__version__})") from exc
+    return so
+
+
+def _custom_ops(model: onnx.ModelProto) -> list[str]:
+    return sorted({f"{n.op_type} ({n.domain})" for n in model.graph.node if n.domain not in ORT_DOMAINS})
+
+
+_ORT_TYPES = {"tensor(float)": onnx.TensorProto.FLOAT, "tensor(double)": onnx.TensorProto.DOUBLE,
+              "tensor(float16)": onnx.TensorProto.FLOAT16, "tensor(bfloat16)": onnx.TensorProto.BFLOAT16,
+              "tensor(int64)": onnx.TensorProto.INT64, "tensor(int32)": onnx.TensorProto.INT32,
+              "tensor(int16)": onnx.TensorProto.INT16, "tensor(int8)": onnx.TensorProto.INT8,
+              "tensor(uint8)": onnx.TensorProto.UINT8, "tensor(bool)": onnx.TensorProto.BOOL}
+
+
+def resolve_types(model: onnx.ModelProto, names: list[str]) -> dict[str, int]:
+    """Element types onnxruntime resolves for tensors ONNX shape inference left untyped (the
+    outputs of custom ops, whose schemas live in their --custom_op_lib): a session is built with
+    them as typeless outputs, nothing is run. {} where onnxruntime cannot build it."""
+    ort = _ort()
+    g = model.graph
+    saved = list(g.output)
+    try:
+        g.output.extend(onnx.ValueInfoProto(name=n) for n in names)
+        so = session_options()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        with tempfile.TemporaryDirectory(prefix="dipoorlet-") as tmp:
+            if _graph.over_threshold(model):
+                src = os.path.join(tmp, "model.onnx")
+                save_external(model, src)
+            else:
+                src = model.SerializeToString()
+            sess = ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
+        found = {o.name: _ORT_TYPES.get(o.type) for o in sess.get_outputs()}
+        return {n: found[n] for n in names if found.get(n)}
+    except Exception as exc:  # noqa: BLE001 - the later passes report a model onnxruntime cannot load
+        log.debug("onnxruntime could not resolve the types of %d tensors: %s", len(names), ort_message(exc))
+        return {}
+    finally:
+        del g.output[:]
+        g.output.extend(saved)
+
+
 class Runner:
     """One onnxruntime session for one pass, exposing ``outputs`` and per-tensor min/max."""
 
@@ -102,8 +175,7 @@ class Runner:
         ort = _ort()
         self.outputs = list(outputs)
         self.reduced = list(reduce_minmax)
-        so = ort.SessionOptions()
-        so.log_severity_level = 4
+        so = session_options()
         so.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
                                        else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
         from dipoorlet.threads import session_threads
@@ -125,9 +197,15 @@ class Runner:
                 self.session = ort.InferenceSession(src, so, providers=providers)
             except Exception as exc:
                 msg = ort_message(exc)
+                custom = _custom_ops(model)
+                if custom and not _CUSTOM_OP_LIBS:
+                    raise ModelError(f"onnxruntime cannot run the model's custom op(s) {', '.join(custom[:4])}: "
+                                     f"{msg}; pass --custom_op_lib with the onnxruntime library that implements "
+                                     f"them (they stay float)") from exc
                 raise ModelError(f"onnxruntime cannot load the model (opset {opset_of(model)}): "
-                                 f"{msg}; check that every op is a standard ONNX op or register "
-                                 "a custom-op library") from exc
+                                 f"{msg}; check that every op is a standard ONNX op"
+                                 + (f" or one of --custom_op_lib's ({', '.join(custom[:4])} here)" if custom else
+                                    "") ) from exc
         self.input_names = [i.name for i in self.session.get_inputs()]
 
     def run(self, feed: dict[str, np.ndarray], tensors: bool = True, ranges: bool = True):

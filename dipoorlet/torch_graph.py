@@ -328,8 +328,13 @@ class TorchGraph:
         try:
             import onnxruntime as ort
 
+            from dipoorlet.runtime import session_options
+
             typed = onnx.shape_inference.infer_shapes(m)
-            so = ort.SessionOptions()
+            for k, o in enumerate(typed.graph.output):   # a custom op's outputs: onnxruntime types them
+                if not o.type.tensor_type.elem_type:
+                    typed.graph.output[k].CopyFrom(onnx.ValueInfoProto(name=o.name))
+            so = session_options()
             so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
             so.intra_op_num_threads = 1
             sess = ort.InferenceSession(typed.SerializeToString(), so, providers=["CPUExecutionProvider"])
