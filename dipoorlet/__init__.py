@@ -10,7 +10,6 @@ def quantize(**kwargs):
     names); returns a :class:`dipoorlet.pipeline.Result` whose ``report`` is the dict written to
     ``report.json``. Raises :class:`dipoorlet.errors.DipoorletError` on bad input.
     """
-    import logging
     from pathlib import Path
 
     from dipoorlet.cli import RUN_LOG, name_run_log
@@ -19,26 +18,70 @@ def quantize(**kwargs):
 
     cfg = QuantConfig(**kwargs)
     # the run's log goes into the output folder as from the CLI (dipoorlet.log; a failed run's beside
-    # an earlier run's outputs is dipoorlet.failed.log); the caller's own handlers stay as they are
+    # an earlier run's outputs is dipoorlet.failed.log); the caller sees what it saw before
     out = Path(cfg.output_dir)
     check_output_dir(out)
-    logger = logging.getLogger("dipoorlet")
-    level = logger.level
-    if level == logging.NOTSET or level > logging.INFO:
-        logger.setLevel(logging.DEBUG if cfg.debug else logging.INFO)
-    fh = logging.FileHandler(out / RUN_LOG, mode="w", encoding="utf-8")
-    fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logger.addHandler(fh)
     ok = False
     try:
-        result = _quantize(cfg)
+        with _run_log(out / RUN_LOG, cfg.debug):
+            result = _quantize(cfg)
         ok = True
         return result
     finally:
-        logger.removeHandler(fh)
-        fh.close()
-        logger.setLevel(level)
         name_run_log(out, ok)
+
+
+import contextlib as _contextlib  # noqa: E402
+
+
+@_contextlib.contextmanager
+def _run_log(path, debug: bool = False):
+    """INFO (DEBUG) records of the "dipoorlet" loggers into ``path`` for one API call, while the
+    caller's handlers, and Python's last-resort stderr handler where there are none, get exactly
+    the records they got before: those at or above the level the "dipoorlet" logger had."""
+    import logging
+
+    logger = logging.getLogger("dipoorlet")
+    before = logger.getEffectiveLevel()
+    saved = (logger.level, logger.propagate, list(logger.handlers))
+
+    class Forward(logging.Handler):
+        def emit(self, record):
+            if record.levelno < before:
+                return
+            found = False
+            for h in saved[2]:
+                found = True
+                if record.levelno >= h.level:
+                    h.handle(record)
+            c = logger.parent if saved[1] else None
+            while c is not None:
+                for h in c.handlers:
+                    found = True
+                    if record.levelno >= h.level:
+                        h.handle(record)
+                c = c.parent if c.propagate else None
+            if not found and logging.lastResort is not None and record.levelno >= logging.lastResort.level:
+                logging.lastResort.handle(record)
+
+    fh = logging.FileHandler(path, mode="w", encoding="utf-8")
+    fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for h in saved[2]:
+        logger.removeHandler(h)
+    logger.propagate = False
+    logger.setLevel(logging.DEBUG if debug else min(before, logging.INFO))
+    logger.addHandler(Forward())
+    logger.addHandler(fh)
+    try:
+        yield
+    finally:
+        for h in list(logger.handlers):
+            logger.removeHandler(h)
+        fh.close()
+        for h in saved[2]:
+            logger.addHandler(h)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
 
 
 def profile(**kwargs) -> dict:

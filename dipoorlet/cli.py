@@ -155,8 +155,13 @@ def setup_logging(out_dir: Path | None, debug: bool, rank: int = 0, all_ranks: b
     if out_dir is not None:
         # one process logs into a temporary file that becomes dipoorlet.log when the run ends (see
         # finish_log): a failed run must not replace the log of the run whose outputs -O holds.
-        # Under MPI another rank's MPI_Abort can end rank 0 anywhere: it writes dipoorlet.log.
-        name = (RUN_LOG if world == 1 else "dipoorlet.log") if rank == 0 else f"dipoorlet.rank{rank}.log"
+        # Under MPI another rank's MPI_Abort can end rank 0 anywhere, before it names the log: it
+        # writes dipoorlet.log directly into a folder without an earlier run's outputs (so a
+        # failed run leaves its log), and the temporary file where it would replace their log.
+        from dipoorlet.pipeline import MANIFEST
+
+        earlier = (out_dir / MANIFEST).exists() and (out_dir / "dipoorlet.log").exists()
+        name = (RUN_LOG if world == 1 or earlier else "dipoorlet.log") if rank == 0 else f"dipoorlet.rank{rank}.log"
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
             fh = logging.FileHandler(out_dir / name, mode="w", encoding="utf-8")
@@ -269,13 +274,14 @@ def main(argv=None) -> int:
     share_cores()      # under mpirun/srun: this process's share of the cores (before numpy's pools start)
     args = build_parser().parse_args(argv)
     state = {"out_dir": None, "ok": False}
-    previous = _catch_sigterm()
+    installed, previous = _catch_sigterm()
     try:
         return _main(args, argv, state)
     finally:
         finish_log(state["out_dir"], state["ok"])
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        if installed:
+            # None: the handler before was not set from Python; the default is the closest
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 class Terminated(BaseException):
@@ -291,11 +297,11 @@ def _catch_sigterm():
     import threading
 
     if threading.current_thread() is not threading.main_thread():
-        return None
+        return False, None
     try:
-        return signal.signal(signal.SIGTERM, _on_sigterm)
+        return True, signal.signal(signal.SIGTERM, _on_sigterm)
     except (ValueError, OSError):
-        return None
+        return False, None
 
 
 REFERENCE_ONLY = {
@@ -385,25 +391,13 @@ def _main(args, argv, state) -> int:
             import traceback
 
             traceback.print_exc()    # --debug: the traceback, and still the exit code of bad input
-        where = f" (rank {comm.rank})" if comm is not None and comm.world > 1 else ""
-        print(f"dipoorlet: error{where}: {exc}", file=sys.stderr)
-        logging.getLogger("dipoorlet").debug("error: %s", exc)
-        _log_to_file(f"dipoorlet: error{where}: {exc}")
-        if comm is not None and comm.world > 1:
-            finish_log(state["out_dir"], False)   # MPI_Abort skips every finally block
-            comm.abort(exc.exit_code)  # take every rank down now, never leave them waiting
-        return exc.exit_code
-    except OSError as exc:
-        if exc.errno not in _DISK_ERRNOS:
-            raise
-        # the disk, not the tool: one line (the outputs are written into staging and published
-        # all at once, so -O keeps what it held)
-        print(f"dipoorlet: error: {exc.strerror}{': ' + str(exc.filename) if exc.filename else ''}; free space "
-              f"or choose another -O (or --savefp off); -O keeps what it held", file=sys.stderr)
-        if comm is not None and comm.world > 1:
-            comm.abort(2)
-        return 2
+        return _fail(comm, state, str(exc), exc.exit_code)
     except Exception as exc:
+        if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
+            # the disk, not the tool: one line (the outputs are written into staging and published
+            # all at once, so -O keeps what it held)
+            return _fail(comm, state, f"{exc.strerror}{': ' + str(exc.filename) if exc.filename else ''}; free "
+                                      f"space or choose another -O (or --savefp off); -O keeps what it held", 2)
         if comm is not None and comm.world > 1:
             import traceback
             traceback.print_exc()
@@ -412,8 +406,37 @@ def _main(args, argv, state) -> int:
             comm.abort(1)
         raise
     except KeyboardInterrupt:
-        print("dipoorlet: interrupted; no output was written", file=sys.stderr)
-        return 130
+        return _stop(comm, state, "interrupted", 130)
     except Terminated:
-        print("dipoorlet: terminated (SIGTERM); no output was written", file=sys.stderr)
-        return 143
+        return _stop(comm, state, "terminated (SIGTERM)", 143)
+
+
+def _fail(comm, state, message: str, code: int) -> int:
+    """One error line; under MPI every rank is taken down. An error every rank meets (a bad flag,
+    a missing model) is printed by rank 0 alone: the others wait a moment first, and rank 0's
+    MPI_Abort ends them before they print; an error of one rank's share of the data is printed
+    by that rank after the wait."""
+    multi = comm is not None and comm.world > 1
+    if multi and comm.rank != 0:
+        time.sleep(RANK_ERROR_DELAY_S)
+    where = f" (rank {comm.rank})" if multi else ""
+    print(f"dipoorlet: error{where}: {message}", file=sys.stderr, flush=True)
+    logging.getLogger("dipoorlet").debug("error: %s", message)
+    _log_to_file(f"dipoorlet: error{where}: {message}")
+    if multi:
+        finish_log(state["out_dir"], False)   # MPI_Abort skips every finally block
+        comm.abort(code)  # take every rank down now, never leave them waiting
+    return code
+
+
+def _stop(comm, state, what: str, code: int) -> int:
+    """Ctrl-C or SIGTERM: the staging folder is gone (the exception unwound through the pipeline);
+    under MPI the other ranks are taken down too, or they would wait in a collective forever."""
+    print(f"dipoorlet: {what}; no output was written", file=sys.stderr, flush=True)
+    if comm is not None and comm.world > 1:
+        finish_log(state["out_dir"], False)
+        comm.abort(code)
+    return code
+
+
+RANK_ERROR_DELAY_S = 2.0

@@ -89,6 +89,13 @@ class Sample(dict):
     where: str | None = None
 
 
+def with_extra(feed: dict, extra: dict) -> dict:
+    """``feed`` with ``extra`` inputs added (a switchboard's flags), keeping the sample's name."""
+    out = Sample({**feed, **extra})
+    out.where = getattr(feed, "where", None)
+    return out
+
+
 class DataSource:
     """Reads calibration samples ``i`` as {input name: array} feeds."""
 
@@ -138,6 +145,7 @@ class DataSource:
         return None
 
     def _open_npz(self, path: Path):
+        self.npz_path = Path(path)
         try:
             self._npz = _npz_arrays(path)
         except Exception as exc:
@@ -194,6 +202,12 @@ class DataSource:
         out.where = self.where(i)
         return out
 
+    def paths(self) -> list[Path]:
+        """Every file this source reads (the .npz, or each sample file of -N)."""
+        if self._npz is not None:
+            return [self.npz_path]
+        return [f for files in self.files.values() for f in files]
+
     def where(self, i: int) -> str:
         """Sample ``i``'s file(s), for messages."""
         if self._npz is not None:
@@ -210,7 +224,8 @@ class DataSource:
             path = self.files[spec.name][i]
             where = str(path)
             arr = self._read_file(spec, path)
-            if path.suffix == ".npy" and spec.shape and len(spec.shape) == arr.ndim + 1 and spec.shape[0] in (1, None):
+            want = self.input_shapes.get(spec.name, spec.shape)
+            if path.suffix == ".npy" and want and len(want) == arr.ndim + 1 and want[0] in (1, None):
                 arr = arr[None]     # a sample saved without its batch axis, as an .npz row holds it
         return self._check(spec, arr, where)
 

@@ -10,6 +10,7 @@ leaves no half-written file behind.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -63,7 +64,7 @@ def check_output_dir(path: Path) -> None:
                           "pass -O with a folder you can write to") from exc
 
 
-def guard_inputs(model, input_dir, out_dir: Path) -> None:
+def guard_inputs(model, input_dir, out_dir: Path, savefp: bool = False) -> None:
     """Refuse, before any work, a run whose outputs would replace its own model or data: -M is a
     model this tool writes into -O (an earlier run's quant_model.onnx quantized again in place),
     or -M / -I lies where the --savefp outputs go."""
@@ -71,10 +72,11 @@ def guard_inputs(model, input_dir, out_dir: Path) -> None:
     m = Path(model).resolve()
     # (transformed_model.onnx is written only where a transform ran: a run that would replace it is
     # stopped when the outputs are published, see _publish)
-    if m.parent == out and m.name.startswith(("quant_model.onnx", "quant_model_qdq.onnx")):
+    if m.parent == out and m.name in ("quant_model.onnx", "quant_model_qdq.onnx", "quant_model.onnx.data",
+                                      "quant_model_qdq.onnx.data"):
         raise OutputError(f"-M {model} is in -O {out_dir}, where this run writes {m.name}: it would be "
                           f"overwritten; copy the model elsewhere or choose another -O")
-    for what, path in (("-M", m), ("-I", Path(input_dir).resolve())):
+    for what, path in (("-M", m), ("-I", Path(input_dir).resolve())) if savefp else ():
         if path == out / "output" or out / "output" in path.parents:
             raise OutputError(f"{what} {path} is under {out / 'output'}, where --savefp writes; "
                               f"move it or choose another -O")
@@ -372,7 +374,7 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
                                           ("--bins", cfg.bins, 2048, ("hist", "mse", "entropy", "percentile"))):
         if value != default and cfg.act_quant not in methods:
             log.warning("%s applies with -A %s only; ignored with -A %s", flag, " or ".join(methods), cfg.act_quant)
-    guard_inputs(cfg.model, cfg.input_dir, out_dir)
+    guard_inputs(cfg.model, cfg.input_dir, out_dir, cfg.savefp)
     g, cfg = load_graph(cfg, plat)
     specs = input_specs(g)
     if not specs:
@@ -662,11 +664,15 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
             raise OutputError(f"could not write the outputs into {out_dir} ({exc.strerror or exc}{what}); free "
                               f"space there or choose another -O; nothing in it was changed") from exc
         timings["total_s"] = time.perf_counter() - t0
-        final = _publish(staging, out_dir, keep=(cfg.model, cfg.input_dir))
+        final = _publish(staging, out_dir, keep=(cfg.model, *data.paths()))
         return Result(out_dir, final, rep, rows, timings)
     finally:
         if comm.rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
+            held = staging / ".replaced"
+            if held.is_dir() and any(p.is_file() for p in held.rglob("*")):
+                log.error("earlier outputs that could not be put back are kept in %s", held)
+            else:
+                shutil.rmtree(staging, ignore_errors=True)
 
 
 def _write_staging(cfg, g, plan, places, plat, data, indices, qmodel, staging: Path, equalized, shifted, rows,
@@ -1019,46 +1025,13 @@ def _publish(staging: Path, out_dir: Path, keep=()) -> list[Path]:
         if dst.is_dir():
             raise OutputError(f"cannot write {dst}: a folder of that name is in the way; remove or rename it, "
                               f"or choose another -O; nothing in {out_dir} was changed")
-        real = dst.resolve() if dst.exists() else None
-        if real is not None and (real in kept or (real.suffix in (".npy", ".bin", ".npz")
-                                                  and any(k in real.parents for k in kept))):
+        if dst.exists() and dst.resolve() in kept:
             raise OutputError(f"cannot write {dst}: it is this run's own input (-M/-I); move the input or "
                               f"choose another -O; nothing in {out_dir} was changed")
     moved_aside, moved_in, made = [], [], []
-    try:
-        for _, dst in moves:
-            if os.path.lexists(dst):
-                held = aside / dst.relative_to(out_dir)
-                held.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(dst, held)
-                moved_aside.append((held, dst))
-        for src, dst in moves:
-            rel = dst.relative_to(out_dir)
-            for parent in [out_dir.joinpath(*rel.parts[:i]) for i in range(1, len(rel.parts))]:
-                if not parent.exists():
-                    parent.mkdir()
-                    made.append(parent)
-            os.replace(src, dst)
-            moved_in.append((src, dst))
-    except OSError as exc:
-        for src, dst in reversed(moved_in):
-            try:
-                os.replace(dst, src)
-            except OSError:
-                pass
-        for folder in reversed(made):        # folders this run created (--savefp's output/...)
-            try:
-                folder.rmdir()
-            except OSError:
-                pass
-        for held, dst in reversed(moved_aside):
-            try:
-                os.replace(held, dst)
-            except OSError:
-                log.error("could not put back %s (kept in %s)", dst, held)
-        raise OutputError(f"could not write {exc.filename or out_dir} ({exc.strerror or exc}); "
-                          f"the earlier files in {out_dir} are as they were; free space there or choose "
-                          f"another -O") from exc
+    with _signals_held():
+        _move_all(moves, out_dir, aside, moved_aside, moved_in, made)
+    shutil.rmtree(aside, ignore_errors=True)      # the files the new ones replaced
     final = [dst for _, dst in moves]
     written = {p.relative_to(out_dir).as_posix() for p in final}
     manifest = out_dir / MANIFEST
@@ -1079,6 +1052,65 @@ def _publish(staging: Path, out_dir: Path, keep=()) -> list[Path]:
         log.warning("could not write %s (%s): a later run into this folder will not remove these files",
                     manifest, exc.strerror or exc)
     return final
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """SIGINT/SIGTERM wait until the block is done (the moves into -O take milliseconds; an
+    interrupt between them would leave -O half old, half new)."""
+    import signal
+    import threading
+
+    held = {signal.SIGINT, signal.SIGTERM}
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _move_all(moves, out_dir: Path, aside: Path, moved_aside: list, moved_in: list, made: list) -> None:
+    """The earlier files aside, the new ones in; on any failure (an interrupt included) every
+    move is undone and the error raised again (an OSError as one line)."""
+    try:
+        for _, dst in moves:
+            if os.path.lexists(dst):
+                held = aside / dst.relative_to(out_dir)
+                held.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(dst, held)
+                moved_aside.append((held, dst))
+        for src, dst in moves:
+            rel = dst.relative_to(out_dir)
+            for parent in [out_dir.joinpath(*rel.parts[:i]) for i in range(1, len(rel.parts))]:
+                if not parent.exists():
+                    parent.mkdir()
+                    made.append(parent)
+            os.replace(src, dst)
+            moved_in.append((src, dst))
+    except BaseException as exc:
+        for src, dst in reversed(moved_in):
+            try:
+                os.replace(dst, src)
+            except OSError:
+                pass
+        for folder in reversed(made):        # folders this run created (--savefp's output/...)
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
+        for held, dst in reversed(moved_aside):
+            try:
+                os.replace(held, dst)
+            except OSError:
+                log.error("could not put back %s (kept in %s)", dst, held)
+        if not isinstance(exc, OSError):
+            raise
+        raise OutputError(f"could not write {exc.filename or out_dir} ({exc.strerror or exc}); "
+                          f"the earlier files in {out_dir} are as they were; free space there or choose "
+                          f"another -O") from exc
 
 
 def _remove_stale(out_dir: Path, listed: list, written: set, keep) -> list[str]:

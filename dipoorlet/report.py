@@ -162,8 +162,8 @@ def markdown(report: dict) -> str:
                  [[o["tensor"] + (" *" if o.get("cosine_over_samples") else ""), o["cosine"], o["min_cosine"],
                    o["sqnr_db"], o["max_abs_err"]] for o in report["outputs"]])]
     if any(o.get("cosine_over_samples") for o in report["outputs"]):
-        out += ["", "\\* one value per sample: one cosine over all samples' values together "
-                "(a single value's own cosine is always 1)"]
+        out += ["", "\\* fewer than 8 values per sample: one cosine over all samples' values together "
+                "(a single value's own cosine is always 1, two logits' nearly a sign check)"]
     out += _transforms(report)
     layers = {l["node"]: l for l in report["layers"]}
     if report["worst_layers"]:

@@ -123,8 +123,8 @@ def html(rep: dict) -> str:
                     _cos_cell(o["min_cosine"]), _fmt(o["sqnr_db"], 2), _fmt(o["max_abs_err"])]
                    for o in rep.get("outputs", [])])]
     if any(o.get("cosine_over_samples") for o in rep.get("outputs", [])):
-        out.append("<p>* one value per sample: one cosine over all samples' values together (a single "
-                   "value's own cosine is always 1).</p>")
+        out.append("<p>* fewer than 8 values per sample: one cosine over all samples' values together (a "
+                   "single value's own cosine is always 1, two logits' nearly a sign check).</p>")
     for name, d in rep.get("output_distribution", {}).items():
         e = d["edges"]
         out.append(bar_plot(d["counts"], e[0], e[-1], f"per-sample output cosine: {name} ({d['samples']} samples)",

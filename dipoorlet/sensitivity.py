@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dipoorlet.progress import progress
-from dipoorlet.layer_errors import pooled_cosine, sample_sums
+from dipoorlet.data import with_extra
+from dipoorlet.layer_errors import TINY, pooled_cosine, sample_sums
 from dipoorlet.qdq import Switchboard
 from dipoorlet.runtime import Runner
 
@@ -42,12 +43,6 @@ log = logging.getLogger(__name__)
 
 CRITERIA = ("cosine", "sqnr", "maxabs")
 
-# An output of fewer values than this per sample (a score, a few logits) is scored by one cosine
-# over all samples' values together: each sample's own cosine of a 2-logit vector is nearly a
-# sign check, and a search on their mean kept float layers that cut the logits' SQNR (PP-OCR
-# classifier on imx: mean cosine 0.784 -> 0.805, SQNR 8.4 -> 4.4 dB). The report's per-sample
-# cosine keeps TINY (one value) for its table.
-FEW = 16
 
 
 @dataclass
@@ -138,13 +133,13 @@ class Scorer:
     def _score(self, runner, extra: dict) -> OutputScore:
         rows = []
         for i in self.indices:
-            q, _ = runner.run({**self.samples[i], **extra})
+            q, _ = runner.run(with_extra(self.samples[i], extra))
             rows.append((i, [sample_sums(self.reference[i][t], q[t]) + (q[t].size,) for t in self.outputs]))
         rows = self.comm.gather_samples({"_": rows})["_"]
         rows.sort(key=lambda r: r[0])
         worst = None
         for k, _ in enumerate(self.outputs):
-            if rows and all(r[1][k][6] < FEW for r in rows):   # one cosine over the samples together
+            if rows and all(r[1][k][6] < TINY for r in rows):   # one cosine over the samples together
                 cos = pooled_cosine(math.fsum(r[1][k][2] for r in rows), math.fsum(r[1][k][5] for r in rows),
                                     math.fsum(r[1][k][4] for r in rows))
             else:

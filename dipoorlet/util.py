@@ -16,15 +16,28 @@ def atomic_path(path: str | os.PathLike):
     fd, tmp = tempfile.mkstemp(prefix="." + path.name + ".", suffix=".tmp", dir=path.parent)
     os.close(fd)
     # mkstemp makes the file private (0600); the output gets the mode any new file gets here
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(tmp, 0o666 & ~mask)
+    os.chmod(tmp, 0o666 & ~_umask())
     try:
         yield tmp
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _umask() -> int:
+    """The process umask, read without setting it where Linux says it (os.umask sets it, which
+    for a moment gives a thread of a host program that creates a file then a world-writable one)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def write_text(path: str | os.PathLike, text: str) -> Path:

@@ -125,6 +125,15 @@ def test_npy_without_the_batch_axis_gets_it_as_an_npz_row_does(tmp_path):
         src4.sample(0)
 
 
+def test_a_sample_keeps_its_file_name_when_inputs_are_added():
+    from dipoorlet.data import Sample, with_extra
+
+    feed = Sample({"x": np.zeros(1)})
+    feed.where = "calib/x/3.npy"
+    both = with_extra(feed, {"flag": np.ones(1, bool)})
+    assert both.where == "calib/x/3.npy" and set(both) == {"x", "flag"}
+
+
 def test_npy_of_wrong_static_shape_is_rejected(tmp_path):
     (tmp_path / "x").mkdir()
     np.save(tmp_path / "x" / "0.npy", rand((1, 4, 8, 8)))

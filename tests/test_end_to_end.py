@@ -318,3 +318,71 @@ def test_python_api_profile_and_quantize_can_be_called_again(tmp_path):
     assert callable(dipoorlet.profile)
     assert "INFO dipoorlet.pipeline: model" in (res.output_dir / "dipoorlet.log").read_text()
     assert not (res.output_dir / ".dipoorlet-run.log").exists()
+
+
+def test_python_api_log_file_gets_info_while_the_callers_handlers_get_what_they_did(tmp_path):
+    """dipoorlet.log holds the run's INFO lines; a caller whose logging passes WARNING and up
+    still gets only those (here a warning for an option that does not apply)."""
+    import logging
+
+    import dipoorlet
+
+    model = tiny_cnn()
+    model_path = save(model, tmp_path / "model.onnx")
+    data = write_samples(tmp_path / "data", input_feeds(model, N, seed=3))
+    logger = logging.getLogger("dipoorlet")
+    propagate, cli_level = logger.propagate, logger.level
+    logger.propagate = True              # as in a program that never ran the CLI
+    logger.setLevel(logging.NOTSET)
+    level, handlers = logger.level, list(logger.handlers)
+    records = []
+
+    class Keep(logging.Handler):            # a caller's handler: no level of its own, as basicConfig's
+        def emit(self, record):
+            records.append(record)
+
+    root = logging.getLogger()
+    keep, root_level = Keep(), root.level
+    root.addHandler(keep)
+    root.setLevel(logging.WARNING)
+    try:
+        dipoorlet.quantize(model=str(model_path), input_dir=str(data), data_num=N, deploy="trt",
+                           output_dir=str(tmp_path / "out"), act_quant="minmax", ada_iters=500)
+        after = (logger.level, list(logger.handlers), logger.propagate)
+    finally:
+        logger.propagate = propagate
+        root.removeHandler(keep)
+        logger.setLevel(cli_level)
+        root.setLevel(root_level)
+    ours = [r for r in records if r.name.startswith("dipoorlet")]
+    assert ours and all(r.levelno >= logging.WARNING for r in ours)
+    assert any("--ada_iters" in r.getMessage() for r in ours)
+    text = (tmp_path / "out" / "dipoorlet.log").read_text()
+    assert "INFO dipoorlet.pipeline" in text and "--ada_iters" in text
+    assert after == (level, handlers, True)
+
+
+def test_input_under_the_output_folder_is_fine_without_savefp_and_reruns_with_it(tmp_path, capsys):
+    """-I is -O/output (where --savefp writes) without --savefp: a normal run. -I holding -O
+    (the default -O <model dir>/results with the model inside the data folder): --savefp runs
+    twice, its .bin outputs are not mistaken for the input files."""
+    model = tiny_cnn()
+    feeds = input_feeds(model, N, seed=5)
+    out = tmp_path / "out"
+    data = write_samples(out / "output" / "calib", feeds)
+    model_path = save(model, tmp_path / "model.onnx")
+    try:
+        assert main(["-M", str(model_path), "-I", str(data), "-N", str(N), "-D", "trt", "-O", str(out),
+                     "-A", "minmax"]) == 0
+    finally:
+        _close_logs()
+    root = tmp_path / "proj"
+    data2 = write_samples(root, feeds)
+    model2 = save(model, root / "model.onnx")
+    for _ in range(2):
+        try:
+            rc = main(["-M", str(model2), "-I", str(root), "-N", str(N), "-D", "trt", "-A", "minmax", "--savefp"])
+        finally:
+            _close_logs()
+        assert rc == 0, capsys.readouterr().err
+    assert data2 == root and len(list((root / "results" / "output").rglob("*.bin"))) == N
