@@ -94,6 +94,28 @@ def test_bad_file_on_one_rank_stops_every_rank(case):
     assert not [n for n in leftovers if n != "dipoorlet.log"], leftovers
 
 
+def test_an_error_every_rank_meets_is_printed_once(case):
+    """A bad flag is seen by all three ranks: one 'dipoorlet: error' line, not three."""
+    res = _run(case, case / "allbad-out", "minmax --skip_layers nope", 3)
+    assert res.returncode == 2
+    lines = [l for l in res.stderr.splitlines() if "dipoorlet: error" in l]
+    assert len(lines) == 1 and "nope" in lines[0], res.stderr
+
+
+def test_a_failed_run_keeps_the_log_of_the_outputs_in_the_folder(case):
+    out = case / "log-out"
+    assert _run(case, out, "minmax", 2).returncode == 0
+    good = (out / "dipoorlet.log").read_text()
+    bad = case / "calib_nan"
+    shutil.copytree(case / "calib", bad)
+    arr = np.fromfile(bad / "x" / "10.bin", dtype=np.float32)
+    arr[0] = np.nan
+    arr.tofile(bad / "x" / "10.bin")
+    res = _run(case, out, "minmax", 2, calib="calib_nan")
+    assert res.returncode == 2 and "10.bin" in res.stderr
+    assert (out / "dipoorlet.log").read_text() == good
+
+
 def test_more_ranks_than_samples_with_bias_correction(case):
     """3 ranks, 2 samples: one rank has none, yet every collective (equalization MAX, the bias
     correction sums, the histogram merge) lines up and the outputs equal one process's."""
