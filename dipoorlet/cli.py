@@ -379,6 +379,7 @@ def _main(args, argv, state) -> int:
         result = quantize(cfg, comm)
         state["ok"] = True   # the outputs are written (--fail_below's exit 3 included)
         if comm.rank == 0:
+            _remove_other_rank_logs(cfg.output_dir, comm.world if args.log_all_ranks else 1)
             log.info(summary(result, cfg))
             low = below_bar(result.report, cfg.fail_below)
             if low:
@@ -409,6 +410,18 @@ def _main(args, argv, state) -> int:
         return _stop(comm, state, "interrupted", 130)
     except Terminated:
         return _stop(comm, state, "terminated (SIGTERM)", 143)
+
+
+def _remove_other_rank_logs(out_dir: Path, world: int) -> None:
+    """After a run that wrote its outputs: the per-rank logs (--log_all_ranks) an earlier run left
+    in -O that this run did not write."""
+    ours = {f"dipoorlet.rank{r}.log" for r in range(1, world)}
+    for path in Path(out_dir).glob("dipoorlet.rank*.log"):
+        if path.name not in ours and path.is_file() and not path.is_symlink():
+            try:
+                path.unlink()
+            except OSError:
+                pass
 
 
 def _fail(comm, state, message: str, code: int) -> int:

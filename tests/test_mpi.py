@@ -116,6 +116,16 @@ def test_a_failed_run_keeps_the_log_of_the_outputs_in_the_folder(case):
     assert (out / "dipoorlet.log").read_text() == good
 
 
+def test_a_rerun_removes_the_earlier_runs_rank_logs(case):
+    out = case / "ranklogs-out"
+    assert _run(case, out, "minmax --log_all_ranks", 3).returncode == 0
+    assert {p.name for p in out.glob("dipoorlet.rank*.log")} == {"dipoorlet.rank1.log", "dipoorlet.rank2.log"}
+    assert _run(case, out, "minmax --log_all_ranks", 2).returncode == 0
+    assert {p.name for p in out.glob("dipoorlet.rank*.log")} == {"dipoorlet.rank1.log"}
+    assert _run(case, out, "minmax", 2).returncode == 0
+    assert not list(out.glob("dipoorlet.rank*.log"))
+
+
 def test_more_ranks_than_samples_with_bias_correction(case):
     """3 ranks, 2 samples: one rank has none, yet every collective (equalization MAX, the bias
     correction sums, the histogram merge) lines up and the outputs equal one process's."""
