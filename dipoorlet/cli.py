@@ -445,7 +445,12 @@ def _fail(comm, state, message: str, code: int) -> int:
 def _stop(comm, state, what: str, code: int) -> int:
     """Ctrl-C or SIGTERM: the staging folder is gone (the exception unwound through the pipeline);
     under MPI the other ranks are taken down too, or they would wait in a collective forever."""
-    print(f"dipoorlet: {what}; no output was written", file=sys.stderr, flush=True)
+    from dipoorlet.pipeline import PUBLISHED
+
+    done = f"after the outputs were written into {PUBLISHED[-1]}" if PUBLISHED else "no output was written"
+    if PUBLISHED:
+        state["ok"] = True          # the log describes the outputs -O now holds
+    print(f"dipoorlet: {what}; {done}", file=sys.stderr, flush=True)
     if comm is not None and comm.world > 1:
         finish_log(state["out_dir"], False)
         comm.abort(code)

@@ -341,6 +341,7 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
     ``cfg.custom_op_libs``."""
     from dipoorlet.runtime import custom_op_libs
 
+    PUBLISHED.clear()
     with custom_op_libs(cfg.custom_op_libs):
         return _quantize(cfg, comm)
 
@@ -991,6 +992,11 @@ def _fp_saver(staging: Path, outputs: list[str]):
 MANIFEST = ".dipoorlet-files.json"
 
 
+# the -O this process's latest run published into (what the CLI says when an interrupt arrives
+# after the outputs are in place)
+PUBLISHED: list = []
+
+
 def _kept_paths(keep) -> set:
     kept = set()
     for k in keep:
@@ -1031,45 +1037,56 @@ def _publish(staging: Path, out_dir: Path, keep=()) -> list[Path]:
     moved_aside, moved_in, made = [], [], []
     with _signals_held():
         _move_all(moves, out_dir, aside, moved_aside, moved_in, made)
-    shutil.rmtree(aside, ignore_errors=True)      # the files the new ones replaced
-    final = [dst for _, dst in moves]
-    written = {p.relative_to(out_dir).as_posix() for p in final}
-    manifest = out_dir / MANIFEST
-    try:
-        before = json.loads(manifest.read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        before = []
-    stale = _remove_stale(out_dir, before if isinstance(before, list) else [], written, kept)
-    failed_log = out_dir / "dipoorlet.failed.log"
-    if failed_log.is_file() and not failed_log.is_symlink():
-        failed_log.unlink()   # the log of a failed run whose predecessors' outputs these replace
-    if stale:
-        log.info("removed %d files an earlier run wrote into %s and this one did not (%s)", len(stale),
-                 out_dir, ", ".join(sorted(stale)[:6]) + (" ..." if len(stale) > 6 else ""))
-    try:
-        write_json(manifest, {"files": sorted(written)})
-    except OSError as exc:     # the outputs are in place; only the next run's clean-up needs the list
-        log.warning("could not write %s (%s): a later run into this folder will not remove these files",
-                    manifest, exc.strerror or exc)
+        PUBLISHED.append(out_dir)       # an interrupt held till now is reported as coming after this
+        shutil.rmtree(aside, ignore_errors=True)      # the files the new ones replaced
+        final = [dst for _, dst in moves]
+        written = {p.relative_to(out_dir).as_posix() for p in final}
+        manifest = out_dir / MANIFEST
+        try:
+            before = json.loads(manifest.read_text())["files"]
+        except (OSError, ValueError, KeyError, TypeError):
+            before = []
+        stale = _remove_stale(out_dir, before if isinstance(before, list) else [], written, kept)
+        failed_log = out_dir / "dipoorlet.failed.log"
+        if failed_log.is_file() and not failed_log.is_symlink():
+            failed_log.unlink()   # the log of a failed run whose predecessors' outputs these replace
+        if stale:
+            log.info("removed %d files an earlier run wrote into %s and this one did not (%s)", len(stale),
+                     out_dir, ", ".join(sorted(stale)[:6]) + (" ..." if len(stale) > 6 else ""))
+        try:
+            write_json(manifest, {"files": sorted(written)})
+        except OSError as exc:     # the outputs are in place; only the next run's clean-up needs the list
+            log.warning("could not write %s (%s): a later run into this folder will not remove these files",
+                        manifest, exc.strerror or exc)
     return final
 
 
 @contextlib.contextmanager
 def _signals_held():
     """SIGINT/SIGTERM wait until the block is done (the moves into -O take milliseconds; an
-    interrupt between them would leave -O half old, half new)."""
+    interrupt between them would leave -O half old, half new). Python-level: onnxruntime's and the
+    histogram worker's threads would take a signal blocked in this thread alone; a held signal is
+    raised again afterwards, to the handler that was there."""
     import signal
     import threading
 
-    held = {signal.SIGINT, signal.SIGTERM}
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    pending = []
+    saved = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            saved[sig] = signal.signal(sig, lambda signum, frame: pending.append(signum))
+        except (ValueError, OSError):
+            pass
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for sig, handler in saved.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        for sig in pending[:1]:
+            signal.raise_signal(sig)
 
 
 def _move_all(moves, out_dir: Path, aside: Path, moved_aside: list, moved_in: list, made: list) -> None:

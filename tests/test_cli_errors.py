@@ -593,6 +593,33 @@ def test_sigterm_unwinds_like_ctrl_c(tmp_path, capsys, monkeypatch):
     assert_nothing_written(case)
 
 
+def test_sigterm_during_the_renames_waits_for_them_and_says_the_outputs_are_written(tmp_path, capsys, monkeypatch):
+    """SIGTERM arriving between two renames into -O is held until the last one: -O then holds the
+    whole new run, and the message says so rather than 'no output was written'."""
+    import os as _os
+    import signal
+
+    from dipoorlet import pipeline
+
+    case = Case(tmp_path)
+    real_replace, calls = _os.replace, []
+
+    def killed(src, dst):
+        if ".dipoorlet-staging-" in str(src) and ".replaced" not in str(src) and Path(dst).parent == case.out:
+            calls.append(dst)
+            if len(calls) == 2:
+                _os.kill(_os.getpid(), signal.SIGTERM)
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(pipeline.os, "replace", killed)
+    rc, err = run_cli(case, capsys)
+    monkeypatch.setattr(pipeline.os, "replace", real_replace)
+    assert rc == 143 and len(calls) > 2
+    assert "terminated (SIGTERM); after the outputs were written" in err
+    for name in ("quant_model.onnx", "trt_calib.cache", "report.json"):
+        assert (case.out / name).is_file()
+
+
 def test_interrupt_while_publishing_puts_every_earlier_output_back(tmp_path, capsys, monkeypatch):
     """Ctrl-C (or SIGTERM) between two renames into -O: the earlier run's files are all there
     afterwards, none of the new ones."""
