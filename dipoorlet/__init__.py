@@ -22,16 +22,22 @@ def quantize(**kwargs):
     out = Path(cfg.output_dir)
     check_output_dir(out)
     ok = False
-    try:
-        with _run_log(out / RUN_LOG, cfg.debug):
-            result = _quantize(cfg)
-        ok = True
-        return result
-    finally:
-        name_run_log(out, ok)
+    # one run at a time per process: the "dipoorlet" logger's setup and the custom-op libraries
+    # of a run are process-wide (a second thread's call waits for the first)
+    with _API_LOCK:
+        try:
+            with _run_log(out / RUN_LOG, cfg.debug):
+                result = _quantize(cfg)
+            ok = True
+            return result
+        finally:
+            name_run_log(out, ok)
 
 
 import contextlib as _contextlib  # noqa: E402
+import threading as _threading  # noqa: E402
+
+_API_LOCK = _threading.RLock()
 
 
 @_contextlib.contextmanager

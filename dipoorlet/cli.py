@@ -431,7 +431,10 @@ def _fail(comm, state, message: str, code: int) -> int:
     by that rank after the wait."""
     multi = comm is not None and comm.world > 1
     if multi and comm.rank != 0:
-        time.sleep(RANK_ERROR_DELAY_S)
+        try:
+            time.sleep(RANK_ERROR_DELAY_S)
+        except BaseException:  # noqa: BLE001 - Ctrl-C/SIGTERM in the wait: this rank aborts all the same
+            pass
     where = f" (rank {comm.rank})" if multi else ""
     print(f"dipoorlet: error{where}: {message}", file=sys.stderr, flush=True)
     logging.getLogger("dipoorlet").debug("error: %s", message)

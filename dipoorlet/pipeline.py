@@ -112,7 +112,12 @@ def load_graph(cfg: QuantConfig, plat=None) -> Graph:
         from dipoorlet.runtime import resolve_types
 
         found = resolve_types(g.model, untyped)
-        g.graph.value_info.extend(onnx.helper.make_tensor_value_info(k, v, None) for k, v in found.items())
+        outputs = {o.name: o for o in g.graph.output}
+        for k, v in found.items():
+            if k in outputs:        # a network output declared without a type
+                outputs[k].type.tensor_type.elem_type = v
+            else:
+                g.graph.value_info.append(onnx.helper.make_tensor_value_info(k, v, None))
         if found:
             g.refresh()
             log.info("%d tensors typed by onnxruntime where ONNX shape inference left them untyped", len(found))

@@ -128,7 +128,22 @@ def session_options():
 
 
 def _custom_ops(model: onnx.ModelProto) -> list[str]:
-    return sorted({f"{n.op_type} ({n.domain})" for n in model.graph.node if n.domain not in ORT_DOMAINS})
+    """The ops of domains onnxruntime does not have, subgraphs (If/Loop/Scan bodies) included."""
+    found = set()
+
+    def walk(graph):
+        for n in graph.node:
+            if n.domain not in ORT_DOMAINS:
+                found.add(f"{n.op_type} ({n.domain})")
+            for a in n.attribute:
+                if a.type == onnx.AttributeProto.GRAPH:
+                    walk(a.g)
+                elif a.type == onnx.AttributeProto.GRAPHS:
+                    for sub in a.graphs:
+                        walk(sub)
+
+    walk(model.graph)
+    return sorted(found)
 
 
 _ORT_TYPES = {"tensor(float)": onnx.TensorProto.FLOAT, "tensor(double)": onnx.TensorProto.DOUBLE,

@@ -90,3 +90,44 @@ def test_custom_op_lib_that_onnxruntime_cannot_load_is_one_line(tmp_path, capsys
                "--custom_op_lib", str(bogus)])
     err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("dipoorlet: error:")]
     assert rc == 2 and len(err) == 1 and "bogus.so" in err[0] and "cannot load" in err[0]
+
+
+def test_custom_op_outputs_as_untyped_network_outputs(tmp_path, capsys):
+    """Exporters of custom ops often declare their outputs without a type: onnxruntime's types
+    go onto the graph outputs, and the written model passes onnx.checker."""
+    model = custom_model()
+    del model.graph.node[2:]
+    del model.graph.output[:]
+    model.graph.output.extend([onnx.ValueInfoProto(name="neg"), onnx.ValueInfoProto(name="pos")])
+    path = save(model, tmp_path / "m.onnx")
+    data = write_samples(tmp_path / "data", _feeds(4))
+    out = tmp_path / "out"
+    rc = main(["-M", str(path), "-I", str(data), "-N", "4", "-D", "trt", "-O", str(out), "-A", "minmax",
+               "--custom_op_lib", ox.get_library_path()])
+    assert rc == 0, capsys.readouterr().err
+    qm = onnx.load(str(out / "quant_model.onnx"))
+    assert {o.name: o.type.tensor_type.elem_type for o in qm.graph.output} == {"neg": 1, "pos": 1}
+
+
+def test_custom_op_inside_an_if_without_its_library_names_the_op_and_the_flag(tmp_path, capsys):
+    inner = helper.make_graph([helper.make_node("NegPos", ["c1"], ["n", "p"], name="negpos", domain="ai.onnx.contrib"),
+                               helper.make_node("Sub", ["p", "n"], ["a_then"], name="abs")],
+                              "then", [], [vi("a_then", [1, 6, 8, 8])])
+    other = helper.make_graph([helper.make_node("Identity", ["c1"], ["a_else"], name="same")],
+                              "else", [], [vi("a_else", [1, 6, 8, 8])])
+    base = custom_model()
+    nodes = [base.graph.node[0],
+             helper.make_node("ReduceMean", ["c1"], ["m"], name="mean", keepdims=0),
+             helper.make_node("Greater", ["m", "zero"], ["flag"], name="gt"),
+             helper.make_node("If", ["flag"], ["a"], name="if", then_branch=inner, else_branch=other),
+             base.graph.node[3]]
+    graph = helper.make_graph(nodes, "g", list(base.graph.input), list(base.graph.output),
+                              initializer=list(base.graph.initializer)
+                              + [onnx.numpy_helper.from_array(np.array(0.0, np.float32), "zero")])
+    model = helper.make_model(graph, opset_imports=list(base.opset_import))
+    path = save(model, tmp_path / "m.onnx")
+    data = write_samples(tmp_path / "data", _feeds(2))
+    rc = main(["-M", str(path), "-I", str(data), "-N", "2", "-D", "trt", "-O", str(tmp_path / "out")])
+    err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("dipoorlet: error:")]
+    assert rc == 2 and len(err) == 1
+    assert "NegPos (ai.onnx.contrib)" in err[0] and "--custom_op_lib" in err[0]

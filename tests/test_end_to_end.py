@@ -386,3 +386,35 @@ def test_input_under_the_output_folder_is_fine_without_savefp_and_reruns_with_it
             _close_logs()
         assert rc == 0, capsys.readouterr().err
     assert data2 == root and len(list((root / "results" / "output").rglob("*.bin"))) == N
+
+
+def test_python_api_calls_from_two_threads_run_one_after_the_other(tmp_path):
+    """The "dipoorlet" logger's setup and the custom-op libraries are per process: calls from two
+    threads both succeed, each writes its own log, and the logger is as it was afterwards."""
+    import threading
+
+    import dipoorlet
+
+    model = tiny_cnn()
+    model_path = save(model, tmp_path / "model.onnx")
+    data = write_samples(tmp_path / "data", input_feeds(model, N, seed=3))
+    logger = logging.getLogger("dipoorlet")
+    state = (logger.level, list(logger.handlers), logger.propagate)
+    errors = []
+
+    def call(k):
+        try:
+            dipoorlet.quantize(model=str(model_path), input_dir=str(data), data_num=N, deploy="trt",
+                               output_dir=str(tmp_path / f"t{k}"), act_quant="minmax")
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert (logger.level, list(logger.handlers), logger.propagate) == state
+    for k in range(2):
+        assert "INFO dipoorlet.pipeline" in (tmp_path / f"t{k}" / "dipoorlet.log").read_text()
