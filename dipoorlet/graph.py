@@ -258,19 +258,28 @@ def drop_unused_initializers(graph: onnx.GraphProto) -> int:
     return len(dropped)
 
 
+def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    """A node's subgraphs (If branches, Loop/Scan bodies)."""
+    out = []
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            out.append(attr.g)
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            out.extend(attr.graphs)
+    return out
+
+
 def _subgraph_outer_refs(node: onnx.NodeProto) -> list[str]:
     """Names a node's subgraphs (If/Loop/Scan bodies) read from the enclosing scope."""
     refs: list[str] = []
-    for attr in node.attribute:
-        graphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
-        for sub in graphs:
-            local = {i.name for i in sub.input} | {t.name for t in sub.initializer}
-            for n in sub.node:
-                local.update(n.output)
-            for n in sub.node:
-                refs.extend(i for i in n.input if i and i not in local)
-                refs.extend(r for r in _subgraph_outer_refs(n) if r not in local)
-            refs.extend(o.name for o in sub.output if o.name not in local)
+    for sub in subgraphs(node):
+        local = {i.name for i in sub.input} | {t.name for t in sub.initializer}
+        for n in sub.node:
+            local.update(n.output)
+        for n in sub.node:
+            refs.extend(i for i in n.input if i and i not in local)
+            refs.extend(r for r in _subgraph_outer_refs(n) if r not in local)
+        refs.extend(o.name for o in sub.output if o.name not in local)
     return refs
 
 

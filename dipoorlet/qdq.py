@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from dipoorlet.graph import Graph, drop_unused_initializers, opset_of
+from dipoorlet.graph import Graph, drop_unused_initializers, opset_of, subgraphs
 from dipoorlet.placement import Placement
 from dipoorlet.qparams import QParams, QuantPlan, dequantize_array, quantize_array
 
@@ -54,12 +54,8 @@ def _all_names(model: onnx.ModelProto) -> set[str]:
         names.update(t.name for t in g.initializer)
         names.update(v.name for v in [*g.input, *g.output, *g.value_info])
         for n in g.node:
-            for a in n.attribute:
-                if a.type == onnx.AttributeProto.GRAPH:
-                    walk(a.g)
-                elif a.type == onnx.AttributeProto.GRAPHS:
-                    for sub in a.graphs:
-                        walk(sub)
+            for sub in subgraphs(n):
+                walk(sub)
 
     walk(model.graph)
     return names

@@ -135,12 +135,8 @@ def _custom_ops(model: onnx.ModelProto) -> list[str]:
         for n in graph.node:
             if n.domain not in ORT_DOMAINS:
                 found.add(f"{n.op_type} ({n.domain})")
-            for a in n.attribute:
-                if a.type == onnx.AttributeProto.GRAPH:
-                    walk(a.g)
-                elif a.type == onnx.AttributeProto.GRAPHS:
-                    for sub in a.graphs:
-                        walk(sub)
+            for sub in _graph.subgraphs(n):
+                walk(sub)
 
     walk(model.graph)
     return sorted(found)
