@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
+from dipoorlet.graph import _subgraph_outer_refs
 
 MS = "com.microsoft"
 _PLAIN = {"Add": "QLinearAdd", "Mul": "QLinearMul", "GlobalAveragePool": "QLinearGlobalAveragePool",
@@ -88,16 +89,18 @@ def convert(model: onnx.ModelProto, exclude=()) -> tuple[onnx.ModelProto, int]:
     g = out.graph
     v = _View(out)
     replaced, new_nodes, extra_inits, converted = set(), {}, [], 0
+    # tensors If/Loop bodies read from this scope: a node whose float output one reads stays
+    outer = {r for n in g.node for r in _subgraph_outer_refs(n)}
     for node in list(g.node):
         if node.op_type not in ("Conv", "MatMul", "Gemm", *_PLAIN) or node.domain not in ("", "ai.onnx"):
             continue
-        if node.name in exclude:
+        if node.name in exclude or node.output[0] in outer:
             continue
         dqs = [v.dq(i) for i in node.input[:2 if node.op_type in ("Conv", "MatMul", "Gemm", "Add", "Mul") else 1]]
         if not dqs or any(d is None for d in dqs):
             continue
         q, relu = _output_q(v, node)
-        if q is None:
+        if q is None or (relu is not None and relu.output[0] in outer):
             continue
         yz = _zero_point(v, q)
         if yz is None:
@@ -206,13 +209,14 @@ def _drop_dead(model: onnx.ModelProto) -> None:
     """Remove nodes and initializers nothing reads any more (orphaned Q/DQ)."""
     g = model.graph
     while True:
-        used = {i for n in g.node for i in n.input} | {o.name for o in g.output}
+        used = ({i for n in g.node for i in n.input} | {o.name for o in g.output}
+                | {r for n in g.node for r in _subgraph_outer_refs(n)})
         dead = [n for n in g.node if not any(o in used for o in n.output)]
         if not dead:
             break
         for n in dead:
             g.node.remove(n)
-    used = {i for n in g.node for i in n.input}
+    used = {i for n in g.node for i in n.input} | {r for n in g.node for r in _subgraph_outer_refs(n)}
     keep = [t for t in g.initializer if t.name in used]
     del g.initializer[:]
     g.initializer.extend(keep)

@@ -402,3 +402,39 @@ def test_qop_names_why_layers_feeding_a_float_op_stay_qdq(tmp_path, caplog):
     assert qop.unquantized_outputs(qdq) == {"PRelu": 1, "network output": 1}   # ort leaves outputs float
     assert any("stay QDQ because this backend leaves their output float" in r.getMessage()
                and "PRelu x1" in r.getMessage() for r in caplog.records)
+
+
+def test_qop_keeps_the_float_tensors_an_if_body_reads(tmp_path):
+    """An If branch reads conv1's output from the outer scope: conv1 stays QDQ (its float output
+    must exist), the rest is converted, and the QOP model runs and agrees with the QDQ one."""
+    from onnx import helper
+
+    from conftest import rand, vi
+
+    then = helper.make_graph([helper.make_node("Relu", ["c1"], ["t"], name="then_relu")], "then", [],
+                             [vi("t", [1, 4, 8, 8])])
+    other = helper.make_graph([helper.make_node("Neg", ["c1"], ["e"], name="else_neg")], "else", [],
+                              [vi("e", [1, 4, 8, 8])])
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+             helper.make_node("ReduceMean", ["x"], ["m"], name="mean", keepdims=0),
+             helper.make_node("Greater", ["m", "zero"], ["flag"], name="gt"),
+             helper.make_node("If", ["flag"], ["a"], name="if", then_branch=then, else_branch=other),
+             helper.make_node("Conv", ["a", "w2", "b2"], ["y"], name="conv2", pads=[1, 1, 1, 1])]
+    inits = [numpy_helper.from_array(rand((4, 3, 3, 3), 0, 0.3), "w1"), numpy_helper.from_array(rand((4,), 1, 0.1), "b1"),
+             numpy_helper.from_array(rand((4, 4, 3, 3), 2, 0.3), "w2"), numpy_helper.from_array(rand((4,), 3, 0.1), "b2"),
+             numpy_helper.from_array(np.array(0.0, np.float32), "zero")]
+    graph = helper.make_graph(nodes, "g", [vi("x", [1, 3, 8, 8])], [vi("y", [1, 4, 8, 8])], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    path = save(model, tmp_path / "m.onnx")
+    r = np.random.default_rng(0)
+    feeds = [{"x": (r.standard_normal((1, 3, 8, 8)) + (0.5 if i % 2 else -0.5)).astype(np.float32)} for i in range(6)]
+    data = write_samples(tmp_path / "data", feeds)
+    out = tmp_path / "out"
+    dipoorlet.quantize(model=path, input_dir=data, data_num=6, deploy="snpe", output_dir=out,
+                       quant_format="QOP", skip_prof_layer=True)
+    qop, qdq = onnx.load(str(out / "quant_model.onnx")), onnx.load(str(out / "quant_model_qdq.onnx"))
+    names = {n.name for n in qop.graph.node}
+    assert "conv1" in names and "conv2_quant" in names, names
+    onnx.checker.check_model(qop)
+    for f in feeds:
+        assert _cos(ort_run(qop, f)[0], ort_run(qdq, f)[0]) > KERNEL_COS
