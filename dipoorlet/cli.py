@@ -158,10 +158,8 @@ def setup_logging(out_dir: Path | None, debug: bool, rank: int = 0, all_ranks: b
         # Under MPI another rank's MPI_Abort can end rank 0 anywhere, before it names the log: it
         # writes dipoorlet.log directly into a folder without an earlier run's outputs (so a
         # failed run leaves its log), and the temporary file where it would replace their log.
-        from dipoorlet.pipeline import MANIFEST
-
-        earlier = (out_dir / MANIFEST).exists() and (out_dir / "dipoorlet.log").exists()
-        name = (RUN_LOG if world == 1 or earlier else "dipoorlet.log") if rank == 0 else f"dipoorlet.rank{rank}.log"
+        name = (RUN_LOG if world == 1 or _earlier_outputs(out_dir) else "dipoorlet.log") if rank == 0 \
+            else f"dipoorlet.rank{rank}.log"
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
             fh = logging.FileHandler(out_dir / name, mode="w", encoding="utf-8")
@@ -186,14 +184,18 @@ def finish_log(out_dir: Path | None, ok: bool) -> None:
     name_run_log(out_dir, ok)
 
 
+def _earlier_outputs(out_dir: Path) -> bool:
+    """-O holds an earlier run's outputs and their log."""
+    from dipoorlet.pipeline import MANIFEST
+
+    return (out_dir / MANIFEST).exists() and (out_dir / "dipoorlet.log").exists()
+
+
 def name_run_log(out_dir: Path | None, ok: bool) -> None:
     """Rename the closed run log (see :func:`finish_log`)."""
     if out_dir is None or not (out_dir / RUN_LOG).exists():
         return
-    from dipoorlet.pipeline import MANIFEST
-
-    earlier = (out_dir / MANIFEST).exists() and (out_dir / "dipoorlet.log").exists()
-    name = "dipoorlet.log" if ok or not earlier else "dipoorlet.failed.log"
+    name = "dipoorlet.log" if ok or not _earlier_outputs(out_dir) else "dipoorlet.failed.log"
     try:
         os.replace(out_dir / RUN_LOG, out_dir / name)
     except OSError as exc:   # never turn the run's own result into a failure

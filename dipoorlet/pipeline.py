@@ -383,13 +383,12 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
     guard_inputs(cfg.model, cfg.input_dir, out_dir, cfg.savefp)
     g, cfg = load_graph(cfg, plat)
     specs = input_specs(g)
+    const = [i.name for i in g.model.graph.input if i.name in g.initializers]
     if not specs:
-        const = [i.name for i in g.model.graph.input if i.name in g.initializers]
         raise ModelError(f"model {cfg.model} has no input to calibrate: "
                          + (f"its graph inputs {const} all have initializers, which make them constants"
                             if const else "its graph has no inputs")
                          + "; export the model with the inputs it takes at inference")
-    const = [i.name for i in g.model.graph.input if i.name in g.initializers]
     if const:
         log.info("graph inputs with an initializer are treated as constants (their default values): %s",
                  ", ".join(const[:6]) + (" ..." if len(const) > 6 else ""))
@@ -1028,8 +1027,7 @@ def _publish(staging: Path, out_dir: Path, keep=()) -> list[Path]:
     aside = staging / ".replaced"
     moves = [(src, out_dir / src.relative_to(staging)) for src in sorted(staging.rglob("*")) if src.is_file()]
     for _, dst in moves:
-        rel = dst.relative_to(out_dir)
-        for parent in [out_dir.joinpath(*rel.parts[:i]) for i in range(1, len(rel.parts))]:
+        for parent in _folders_between(out_dir, dst):
             if parent.exists() and not parent.is_dir():
                 raise OutputError(f"cannot write {dst}: {parent} is a file, not a folder; remove or rename it, "
                                   f"or choose another -O; nothing in {out_dir} was changed")
@@ -1094,6 +1092,12 @@ def _signals_held():
             signal.raise_signal(sig)
 
 
+def _folders_between(out_dir: Path, dst: Path) -> list[Path]:
+    """The folders from -O down to ``dst``'s, -O itself excluded (output/, output/<name>/)."""
+    rel = dst.relative_to(out_dir)
+    return [out_dir.joinpath(*rel.parts[:i]) for i in range(1, len(rel.parts))]
+
+
 def _move_all(moves, out_dir: Path, aside: Path, moved_aside: list, moved_in: list, made: list) -> None:
     """The earlier files aside, the new ones in; on any failure (an interrupt included) every
     move is undone and the error raised again (an OSError as one line)."""
@@ -1105,8 +1109,7 @@ def _move_all(moves, out_dir: Path, aside: Path, moved_aside: list, moved_in: li
                 os.replace(dst, held)
                 moved_aside.append((held, dst))
         for src, dst in moves:
-            rel = dst.relative_to(out_dir)
-            for parent in [out_dir.joinpath(*rel.parts[:i]) for i in range(1, len(rel.parts))]:
+            for parent in _folders_between(out_dir, dst):
                 if not parent.exists():
                     parent.mkdir()
                     made.append(parent)
@@ -1135,12 +1138,11 @@ def _move_all(moves, out_dir: Path, aside: Path, moved_aside: list, moved_in: li
                           f"another -O") from exc
 
 
-def _remove_stale(out_dir: Path, listed: list, written: set, keep) -> list[str]:
+def _remove_stale(out_dir: Path, listed: list, written: set, kept: set) -> list[str]:
     """Remove the files of ``listed`` (an earlier run's manifest) that this run did not write;
     returns their normalized names. See :func:`_publish` for what is never touched."""
     import posixpath
 
-    kept = keep if isinstance(keep, set) else _kept_paths(keep)
     stale = []
     for rel in listed:
         if not isinstance(rel, str):

@@ -74,7 +74,9 @@ def _exposed_model_bytes_or_path(model: onnx.ModelProto, outputs: list[str],
                 g.output.append(by_name[name])
             else:
                 elem = types.get(name, (onnx.TensorProto.FLOAT, None))[0]
-                g.output.append(helper.make_tensor_value_info(name, elem, None))
+                # UNDEFINED: no type at all, for onnxruntime to fill in (see resolve_types)
+                g.output.append(helper.make_tensor_value_info(name, elem, None) if elem
+                                else onnx.ValueInfoProto(name=name))
         for name in reduce_minmax:
             for op, suffix in (("ReduceMin", MIN_SUFFIX), ("ReduceMax", MAX_SUFFIX)):
                 out = name + suffix
@@ -154,27 +156,19 @@ def resolve_types(model: onnx.ModelProto, names: list[str]) -> dict[str, int]:
     outputs of custom ops, whose schemas live in their --custom_op_lib): a session is built with
     them as typeless outputs, nothing is run. {} where onnxruntime cannot build it."""
     ort = _ort()
-    g = model.graph
-    saved = list(g.output)
+    outputs = [o.name for o in model.graph.output] + list(names)
     try:
-        g.output.extend(onnx.ValueInfoProto(name=n) for n in names)
         so = session_options()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         with tempfile.TemporaryDirectory(prefix="dipoorlet-") as tmp:
-            if _graph.over_threshold(model):
-                src = os.path.join(tmp, "model.onnx")
-                save_external(model, src)
-            else:
-                src = model.SerializeToString()
+            src = _exposed_model_bytes_or_path(model, outputs, [], {n: (onnx.TensorProto.UNDEFINED, None)
+                                                                   for n in names}, tmp)
             sess = ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
         found = {o.name: _ORT_TYPES.get(o.type) for o in sess.get_outputs()}
         return {n: found[n] for n in names if found.get(n)}
     except Exception as exc:  # noqa: BLE001 - the later passes report a model onnxruntime cannot load
         log.debug("onnxruntime could not resolve the types of %d tensors: %s", len(names), ort_message(exc))
         return {}
-    finally:
-        del g.output[:]
-        g.output.extend(saved)
 
 
 class Runner:

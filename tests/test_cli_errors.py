@@ -500,29 +500,40 @@ def test_folder_in_the_way_of_an_output_leaves_the_earlier_outputs(tmp_path, cap
     assert not list(case.out.glob(".dipoorlet-staging-*"))
 
 
-def test_failed_move_puts_every_earlier_output_back(tmp_path, capsys, monkeypatch):
-    """The outputs go into -O all or nothing: a rename that fails halfway (a full or read-only
-    disk) undoes the ones before it."""
+def _on_moves_into(monkeypatch, case, act, nested=False):
+    """Patch the renames that publish the outputs: ``act(calls)`` runs before each new output moves
+    into -O (after the earlier ones moved aside), ``calls`` holding the destinations so far, this
+    one last; ``nested``: also the moves into -O's sub-folders (--savefp's output/<name>/)."""
     import os as _os
 
     from dipoorlet import pipeline
 
+    real, calls = _os.replace, []
+
+    def replace(src, dst):
+        into = Path(dst).parent == case.out or (nested and case.out in Path(dst).parents)
+        if ".dipoorlet-staging-" in str(src) and ".replaced" not in str(src) and into:
+            calls.append(dst)
+            act(calls)
+        return real(src, dst)
+
+    monkeypatch.setattr(pipeline.os, "replace", replace)
+    return calls
+
+
+def _no_space(calls):
+    raise OSError(28, "No space left on device", str(calls[-1]))
+
+
+def test_failed_move_puts_every_earlier_output_back(tmp_path, capsys, monkeypatch):
+    """The outputs go into -O all or nothing: a rename that fails halfway (a full or read-only
+    disk) undoes the ones before it."""
     case = Case(tmp_path)
     assert run_cli(case, capsys)[0] == 0
     before = _outputs(case.out)
-    real_replace, calls = _os.replace, []
-
-    def flaky(src, dst):
-        if ".dipoorlet-staging-" in str(src) and ".replaced" not in str(src) and Path(dst).parent == case.out:
-            calls.append((src, dst))    # a new output moving into -O, after the earlier ones moved aside
-            if len(calls) == 3:
-                raise OSError(28, "No space left on device", str(dst))
-        return real_replace(src, dst)
-
-    monkeypatch.setattr(pipeline.os, "replace", flaky)
+    calls = _on_moves_into(monkeypatch, case, lambda c: _no_space(c) if len(c) == 3 else None)
     case.args["-A"] = "hist"
     rc, err = run_cli(case, capsys)
-    monkeypatch.setattr(pipeline.os, "replace", real_replace)
     assert len(calls) == 3
     assert rc == 2
     (line,) = error_lines(err)
@@ -533,26 +544,13 @@ def test_failed_move_puts_every_earlier_output_back(tmp_path, capsys, monkeypatc
 
 def test_failed_move_removes_the_folders_it_made(tmp_path, capsys, monkeypatch):
     """--savefp's output/<name>/ folders, new in -O, go again when the publishing is undone."""
-    import os as _os
-
-    from dipoorlet import pipeline
-
     case = Case(tmp_path)
     assert run_cli(case, capsys)[0] == 0
     before = _outputs(case.out)
-    real_replace, calls = _os.replace, []
-
-    def flaky(src, dst):
-        if ".dipoorlet-staging-" in str(src) and ".replaced" not in str(src) and case.out in Path(dst).parents:
-            calls.append(dst)
-            if any("output" in Path(c).relative_to(case.out).parts[:1] for c in calls):
-                raise OSError(28, "No space left on device", str(dst))
-        return real_replace(src, dst)
-
-    monkeypatch.setattr(pipeline.os, "replace", flaky)
+    calls = _on_moves_into(monkeypatch, case, nested=True, act=lambda c: _no_space(c) if any(
+        "output" in Path(d).relative_to(case.out).parts[:1] for d in c) else None)
     case.extra = ["--savefp"]
     rc, err = run_cli(case, capsys)
-    monkeypatch.setattr(pipeline.os, "replace", real_replace)
     assert rc == 2 and any("output" in Path(c).parts for c in calls)
     assert _outputs(case.out) == before
     assert not (case.out / "output").exists()
@@ -599,21 +597,10 @@ def test_sigterm_during_the_renames_waits_for_them_and_says_the_outputs_are_writ
     import os as _os
     import signal
 
-    from dipoorlet import pipeline
-
     case = Case(tmp_path)
-    real_replace, calls = _os.replace, []
-
-    def killed(src, dst):
-        if ".dipoorlet-staging-" in str(src) and ".replaced" not in str(src) and Path(dst).parent == case.out:
-            calls.append(dst)
-            if len(calls) == 2:
-                _os.kill(_os.getpid(), signal.SIGTERM)
-        return real_replace(src, dst)
-
-    monkeypatch.setattr(pipeline.os, "replace", killed)
+    calls = _on_moves_into(monkeypatch, case,
+                           lambda c: _os.kill(_os.getpid(), signal.SIGTERM) if len(c) == 2 else None)
     rc, err = run_cli(case, capsys)
-    monkeypatch.setattr(pipeline.os, "replace", real_replace)
     assert rc == 143 and len(calls) > 2
     assert "terminated (SIGTERM); after the outputs were written" in err
     for name in ("quant_model.onnx", "trt_calib.cache", "report.json"):
@@ -623,26 +610,16 @@ def test_sigterm_during_the_renames_waits_for_them_and_says_the_outputs_are_writ
 def test_interrupt_while_publishing_puts_every_earlier_output_back(tmp_path, capsys, monkeypatch):
     """Ctrl-C (or SIGTERM) between two renames into -O: the earlier run's files are all there
     afterwards, none of the new ones."""
-    import os as _os
-
-    from dipoorlet import pipeline
+    def interrupt(calls):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
 
     case = Case(tmp_path)
     assert run_cli(case, capsys)[0] == 0
     before = _outputs(case.out)
-    real_replace, calls = _os.replace, []
-
-    def interrupted(src, dst):
-        if ".dipoorlet-staging-" in str(src) and ".replaced" not in str(src) and Path(dst).parent == case.out:
-            calls.append(dst)
-            if len(calls) == 2:
-                raise KeyboardInterrupt
-        return real_replace(src, dst)
-
-    monkeypatch.setattr(pipeline.os, "replace", interrupted)
+    calls = _on_moves_into(monkeypatch, case, interrupt)
     case.args["-A"] = "hist"
     rc, err = run_cli(case, capsys)
-    monkeypatch.setattr(pipeline.os, "replace", real_replace)
     assert rc == 130 and len(calls) == 2
     assert _outputs(case.out) == before
     assert not list(case.out.glob(".dipoorlet-staging-*"))
