@@ -76,6 +76,17 @@ def resolve_task(name: str):
     raise SystemExit(msg)
 
 
+def shared_folder(given: str | None) -> Path | None:
+    """--shared DIR (must be a folder: a typo would silently give rendered inputs), else the default."""
+    if given is None:
+        return default_shared()
+    if not Path(given).is_dir():
+        print(f"--shared {given} is not a folder; pass the real-data folder (shared/data) or leave --shared out",
+              file=sys.stderr)
+        raise SystemExit(2)
+    return Path(given)
+
+
 def default_shared(announce: bool = True) -> Path | None:
     """The real-data folder: ``$DIPOORLET_SHARED_DATA``, else ``shared/data`` beside this checkout or
     beside the main checkout of a git worktree (a worktree under /tmp has no ``../shared``). Without
@@ -395,7 +406,7 @@ def main(argv=None) -> int:
 
     from fetch import run_measured
 
-    shared = None if args.no_shared else (Path(args.shared) if args.shared else default_shared())
+    shared = None if args.no_shared else shared_folder(args.shared)
     prepare = resolve_task(args.task)
     out = Path(args.out) / args.task
     out.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
-from benchmark import default_shared, resolve_task  # noqa: E402
+from benchmark import resolve_task, shared_folder  # noqa: E402
 from dipoorlet import platform as platforms  # noqa: E402
 
 
@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     ap.add_argument("--args", default="", help="extra dipoorlet flags for every run, e.g. '--a_bits 16'")
     ap.add_argument("--shared", default=None, help="real data folder (default: shared/data beside the checkout)")
     a = ap.parse_args(argv)
-    shared = Path(a.shared) if a.shared else default_shared()
+    shared = shared_folder(a.shared)
     results = {}
     for name in a.tasks.split(","):
         task = resolve_task(name)(Path(a.out) / f"{name}-work", a.N, shared)
