@@ -36,6 +36,8 @@ from dipoorlet.runtime import Runner
 
 log = logging.getLogger(__name__)
 
+BC_SAMPLES = 256       # default cap on the samples the pass reads (--bc_samples): per-channel means settle
+#                        long before that, and at -N 1000 the pass would cost as much as calibration
 FIXED = float(2**24)   # fixed-point scale of the per-sample means (exact, order-free sums)
 LIMIT = float(2**62) / 2**24
 

@@ -46,9 +46,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip_prof_layer", action="store_true", help="profile network outputs only")
     p.add_argument("--quant_format", default="QDQ", choices=["QDQ", "QOP"],
                    help="QDQ (Quantize/DequantizeLinear pairs) or QOP (QLinearConv, QGemm… where possible)")
-    p.add_argument("--bc", action="store_true",
+    bc = p.add_mutually_exclusive_group()
+    bc.add_argument("--bc", action="store_true",
                    help="bias correction: after calibration, remove the mean shift each quantized "
-                        "Conv/Gemm/MatMul adds to its output (one extra pass of the quantized model)")
+                        "Conv/Gemm/MatMul adds to its output (one extra pass of the quantized model). On "
+                        "by default; give --bc to keep it with --gptq, --adaround, --brecq, --sparse, "
+                        "--auto_a16 or --auto_w8, which turn it off otherwise")
+    bc.add_argument("--no_bc", action="store_true", help="no bias correction")
+    p.add_argument("--bc_samples", type=int, default=None, metavar="K",
+                   help="samples the bias correction pass reads (default: all N up to 256)")
     p.add_argument("--gptq", action="store_true",
                    help="choose each Conv/Gemm/MatMul weight's rounding (and its bias) to minimize the "
                         "layer's output error on the calibration data, its input's quantization included "
@@ -308,7 +314,8 @@ def _catch_sigterm():
 
 REFERENCE_ONLY = {
     "update_bn": "--update_bn is not built here: BatchNormalization is folded into the Conv before quantization; "
-                 "--bc removes the mean shift each quantized layer adds to its output",
+                 "bias correction (on by default; --bc keeps it with a fitted rounding) removes the mean shift each "
+                 "quantized layer adds to its output",
 }
 
 
@@ -356,7 +363,9 @@ def _main(args, argv, state) -> int:
                           skip_layers=tuple(args.skip_layers),
                           input_shapes=parse_input_shapes(args.input_shape), savefp=args.savefp,
                           skip_prof_layer=args.skip_prof_layer, trt_version=args.trt_version,
-                          quant_format=args.quant_format, stpu_wg=args.stpu_wg, bias_correction=args.bc,
+                          quant_format=args.quant_format, stpu_wg=args.stpu_wg,
+                          bias_correction=True if args.bc else False if args.no_bc else None,
+                          bc_samples=args.bc_samples,
                           gptq=args.gptq, adaround=args.adaround, ada_iters=args.ada_iters,
                           brecq=args.brecq, drop=args.drop, lsq=args.lsq, ada_bs=args.ada_bs, sparse=args.sparse,
                           gptq_samples=args.gptq_samples, gptq_memory=args.gptq_memory,

@@ -59,6 +59,13 @@ def shard(n: int, rank: int, world: int) -> range:
     return range(start, start + base + (1 if rank < extra else 0))
 
 
+def spread(k: int, n: int, rank: int, world: int) -> list[int]:
+    """``rank``'s share of ``k`` sample indices spread evenly over ``0..n-1`` (all of them when
+    k >= n): a subset that does not hang on the order of the files (sorted by class, by video)."""
+    picked = [i * n // k for i in range(k)] if k < n else list(range(n))
+    return [picked[j] for j in shard(len(picked), rank, world)]
+
+
 def parse_input_shapes(items) -> dict[str, tuple]:
     """``["x:1,3,224,224", ...]`` -> {"x": (1, 3, 224, 224)}."""
     from dipoorlet.errors import ConfigError

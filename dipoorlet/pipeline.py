@@ -28,7 +28,7 @@ import onnx
 from dipoorlet import calibrate, layer_errors, placement as placement_mod, platform as platform_mod, prepare, report, sensitivity
 from dipoorlet import shift as shift_mod
 from dipoorlet.config import QuantConfig
-from dipoorlet.data import DataSource, input_specs, shard
+from dipoorlet.data import DataSource, input_specs, shard, spread
 from dipoorlet.deploy import DeployContext, export_all
 from dipoorlet.dist import SingleProcess
 from dipoorlet.errors import ConfigError, ModelError, OutputError
@@ -365,6 +365,9 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
         import_torch()       # before any pass: a missing optional extra is a one-line error
     if cfg.gptq_samples and not (cfg.gptq or cfg.adaround or cfg.brecq or cfg.sparse is not None):
         log.warning("--gptq_samples applies with --gptq, --adaround, --brecq or --sparse only; ignored")
+    if cfg.bc_samples is not None and not cfg.bias_correction:
+        log.warning("--bc_samples applies with bias correction only (off here: --no_bc, or a fitted rounding or "
+                    "--auto_a16/--auto_w8 without --bc); ignored")
     if cfg.ada_iters != 1000 and not (cfg.adaround or cfg.brecq):
         log.warning("--ada_iters applies with --adaround or --brecq/--drop only; ignored")
     if cfg.max_a16_layers is not None and not cfg.auto_a16:
@@ -473,7 +476,9 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
         from dipoorlet import bias_correction
 
         t = time.perf_counter()
-        corrections = bias_correction.correct(g, places, plan, data, indices, comm, cfg.device)
+        k = min(cfg.data_num, cfg.bc_samples or bias_correction.BC_SAMPLES)
+        corrections = bias_correction.correct(g, places, plan, data, spread(k, cfg.data_num, comm.rank, comm.world),
+                                              comm, cfg.device)
         timings["bias_correction_s"] = time.perf_counter() - t
     reconstructed = None
     rounding = ("adaround" if cfg.adaround else "sparse" if cfg.sparse is not None else "gptq" if cfg.gptq

@@ -108,7 +108,7 @@ def test_adaround_lowers_the_measured_layer_error_by_the_reported_amount(tmp_pat
         out = tmp_path / how
         dipoorlet.quantize(model=path, input_dir=data, data_num=len(feeds), deploy="trt", output_dir=out,
                            act_quant="minmax", equalize=False, shift=False, w_bits=4, skip_prof_layer=True,
-                           adaround=how == "adaround", gptq=how == "gptq")
+                           adaround=how == "adaround", gptq=how == "gptq", bias_correction=False)
         q = onnx.load(str(out / "quant_model.onnx"))
         models[how] = q
         errs[how] = sum(float(np.sum((ort_run(model, f)[0].astype(np.float64)

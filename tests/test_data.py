@@ -442,3 +442,13 @@ def test_scalar_input_declared_without_a_shape_stays_a_scalar(tmp_path):
     assert tshape.HasField("shape") and len(tshape.shape.dim) == 0
     ref, got = ort_run(model, feeds[0])[0], ort_run(qm, feeds[0])[0]
     assert np.abs(got - ref).max() <= 0.05 * np.abs(ref).max()
+
+
+def test_spread_picks_k_indices_evenly_and_shards_them_over_ranks():
+    from dipoorlet.data import spread
+
+    assert spread(2, 6, 0, 1) == [0, 3]
+    assert spread(4, 10, 0, 1) == [0, 2, 5, 7]
+    assert spread(8, 5, 0, 1) == [0, 1, 2, 3, 4]          # k >= n: every sample
+    parts = [spread(5, 100, r, 3) for r in range(3)]
+    assert sum(parts, []) == [0, 20, 40, 60, 80] and all(parts)

@@ -200,7 +200,7 @@ def test_rerun_removes_what_the_earlier_run_wrote_and_this_one_did_not(tmp_path)
     (out / "notes.txt").write_text("mine")
     (out / "sub").mkdir()
     (out / "sub" / "keep.bin").write_bytes(b"1")
-    _, _, out = run_cli(tmp_path, "minmax", ["--no_shift", "--no_equalize"])
+    _, _, out = run_cli(tmp_path, "minmax", ["--no_shift", "--no_equalize", "--no_bc"])
     names = {p.name for p in out.iterdir()}
     assert names == (EXPECTED_FILES - {"transformed_model.onnx"}) | {"notes.txt", "sub"}
     assert (out / "sub" / "keep.bin").read_bytes() == b"1"
@@ -229,7 +229,7 @@ def test_rerun_cleanup_never_follows_links_nor_removes_this_runs_inputs(tmp_path
     data = tmp_path / "data"
     try:
         rc = main(["-M", str(model), "-I", str(data), "-N", str(N), "-D", "trt", "-O", str(out),
-                   "-A", "minmax", "--no_shift", "--no_equalize"])
+                   "-A", "minmax", "--no_shift", "--no_equalize", "--no_bc"])
     finally:
         _close_logs()
     assert rc == 0

@@ -151,7 +151,7 @@ def test_brecq_under_mpi_sums_gradients_over_processes(case, tmp_path):
     pytest.importorskip("torch", reason="--brecq needs the [torch] extra")
     from conftest import ort_run
 
-    extra = ["--w_bits", "3", "--skip_prof_layer", "--no_equalize"]
+    extra = ["--w_bits", "3", "--skip_prof_layer", "--no_equalize", "--no_bc"]
     outs = {}
     for name, ranks, flags in (("nearest", 1, []), ("one", 1, ["--brecq", "--ada_iters", "60"]),
                                ("two", 2, ["--brecq", "--ada_iters", "60"]),

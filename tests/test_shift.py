@@ -32,7 +32,7 @@ def test_shifted_model_is_the_asymmetric_quantization_of_the_input(tmp_path):
     model = _relu_matmul()
     feeds = [{"x": rand((4, 16), 10 + i)} for i in range(6)]
     res, qm = quantize_model(tmp_path, model, feeds=feeds, act_quant="minmax", equalize=False,
-                             skip_prof_layer=True)
+                             skip_prof_layer=True, bias_correction=False)
     assert [r["tensor"] for r in res.report["shift"]] == ["r"]
     r_all = np.concatenate([np.maximum(f["x"], 0) for f in feeds])
     lo, hi = 0.0, float(r_all.max())
@@ -48,7 +48,7 @@ def test_shifted_model_is_the_asymmetric_quantization_of_the_input(tmp_path):
         np.testing.assert_allclose(got, oracle, rtol=1e-4, atol=2e-5)
     # the symmetric grid wastes the negative half: its error is larger
     _, qm_sym = quantize_model(tmp_path / "sym", model, feeds=feeds, act_quant="minmax", equalize=False,
-                               skip_prof_layer=True, shift=False)
+                               skip_prof_layer=True, shift=False, bias_correction=False)
     xs = [np.clip(rand((4, 16), 200 + k), -hi, 0.95 * hi) for k in range(40)]   # inside the range: rounding only
     refs = [ort_run(model, {"x": x})[0] for x in xs]
     err = lambda q: sum(float(np.mean((ort_run(q, {"x": x})[0] - r) ** 2)) for x, r in zip(xs, refs))  # noqa: E731

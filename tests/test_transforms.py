@@ -1,6 +1,8 @@
 """Graph transforms before calibration: BatchNormalization folded into the Conv before it."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnx
 import pytest
@@ -242,6 +244,46 @@ def test_bias_correction_makes_quantized_conv_output_means_match_float(tmp_path,
     assert res.report["bias_correction"]["layers"] == 1
 
 
+@pytest.mark.parametrize("kwargs, on", [
+    ({}, True), ({"bias_correction": False}, False),
+    ({"gptq": True}, False), ({"adaround": True}, False), ({"brecq": True}, False), ({"lsq": True}, False),
+    ({"sparse": "2:4"}, False), ({"auto_a16": "0.99"}, False), ({"auto_w8": "0.99"}, False),
+    ({"gptq": True, "bias_correction": True}, True), ({"brecq": True, "bias_correction": True}, True)])
+def test_bias_correction_is_on_by_default_unless_the_rounding_is_fitted_or_searched(tmp_path, kwargs, on):
+    from dipoorlet.config import QuantConfig
+
+    cfg = QuantConfig(model=tmp_path / "m.onnx", input_dir=tmp_path, data_num=1, **kwargs)
+    assert cfg.bias_correction is on
+
+
+def test_bias_correction_by_default_reads_bc_samples_spread_over_n(tmp_path):
+    """The default run corrects the bias (the output means match the float model's over the
+    samples it read); --bc_samples K reads K samples spread evenly over the N (2 of 6: samples 0
+    and 3); the CLI's --no_bc turns it off."""
+    import dipoorlet
+    from conftest import write_samples
+    from dipoorlet.cli import main
+
+    model = make_model([helper.make_node("Relu", ["x"], ["r"], name="relu"),
+                        helper.make_node("Conv", ["r", "w", "b"], ["y"], name="conv")],
+                       [vi("x", [1, 8, 6, 6])], [vi("y", [1, 8, 6, 6])],
+                       {"w": rand((8, 8, 1, 1), 0, 0.5), "b": rand((8,), 1, 0.1)})
+    feeds = _skewed_feeds((1, 8, 6, 6))
+    onnx.save(model, tmp_path / "m.onnx")
+    data = write_samples(tmp_path / "d", feeds)
+    for k, read in ((None, feeds), (2, [feeds[0], feeds[3]])):
+        out = tmp_path / f"o{k}"
+        res = dipoorlet.quantize(model=tmp_path / "m.onnx", input_dir=data, data_num=6, deploy="trt",
+                                 output_dir=out, skip_prof_layer=True, act_quant="mse", bc_samples=k)
+        assert res.report["bias_correction"]["samples"] == len(read)
+        got = _channel_means(onnx.load(str(out / "quant_model.onnx")), read, 1)
+        np.testing.assert_allclose(got, _channel_means(model, read, 1), atol=1e-4)
+    assert main(["-M", str(tmp_path / "m.onnx"), "-I", str(data), "-N", "6", "-D", "trt", "-O",
+                 str(tmp_path / "cli"), "--skip_prof_layer", "--no_bc", "--bc_samples", "3"]) == 0
+    assert "bias_correction" not in json.loads((tmp_path / "cli" / "report.json").read_text())
+    assert "--bc_samples applies with bias correction only" in (tmp_path / "cli" / "dipoorlet.log").read_text()
+
+
 def test_bias_correction_adjusts_the_bias_add_after_a_matmul(tmp_path):
     model = make_model([helper.make_node("Relu", ["x"], ["r"], name="relu"),
                         helper.make_node("MatMul", ["r", "w"], ["m"], name="mm"),
@@ -403,7 +445,7 @@ def _sqnr_on(tmp_path, model, feeds, deploy, equalize: bool):
     data = write_samples(tmp_path / f"d{equalize}", feeds)
     out = tmp_path / f"o{deploy}{equalize}"
     res = dipoorlet.quantize(model=tmp_path / "m.onnx", input_dir=data, data_num=len(feeds), deploy=deploy,
-                             output_dir=out, skip_prof_layer=True, equalize=equalize)
+                             output_dir=out, skip_prof_layer=True, equalize=equalize, bias_correction=False)
     qm = onnx.load(str(out / "quant_model.onnx"))
     err = sig = 0.0
     for f in feeds:
@@ -860,7 +902,7 @@ def test_transformed_float_model_matches_the_side_files_and_the_float_function(t
     onnx.save(model, tmp_path / "m.onnx")
     data = write_samples(tmp_path / "d", feeds)
     res = dipoorlet.quantize(model=tmp_path / "m.onnx", input_dir=data, data_num=6, deploy="trt",
-                             output_dir=tmp_path / "o", skip_prof_layer=True, shift=False)
+                             output_dir=tmp_path / "o", skip_prof_layer=True, shift=False, bias_correction=False)
     assert res.report["equalization"]
     tm = onnx.load(str(tmp_path / "o" / "transformed_model.onnx"))
     assert not any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in tm.graph.node)
@@ -872,10 +914,10 @@ def test_transformed_float_model_matches_the_side_files_and_the_float_function(t
     original = {o for n in model.graph.node for o in n.output} | {"x"}
     assert set(ranges) - original                          # which the input model lacks
 
-    # bias correction: the transformed model holds the quantized model's corrected biases
+    # bias correction (on by default): the transformed model holds the quantized model's corrected biases
     res = dipoorlet.quantize(model=tmp_path / "m.onnx", input_dir=data, data_num=6, deploy="trt",
-                             output_dir=tmp_path / "bc", skip_prof_layer=True, equalize=False,
-                             bias_correction=True, shift=False)
+                             output_dir=tmp_path / "bc", skip_prof_layer=True, equalize=False, shift=False)
+    assert res.report["bias_correction"]["layers"] == 2
     tm = {t.name: onnx.numpy_helper.to_array(t) for t in
           onnx.load(str(tmp_path / "bc" / "transformed_model.onnx")).graph.initializer}
     qm = {t.name: onnx.numpy_helper.to_array(t) for t in
@@ -884,7 +926,8 @@ def test_transformed_float_model_matches_the_side_files_and_the_float_function(t
     np.testing.assert_array_equal(tm["bb"], qm["bb"])
     # nothing transformed: no such file
     dipoorlet.quantize(model=tmp_path / "m.onnx", input_dir=data, data_num=6, deploy="trt",
-                       output_dir=tmp_path / "plain", skip_prof_layer=True, equalize=False, shift=False)
+                       output_dir=tmp_path / "plain", skip_prof_layer=True, equalize=False, shift=False,
+                       bias_correction=False)
     assert not (tmp_path / "plain" / "transformed_model.onnx").exists()
 
 
@@ -974,10 +1017,10 @@ def test_conv_input_smoothing_leaves_pad_fed_and_skipped_convs_alone():
 
 
 def test_smoothing_and_shift_together_on_trt(tmp_path):
-    """Defaults on trt: Conv input smoothing, then the shift of the smoothed one-sided tensor. The
-    side files name tensors of transformed_model.onnx, whose biases are the quantized model's:
-    it differs from the input model only by a per-channel constant, the weight rounding times
-    the shift, (W - W_q) d."""
+    """Defaults on trt but bias correction: Conv input smoothing, then the shift of the smoothed
+    one-sided tensor. The side files name tensors of transformed_model.onnx, whose biases are the
+    quantized model's: it differs from the input model only by a per-channel constant, the weight
+    rounding times the shift, (W - W_q) d."""
     import json
     import onnx
     import dipoorlet
@@ -987,7 +1030,8 @@ def test_smoothing_and_shift_together_on_trt(tmp_path):
     feeds = _feeds(6)
     onnx.save(model, tmp_path / "m.onnx")
     res = dipoorlet.quantize(model=tmp_path / "m.onnx", input_dir=write_samples(tmp_path / "d", feeds),
-                             data_num=6, deploy="trt", output_dir=tmp_path / "o", skip_prof_layer=True)
+                             data_num=6, deploy="trt", output_dir=tmp_path / "o", skip_prof_layer=True,
+                             bias_correction=False)
     assert [r["tensor"] for r in res.report["shift"]] == ["h_smooth"]
     assert any(r.get("convs") == ["B"] for r in res.report["equalization"])
     tm = onnx.load(str(tmp_path / "o" / "transformed_model.onnx"))
