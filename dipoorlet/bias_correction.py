@@ -18,8 +18,10 @@ input, so correcting all layers at once does not double count an upstream shift.
 ignore the zero padding at the borders, which both terms share.
 
 The means are averaged per sample and summed as fixed-point integers, so the result is the same
-for any number of MPI processes and any sample order; memory holds one sample's inputs of the
-corrected layers and one float per channel.
+for any number of MPI processes and any sample order. The means are taken inside the graph
+(Cast to float64, ReduceMean: float32 sums moved the recognizer's exact match by 0.017), so one
+vector per sample leaves onnxruntime instead of every corrected layer's input twice (peak RSS
+on the PP-OCRv4 detector 309 -> 258 MB).
 """
 from __future__ import annotations
 
@@ -108,6 +110,42 @@ def find_sites(g, places, plan, qmodel) -> list[Site]:
     return sites
 
 
+def _append_channel_means(model, tensors, axis_of, sizes, types) -> tuple[str, dict]:
+    """Append to ``model`` the per-channel float64 means of ``tensors`` (channels on axis 1, or
+    on the last axis) over every other axis, concatenated into one output."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from dipoorlet.graph import opset_of
+
+    opset = opset_of(model)
+    graph = model.graph
+
+    def const(name, value):
+        graph.initializer.append(numpy_helper.from_array(np.asarray(value, np.int64), name))
+        return name
+
+    parts = []
+    for k, (t, n) in enumerate(zip(tensors, sizes)):
+        base = f"__dipoorlet_bc_{k}"
+        # [-1, n] (channels last) or [N, n, -1] (channels on axis 1), then the mean over the rest
+        shape, axes = ([-1, n], [0]) if axis_of[t] == -1 else ([0, n, -1], [0, 2])
+        graph.node.append(helper.make_node("Cast", [t], [base + "_d"], name=base + "_d", to=TensorProto.DOUBLE))
+        graph.node.append(helper.make_node("Reshape", [base + "_d", const(base + "_shape", shape)], [base + "_r"],
+                                           name=base + "_r"))
+        if opset >= 18:
+            graph.node.append(helper.make_node("ReduceMean", [base + "_r", const(base + "_axes", axes)],
+                                               [base + "_m"], name=base + "_m", keepdims=0))
+        else:
+            graph.node.append(helper.make_node("ReduceMean", [base + "_r"], [base + "_m"], name=base + "_m",
+                                               axes=axes, keepdims=0))
+        parts.append(base + "_m")
+    out = "__dipoorlet_bc_means"
+    graph.node.append(helper.make_node("Concat", parts, [out], name=out, axis=0))
+    types = dict(types)
+    types[out] = (TensorProto.DOUBLE, [sum(sizes)])
+    return out, types
+
+
 def _in_channels(g, site: Site) -> int:
     node = g.node_by_name[site.node]
     w = g.weight(site.weight)
@@ -155,16 +193,16 @@ def correct(g, places, plan, data, indices, comm, device="cpu") -> dict:
         n = _in_channels(g, s)
         for t in (s.x, s.xq):
             acc[t] = np.zeros(n, dtype=np.int64)
-    runner = Runner(qmodel, tensors, types=g.types, optimize=False, device=device)
+    sizes = [acc[t].size for t in tensors]
+    out, types = _append_channel_means(qmodel, tensors, axis_of, sizes, g.types)
+    runner = Runner(qmodel, [out], types=types, optimize=False, device=device, spin=True)
     count = 0
     for i in progress(indices, "bias correction", comm):
         got, _ = runner.run(data.sample(i), ranges=False)
-        for t in tensors:
-            v = np.asarray(got[t], dtype=np.float64)
-            axis = axis_of[t] % v.ndim
-            mean = v.mean(axis=tuple(a for a in range(v.ndim) if a != axis))
-            if mean.shape != acc[t].shape:
-                raise ValueError(f"bias correction: {t} has {mean.size} channels, expected {acc[t].size}")
+        means = np.asarray(got[out], dtype=np.float64).reshape(-1)
+        if means.size != sum(sizes):
+            raise ValueError(f"bias correction: {means.size} channel means, expected {sum(sizes)}")
+        for t, mean in zip(tensors, np.split(means, np.cumsum(sizes)[:-1])):
             acc[t] += np.rint(np.clip(mean, -LIMIT, LIMIT) * FIXED).astype(np.int64)
         count += 1
     names = sorted(acc)
