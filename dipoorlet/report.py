@@ -237,7 +237,8 @@ def _transforms(report: dict) -> list[str]:
                      + (" …" if len(shift) > 5 else "") + "; `--no_shift` turns it off)")
     bc = report.get("bias_correction") or {}
     if bc.get("layers"):
-        lines.append(f"- bias correction: {bc['layers']} layers over {bc.get('samples', '?')} samples")
+        lines.append(f"- bias correction: {bc['layers']} layers over {bc.get('samples', '?')} samples "
+                     "(`--no_bc` turns it off)")
     sp = report.get("sparse") or {}
     if sp.get("pattern"):
         worst = sorted((r for r in sp.get("gain_db") or [] if r.get("db") is not None), key=lambda r: r["db"])
