@@ -3,7 +3,7 @@
 load → prepare (incl. BN folding, float16 widening) → equalization (a statistics pass; data-free
 weight equalization on per-tensor-weight backends) → place Q/DQ → calibration (one pass: ranges
 and histograms; with -A minmax the equalization pass already gave the ranges) → ranges → plan →
-weights → activation shift → (bias correction) → QDQ model → deploy files → error profile →
+weights → activation shift → bias correction (default; not with a fitted rounding) → QDQ model → deploy files → error profile →
 report. Every output is written into a staging
 folder inside -O and moved into place only when the whole run has succeeded, so a failed run
 leaves no half-written file behind.
