@@ -110,9 +110,9 @@ def find_sites(g, places, plan, qmodel) -> list[Site]:
     return sites
 
 
-def _append_channel_means(model, tensors, axis_of, sizes, types) -> tuple[str, dict]:
-    """Append to ``model`` the per-channel float64 means of ``tensors`` (channels on axis 1, or
-    on the last axis) over every other axis, concatenated into one output."""
+def _append_channel_means(model, keys, sizes, types) -> tuple[str, dict]:
+    """Append to ``model`` the per-channel float64 means of each ``(tensor, channel axis)`` in
+    ``keys`` (axis 1, or -1: the last) over every other axis, concatenated into one output."""
     from onnx import TensorProto, helper, numpy_helper
 
     from dipoorlet.graph import opset_of
@@ -125,10 +125,10 @@ def _append_channel_means(model, tensors, axis_of, sizes, types) -> tuple[str, d
         return name
 
     parts = []
-    for k, (t, n) in enumerate(zip(tensors, sizes)):
+    for k, ((t, axis), n) in enumerate(zip(keys, sizes)):
         base = f"__dipoorlet_bc_{k}"
         # [-1, n] (channels last) or [N, n, -1] (channels on axis 1), then the mean over the rest
-        shape, axes = ([-1, n], [0]) if axis_of[t] == -1 else ([0, n, -1], [0, 2])
+        shape, axes = ([-1, n], [0]) if axis == -1 else ([0, n, -1], [0, 2])
         graph.node.append(helper.make_node("Cast", [t], [base + "_d"], name=base + "_d", to=TensorProto.DOUBLE))
         graph.node.append(helper.make_node("Reshape", [base + "_d", const(base + "_shape", shape)], [base + "_r"],
                                            name=base + "_r"))
@@ -184,17 +184,17 @@ def correct(g, places, plan, data, indices, comm, device="cpu") -> dict:
     sites = find_sites(g, places, plan, qmodel)
     if not sites:
         return {"layers": 0}
-    tensors = sorted({s.x for s in sites} | {s.xq for s in sites})
-    axis_of = {t: s.channel_axis for s in sites for t in (s.x, s.xq)}
-    # Every rank allocates every sum, so the collective below lines up even on a rank with no
-    # samples of its own.
-    acc: dict[str, np.ndarray] = {}
+    # keyed by (tensor, channel axis): one tensor may feed a Conv (channels on axis 1) and a
+    # MatMul (channels last). Every rank allocates every sum, so the collective below lines up
+    # even on a rank with no samples of its own.
+    acc: dict[tuple, np.ndarray] = {}
     for s in sites:
         n = _in_channels(g, s)
         for t in (s.x, s.xq):
-            acc[t] = np.zeros(n, dtype=np.int64)
-    sizes = [acc[t].size for t in tensors]
-    out, types = _append_channel_means(qmodel, tensors, axis_of, sizes, g.types)
+            acc[(t, s.channel_axis)] = np.zeros(n, dtype=np.int64)
+    tensors = sorted(acc)
+    sizes = [acc[k].size for k in tensors]
+    out, types = _append_channel_means(qmodel, tensors, sizes, g.types)
     runner = Runner(qmodel, [out], types=types, optimize=False, device=device, spin=True)
     count = 0
     for i in progress(indices, "bias correction", comm):
@@ -215,7 +215,7 @@ def correct(g, places, plan, data, indices, comm, device="cpu") -> dict:
     total = int(comm.allreduce_sum(np.array([count], dtype=np.int64))[0])
     if total == 0:
         return {"layers": 0}
-    means = {t: acc[t].astype(np.float64) / (FIXED * total) for t in names}
+    means = {k: acc[k].astype(np.float64) / (FIXED * total) for k in names}
     shifts = []
     for s in sites:
         node = g.node_by_name[s.node]
@@ -225,7 +225,7 @@ def correct(g, places, plan, data, indices, comm, device="cpu") -> dict:
             * _bcast(qp.scale, qp.axis, w.ndim)
         group = int(node_attr(node, "group", 1)) if s.op_type == "Conv" else 1
         sums, sums_q = _weight_sums(w, s.op_type, node), _weight_sums(wq, s.op_type, node)
-        m, mq = means[s.x], means[s.xq]
+        m, mq = means[(s.x, s.channel_axis)], means[(s.xq, s.channel_axis)]
         if sums.shape[1] * group != m.size:
             continue
         delta = _shift(sums_q, sums, mq, m, group)
@@ -238,9 +238,10 @@ def correct(g, places, plan, data, indices, comm, device="cpu") -> dict:
             continue
         plan.values[s.bias] = (bias - delta).astype(np.float32)
         plan.value_owners[s.bias] = s.node
-        scale = float(np.sqrt(np.mean(bias ** 2)) + 1e-12)
-        shifts.append((s.node, float(np.abs(delta).max()), float(np.abs(delta).max()) / scale))
-    shifts.sort(key=lambda r: -r[2])
+        rms = float(np.sqrt(np.mean(bias ** 2)))
+        peak = float(np.abs(delta).max())
+        shifts.append((s.node, peak, peak / rms if rms > 0 else None))   # None: an all-zero bias
+    shifts.sort(key=lambda r: -(r[2] if r[2] is not None else r[1]))
     log.info("bias correction: %d layers corrected over %d samples; largest shifts: %s", len(shifts), total,
              ", ".join(f"{n} {d:.3g}" for n, d, _ in shifts[:5]))
     return {"layers": len(shifts), "samples": total,

@@ -183,10 +183,6 @@ def check_bits(cfg: QuantConfig, plat) -> None:
         raise ConfigError("--sparse with --a_bits 16: the pruning is fitted on statistics of layer inputs of 8 bits "
                           "or fewer; prune at 8 bits, or give single layers 16-bit inputs with --layer_bits NODE=a16 "
                           "(those layers stay dense)")
-    if cfg.auto_a16 and (cfg.gptq or cfg.adaround or cfg.sparse is not None or cfg.bias_correction):
-        raise ConfigError("--auto_a16 with --gptq/--adaround/--sparse/--bc: those fit the weights to the 8-bit inputs before the "
-                          "search; run --auto_a16 first, then again with --layer_bits NODE=a16 for the layers "
-                          "it chose (report.json: auto_a16.a16_layers) and --gptq/--adaround/--sparse/--bc")
     if cfg.auto_a16 and cfg.shift and shift_mod.applicable(plat):
         raise ConfigError(f"--auto_a16 on {plat.name}: its activation shift renames the tensors the search "
                           "would widen; add --no_shift")
@@ -366,8 +362,8 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
     if cfg.gptq_samples and not (cfg.gptq or cfg.adaround or cfg.brecq or cfg.sparse is not None):
         log.warning("--gptq_samples applies with --gptq, --adaround, --brecq or --sparse only; ignored")
     if cfg.bc_samples is not None and not cfg.bias_correction:
-        log.warning("--bc_samples applies with bias correction only (off here: --no_bc, or a fitted rounding or "
-                    "--auto_a16/--auto_w8 without --bc); ignored")
+        log.warning("--bc_samples applies with bias correction only (off here: --no_bc, --auto_a16/--auto_w8, or a "
+                    "fitted rounding without --bc); ignored")
     if cfg.ada_iters != 1000 and not (cfg.adaround or cfg.brecq):
         log.warning("--ada_iters applies with --adaround or --brecq/--drop only; ignored")
     if cfg.max_a16_layers is not None and not cfg.auto_a16:

@@ -284,6 +284,31 @@ def test_bias_correction_by_default_reads_bc_samples_spread_over_n(tmp_path):
     assert "--bc_samples applies with bias correction only" in (tmp_path / "cli" / "dipoorlet.log").read_text()
 
 
+def test_bias_correction_of_a_tensor_read_by_a_conv1d_and_a_matmul(tmp_path):
+    """One [1, C, C] tensor feeds a Conv1d (channels on axis 1) and a MatMul (channels last):
+    each layer is corrected with its own channel means (they were keyed by tensor alone, and
+    the Conv got the MatMul's)."""
+    c = 8
+    model = make_model([helper.make_node("Relu", ["x"], ["r"], name="relu"),
+                        helper.make_node("Conv", ["r", "w", "b"], ["y"], name="conv"),
+                        helper.make_node("MatMul", ["r", "w2"], ["m"], name="mm"),
+                        helper.make_node("Add", ["m", "b2"], ["z"], name="add")],
+                       [vi("x", [1, c, c])], [vi("y", [1, c, c]), vi("z", [1, c, 6])],
+                       {"w": rand((c, c, 1), 0, 0.5), "b": np.zeros(c, np.float32),
+                        "w2": rand((c, 6), 1, 0.5), "b2": np.zeros(6, np.float32)})
+    rng = np.random.default_rng(4)
+    wide = np.r_[np.ones(c - 1), 50.0].reshape(1, -1, 1) * np.r_[np.ones(c - 1), 9.0].reshape(1, 1, -1)
+    feeds = [{"x": (rng.standard_exponential((1, c, c)) * wide).astype(np.float32)} for _ in range(5)]
+    corrected, res = _quantize(tmp_path, model, feeds, True, equalize=False)
+    assert res.report["bias_correction"]["layers"] == 2
+    for k, axis in ((0, 1), (1, -1)):
+        got = np.mean([ort_run(corrected, f)[k].mean(axis=tuple(a for a in range(3) if a != axis % 3))
+                       for f in feeds], axis=0)
+        want = np.mean([ort_run(model, f)[k].mean(axis=tuple(a for a in range(3) if a != axis % 3))
+                        for f in feeds], axis=0)
+        np.testing.assert_allclose(got, want, atol=1e-4)
+
+
 def test_bias_correction_adjusts_the_bias_add_after_a_matmul(tmp_path):
     model = make_model([helper.make_node("Relu", ["x"], ["r"], name="relu"),
                         helper.make_node("MatMul", ["r", "w"], ["m"], name="mm"),
