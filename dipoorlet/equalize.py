@@ -41,7 +41,7 @@ Where the platform quantizes weights per tensor (snpe, rv, stpu, ti), the same p
 by :func:`equalize_weights` instead: the weights' own channel ranges, data-free, as DFQ does.
 
 Used where the platform quantizes weights per channel; the ranges come from one extra pass over
-the first :func:`default_samples` (or ``--eq_samples``) calibration samples (per-channel max of
+:func:`default_samples` (or ``--eq_samples``) calibration samples spread evenly over the N (per-channel max of
 |x| and mean of x^2, reduced inside the graph, merged across MPI processes with an exact MAX).
 """
 from __future__ import annotations
@@ -238,7 +238,7 @@ def _gate_ok(g, tensor: str, channels: int) -> bool:
 
 def channel_stats(g, items: list[tuple[str, list[int] | None, int]], data, indices, comm, device="cpu",
                   label="equalization: channel ranges", tensors=(), extra: dict | None = None,
-                  ranges_only=(), first: int | None = None) -> dict[str, tuple]:
+                  ranges_only=(), subset: set | None = None) -> dict[str, tuple]:
     """Per-channel ``(max |x|, peak per-sample mean of x^2)`` of each ``(tensor, reduced axes,
     channels)`` over the calibration samples, reduced inside the graph; both merge across
     processes with an exact MAX. ``axes=None``: the channels are the last axis, whatever the rank.
@@ -247,8 +247,8 @@ def channel_stats(g, items: list[tuple[str, list[int] | None, int]], data, indic
     per channel of every item and ``extra["tensors"][t]`` (a :class:`~dipoorlet.stats.TensorStats`
     range, merged across processes) for every tensor in ``tensors``: calibration ranges, for the
     one-pass ``-A minmax`` (:func:`equalize_and_calibrate`). Items in ``ranges_only`` get no
-    mean square (0). ``first``: only samples with index below it feed the returned
-    ``(max |x|, mean square)``; the signed ranges and ``tensors`` see every sample.
+    mean square (0). ``subset``: only the samples in it feed the returned ``(max |x|, mean
+    square)``; the signed ranges and ``tensors`` see every sample.
 
     The per-channel vectors of all items leave onnxruntime concatenated, four outputs whatever
     the number of items, so a sample costs a few numpy operations, not a few per item (on a
@@ -327,7 +327,7 @@ def channel_stats(g, items: list[tuple[str, list[int] | None, int]], data, indic
             continue
         hi, lo, ss = (np.asarray(got[outs[k]], np.float64).reshape(-1) for k in ("hi", "lo", "ss"))
         size = np.asarray(got[outs["size"]], np.float64).reshape(-1)
-        if first is None or i < first:
+        if subset is None or i in subset:
             per_channel = np.maximum(np.repeat(size / ns, ns), 1.0)
             r_acc = np.maximum(r_acc, np.maximum(hi, -lo))
             ms_acc = np.maximum(ms_acc, ss / per_channel)
@@ -552,9 +552,10 @@ def equalize(g, data, indices, comm, device="cpu", smooth: bool = True, skip=())
 
 
 def equalize_and_calibrate(g, data, indices, comm, device="cpu", smooth: bool = True, skip=(),
-                           candidates=(), eq_samples: int | None = None) -> tuple[list[dict], dict]:
+                           candidates=(), eq_subset: set | None = None) -> tuple[list[dict], dict]:
     """:func:`equalize` and the min/max calibration in one pass over ``indices`` (all N samples);
-    the equalization statistics read the first ``eq_samples`` of them, as :func:`equalize` would.
+    the equalization statistics read the samples in ``eq_subset`` (None: all), the ones
+    :func:`equalize` would read.
 
     ``candidates``: tensors the platform may quantize, as placed on the graph before the
     transforms. The pass measures every equalization item per channel (signed range too), every
@@ -591,7 +592,8 @@ def equalize_and_calibrate(g, data, indices, comm, device="cpu", smooth: bool = 
     extra: dict = {}
     stats = channel_stats(g, items + extra_items, data, indices, comm, device,
                           label="equalization and calibration (one pass)", tensors=per_tensor, extra=extra,
-                          ranges_only={t for t, _, _ in extra_items}, first=eq_samples)
+                          ranges_only={t for t, _, _ in extra_items},
+                          subset=eq_subset)
     eq_stats = {t: stats[t] for t, _, _ in items}
     before = {n.output[0] for n in g.graph.node if n.op_type == "Mul"}
     rows = _apply_all(g, chains, targets, eq_stats, data, indices, comm, device) if items else []

@@ -416,10 +416,11 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
             candidates = list(placement_mod.place(g, plat, cfg.skip_layers).activations)
             k = min(cfg.data_num, cfg.equalize_samples or equalize.default_samples(cfg.data_num))
             equalized, stats = equalize.equalize_and_calibrate(g, data, indices, comm, cfg.device, smooth,
-                                                               cfg.skip_layers, candidates, eq_samples=k)
+                                                               cfg.skip_layers, candidates,
+                                                               eq_subset=set(spread(k, cfg.data_num, 0, 1)))
         else:
             k = min(cfg.data_num, cfg.equalize_samples or equalize.default_samples(cfg.data_num))
-            eq_indices = shard(k, comm.rank, comm.world)
+            eq_indices = spread(k, cfg.data_num, comm.rank, comm.world)
             equalized = equalize.equalize(g, data, eq_indices, comm, cfg.device, smooth=smooth, skip=cfg.skip_layers)
         timings["equalize_s"] = time.perf_counter() - t
     elif cfg.equalize and not plat.weight.per_channel:
@@ -494,17 +495,17 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
 
             k = min(cfg.data_num, cfg.gptq_samples or brecq.DEFAULT_SAMPLES)
             if k < cfg.data_num and not cfg.gptq_samples:
-                log.info("%s: the first %d of %d samples, held in both streams (--gptq_samples to change)",
-                         rounding, k, cfg.data_num)
-            out = brecq.reconstruct_blocks(g, places, plan, data, shard(k, comm.rank, comm.world), comm,
+                log.info("%s: %d of the %d samples, spread over them and held in both streams (--gptq_samples to "
+                         "change)", rounding, k, cfg.data_num)
+            out = brecq.reconstruct_blocks(g, places, plan, data, spread(k, cfg.data_num, comm.rank, comm.world), comm,
                                            cfg.ada_iters, cfg.drop, shifted, batch=cfg.ada_bs, lsq=cfg.lsq)
             timings[f"{rounding}_s"] = time.perf_counter() - t
             return out
         k = min(cfg.data_num, cfg.gptq_samples or reconstruct.DEFAULT_SAMPLES)
         if k < cfg.data_num and not cfg.gptq_samples:
-            log.info("%s: statistics over the first %d of %d samples (--gptq_samples to change)", rounding, k,
-                     cfg.data_num)
-        out = reconstruct.reconstruct(g, places, plan, data, shard(k, comm.rank, comm.world), comm,
+            log.info("%s: statistics over %d of the %d samples, spread over them (--gptq_samples to change)",
+                     rounding, k, cfg.data_num)
+        out = reconstruct.reconstruct(g, places, plan, data, spread(k, cfg.data_num, comm.rank, comm.world), comm,
                                       cfg.device, cfg.gptq_memory, samples=k,
                                       method="adaround" if cfg.adaround else "gptq",
                                       iters=cfg.ada_iters, sparse=cfg.sparse)
@@ -593,7 +594,8 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
         from dipoorlet import diagnose
 
         analysis["diagnosis"] = diagnose.diagnose(
-            g, places, plan, analysis["isolated"], data, shard(analysis["sens_samples"], comm.rank, comm.world),
+            g, places, plan, analysis["isolated"], data,
+            spread(analysis["sens_samples"], cfg.data_num, comm.rank, comm.world),
             comm, cfg.device, equalize_on=eq_on, equalized=equalized, smooth="Mul" not in plat.quantize_ops,
             shifted=shifted, platform=plat.name, samples=analysis["sens_samples"], method=cfg.act_quant,
             gptq=set(reconstructed.get("changed", ())) if reconstructed and rounding in ("brecq", "qdrop")
@@ -653,8 +655,8 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
         t = time.perf_counter()
         k = profile_samples(cfg)
         if k < cfg.data_num:
-            log.info("profile: the first %d of %d samples (--prof_samples to change)", k, cfg.data_num)
-        errors, out_cosines = layer_errors.collect_errors(g, qmodel, data, shard(k, comm.rank, comm.world),
+            log.info("profile: %d of the %d samples, spread over them (--prof_samples to change)", k, cfg.data_num)
+        errors, out_cosines = layer_errors.collect_errors(g, qmodel, data, spread(k, cfg.data_num, comm.rank, comm.world),
                                                      targets_prof, comm, cfg.device, savefp)
         timings["profile_s"] = time.perf_counter() - t
         if comm.rank != 0:
@@ -719,7 +721,7 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, pl
     n = min(cfg.sens_samples, cfg.data_num)
     crit = sensitivity.parse_target(auto)[0] if auto else (
         "cosine" if cfg.criterion == "maxabs" else cfg.criterion)
-    scorer = sensitivity.Scorer(g, data, shard(n, comm.rank, comm.world), comm, cfg.device, crit,
+    scorer = sensitivity.Scorer(g, data, spread(n, cfg.data_num, comm.rank, comm.world), comm, cfg.device, crit,
                                 outputs=cfg.score_outputs)
     out["sens_samples"] = n
     out["isolated"] = sensitivity.isolated(g, places, plan, scorer, cfg.criterion)

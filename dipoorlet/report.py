@@ -153,7 +153,7 @@ def _iso(layer, key="isolated"):
 def markdown(report: dict) -> str:
     out = [f"# dipoorlet report: {report['model']}", "",
            f"platform `{report['platform']}`, method `{report['method']}`, {report['samples']} samples"
-           + (f" (error profile over the first {report['profile_samples']})"
+           + (f" (error profile over {report['profile_samples']} of them, spread evenly)"
               if report.get("profile_samples", report["samples"]) < report["samples"] else "") + ", "
            f"{report['quantized_nodes']} quantized nodes, {report['qdq_tensors']} Q/DQ activations"
            + (f" ({report['qdq_tensors_16bit']} on 16-bit grids)" if report.get('qdq_tensors_16bit') else ""), "",
