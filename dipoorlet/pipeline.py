@@ -407,19 +407,18 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
         # The Mul that MatMul smoothing inserts must not be quantized itself, or the outliers it
         # removes are quantized at its input.
         t = time.perf_counter()
-        # Channel statistics from the first K samples: they choose scales, the calibration that
+        # Channel statistics from K samples spread over the N: they choose scales, the calibration that
         # follows still sees all N.
         smooth = "Mul" not in plat.quantize_ops
+        k = min(cfg.data_num, cfg.equalize_samples or equalize.default_samples(cfg.data_num))
         if one_pass_minmax(cfg):
             # -A minmax: the ranges of the transformed tensors follow from per-channel ranges of
             # the untransformed ones, so one pass over all N samples serves both stages
             candidates = list(placement_mod.place(g, plat, cfg.skip_layers).activations)
-            k = min(cfg.data_num, cfg.equalize_samples or equalize.default_samples(cfg.data_num))
             equalized, stats = equalize.equalize_and_calibrate(g, data, indices, comm, cfg.device, smooth,
                                                                cfg.skip_layers, candidates,
                                                                eq_subset=set(spread(k, cfg.data_num, 0, 1)))
         else:
-            k = min(cfg.data_num, cfg.equalize_samples or equalize.default_samples(cfg.data_num))
             eq_indices = spread(k, cfg.data_num, comm.rank, comm.world)
             equalized = equalize.equalize(g, data, eq_indices, comm, cfg.device, smooth=smooth, skip=cfg.skip_layers)
         timings["equalize_s"] = time.perf_counter() - t
