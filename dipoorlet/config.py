@@ -42,8 +42,7 @@ class QuantConfig:
     a_bits: int | None = None          # override the platform's activation bits
     layer_bits: dict = field(default_factory=dict)  # node -> (weight bits | None, act bits | None)
     stpu_wg: bool = False
-    bias_correction: bool | None = None  # --bc / --no_bc; None: on unless the weights' rounding is fitted
-    #                                      (--gptq/--adaround/--brecq/--sparse) or --auto_a16/--auto_w8 search
+    bias_correction: bool | None = None  # --bc / --no_bc; None: the default, bias_correction_on(platform)
     bc_samples: int | None = None      # --bc_samples; None: N up to BC_SAMPLES
     gptq: bool = False                 # --gptq: output-aware weight rounding (reconstruct.py)
     adaround: bool = False             # --adaround: AdaRound on the same statistics (adaround.py)
@@ -186,13 +185,17 @@ class QuantConfig:
                                   f"library (.so/.dll/.dylib), e.g. onnxruntime_extensions.get_library_path()")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
-        if self.bias_correction is None:
-            # on by default: it lowers the error on nearly every model measured (README, Weight
-            # transforms). Not where the rounding is fitted (its bias absorbs the mean already, and
-            # on the classifier --gptq lost with it) nor before a search that re-plans the weights.
-            fitted = self.gptq or self.adaround or self.brecq or self.sparse is not None
-            object.__setattr__(self, "bias_correction",
-                               not (fitted or self.auto_a16 is not None or self.auto_w8 is not None))
+
+    def bias_correction_on(self, plat) -> bool:
+        """--bc / --no_bc, or the default for ``plat``. On by default: it lowers the error on
+        nearly every model measured (README, Weight transforms). Not where the rounding is fitted
+        (on the classifier, detector and recognizer --gptq lost with it), nor before a search that
+        re-plans the weights, nor with power-of-two weight grids (imx: the VAD lost 9 points of
+        agreement and the PP-OCRv5 detector 0.56 mask IoU with it)."""
+        if self.bias_correction is not None:
+            return self.bias_correction
+        fitted = self.gptq or self.adaround or self.brecq or self.sparse is not None
+        return not (fitted or self.auto_a16 is not None or self.auto_w8 is not None or plat.weight.power_of_two)
 
 
 def parse_sparse(value):
