@@ -192,9 +192,9 @@ def correct(g, places, plan, data, indices, comm, device="cpu") -> dict:
         n = _in_channels(g, s)
         for t in (s.x, s.xq):
             acc[(t, s.channel_axis)] = np.zeros(n, dtype=np.int64)
-    tensors = sorted(acc)
-    sizes = [acc[k].size for k in tensors]
-    out, types = _append_channel_means(qmodel, tensors, sizes, g.types)
+    keys = sorted(acc)
+    sizes = [acc[k].size for k in keys]
+    out, types = _append_channel_means(qmodel, keys, sizes, g.types)
     runner = Runner(qmodel, [out], types=types, optimize=False, device=device, spin=True)
     count = 0
     for i in progress(indices, "bias correction", comm):
@@ -202,20 +202,17 @@ def correct(g, places, plan, data, indices, comm, device="cpu") -> dict:
         means = np.asarray(got[out], dtype=np.float64).reshape(-1)
         if means.size != sum(sizes):
             raise ValueError(f"bias correction: {means.size} channel means, expected {sum(sizes)}")
-        for t, mean in zip(tensors, np.split(means, np.cumsum(sizes)[:-1])):
-            acc[t] += np.rint(np.clip(mean, -LIMIT, LIMIT) * FIXED).astype(np.int64)
+        for k, mean in zip(keys, np.split(means, np.cumsum(sizes)[:-1])):
+            acc[k] += np.rint(np.clip(mean, -LIMIT, LIMIT) * FIXED).astype(np.int64)
         count += 1
-    names = sorted(acc)
-    if names:
-        flat = comm.allreduce_sum(np.concatenate([acc[t] for t in names]))
-        offset = 0
-        for t in names:
-            acc[t] = flat[offset:offset + acc[t].size]
-            offset += acc[t].size
+    # one collective for every sum (keys is never empty: there is at least one site)
+    flat = comm.allreduce_sum(np.concatenate([acc[k] for k in keys]))
+    for k, part in zip(keys, np.split(flat, np.cumsum(sizes)[:-1])):
+        acc[k] = part
     total = int(comm.allreduce_sum(np.array([count], dtype=np.int64))[0])
     if total == 0:
         return {"layers": 0}
-    means = {k: acc[k].astype(np.float64) / (FIXED * total) for k in names}
+    means = {k: acc[k].astype(np.float64) / (FIXED * total) for k in keys}
     shifts = []
     for s in sites:
         node = g.node_by_name[s.node]

@@ -154,8 +154,8 @@ PROFILE_SAMPLES = 64    # the error profile's default sample count, at most (--p
 
 
 def profile_samples(cfg: QuantConfig) -> int:
-    """Samples the error profile reads: it reports and gates (--fail_below), so the first 64
-    estimate it well; a run over thousands of samples would otherwise spend as long again running
+    """Samples the error profile reads: it reports and gates (--fail_below), so 64 spread over
+    the N estimate it well; a run over thousands of samples would otherwise spend as long again running
     the float and the quantized model side by side. --savefp saves every sample's float outputs."""
     if cfg.savefp:
         return cfg.data_num
@@ -164,7 +164,7 @@ def profile_samples(cfg: QuantConfig) -> int:
 
 def one_pass_minmax(cfg: QuantConfig) -> bool:
     """Equalization statistics and -A minmax ranges from one pass (:func:`equalize.equalize_and_calibrate`;
-    the statistics still read only the first --eq_samples / 64 samples)."""
+    the statistics still read only --eq_samples / 64 samples spread over the N)."""
     return cfg.act_quant == "minmax"
 
 
@@ -363,8 +363,8 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
     if cfg.gptq_samples and not (cfg.gptq or cfg.adaround or cfg.brecq or cfg.sparse is not None):
         log.warning("--gptq_samples applies with --gptq, --adaround, --brecq or --sparse only; ignored")
     if cfg.bc_samples is not None and not cfg.bias_correction:
-        log.warning("--bc_samples applies with bias correction only (off here: --no_bc, --auto_a16/--auto_w8, or a "
-                    "fitted rounding without --bc); ignored")
+        log.warning("--bc_samples applies with bias correction only (off here: --no_bc, --auto_a16/--auto_w8, imx's "
+                    "power-of-two weights or a fitted rounding without --bc); ignored")
     if cfg.ada_iters != 1000 and not (cfg.adaround or cfg.brecq):
         log.warning("--ada_iters applies with --adaround or --brecq/--drop only; ignored")
     if cfg.max_a16_layers is not None and not cfg.auto_a16:
