@@ -34,7 +34,7 @@ from dipoorlet.graph import node_attr
 from dipoorlet.progress import progress
 from dipoorlet.qdq import insert_qdq
 from dipoorlet.qparams import quantize_array
-from dipoorlet.runtime import Runner
+from dipoorlet.runtime import SIMULATE, Runner
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ def correct(g, places, plan, data, indices, comm, device="cpu") -> dict:
     keys = sorted(acc)
     sizes = [acc[k].size for k in keys]
     out, types = _append_channel_means(qmodel, keys, sizes, g.types)
-    runner = Runner(qmodel, [out], types=types, optimize=False, device=device, spin=True)
+    runner = Runner(qmodel, [out], types=types, optimize=SIMULATE, device=device, spin=True)
     count = 0
     for i in progress(indices, "bias correction", comm):
         got, _ = runner.run(data.sample(i), ranges=False)

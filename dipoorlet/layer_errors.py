@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dipoorlet.progress import progress
-from dipoorlet.runtime import Runner
+from dipoorlet.runtime import SIMULATE, Runner
 
 
 @dataclass
@@ -222,7 +222,7 @@ def collect_errors(graph, qmodel, data, indices, targets: dict, comm, device="cp
     names = list(targets)
     outputs = [t for t in names if t in set(graph.output_names)]
     fp = Runner(graph.model, names, types=graph.types, device=device)
-    qr = Runner(qmodel, names, types=graph.types, optimize=False, device=device)
+    qr = Runner(qmodel, names, types=graph.types, optimize=SIMULATE, device=device)
     stats = {t: ErrorStats() for t in names}
     out_cos: dict[str, list] = {t: [] for t in outputs}
     for i in progress(indices, "error profile", comm):

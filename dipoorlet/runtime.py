@@ -4,9 +4,15 @@ A :class:`Runner` is built once per pass (never once per sample). It exposes the
 needs as graph outputs and, for range passes, appends ``ReduceMin``/``ReduceMax`` nodes inside the
 graph so that only two scalars per tensor leave onnxruntime instead of whole activations.
 
-Float passes run with onnxruntime's full graph optimizations. Quantized (QDQ) models are run with
-optimizations disabled so that Q/DQ execute as float arithmetic: that measures the quantization
-itself and not the saturation quirks of CPU int8 kernels on processors without VNNI.
+Float passes run with onnxruntime's full graph optimizations. Quantized (QDQ) models are run so
+that Q/DQ execute as float arithmetic: that measures the quantization itself and not the
+saturation quirks of CPU int8 kernels on processors without VNNI. ``optimize=False`` turns every
+optimization off (the reference simulation); ``optimize="simulate"`` keeps onnxruntime's basic
+level (constant folding, which dequantizes constant weights once and lets MatMul prepack them;
+shape subgraphs folded; Transposes moved through per-tensor Q/DQ) with every Q/DQ fusion off, so
+Q/DQ still run as float. The two agree up to float summation order, whose last-bit differences
+flip an occasional rounding at a later Q: on MiniLM-L6 the embedding cosine to the float model is
+0.99683 with everything off and 0.99688 with "simulate", and a pass runs 4x faster.
 """
 from __future__ import annotations
 
@@ -27,6 +33,11 @@ from dipoorlet.graph import opset_of, save_external
 log = logging.getLogger(__name__)
 
 MIN_SUFFIX, MAX_SUFFIX = "__dpl_min", "__dpl_max"
+SIMULATE = "simulate"
+# onnxruntime's transformers that turn Q/DQ into integer kernels or merge requantizations
+# ("session.disable_quant_qdq" covers the selector-action fusions; these are named to be sure)
+QDQ_TRANSFORMERS = ["QDQSelectorActionTransformer", "QDQS8ToU8Transformer", "DoubleQDQPairsRemover",
+                    "QDQFinalCleanupTransformer", "ClipQuantRewrite", "ReluQuantRewrite"]
 
 
 def _ort():
@@ -175,14 +186,20 @@ class Runner:
     """One onnxruntime session for one pass, exposing ``outputs`` and per-tensor min/max."""
 
     def __init__(self, model: onnx.ModelProto, outputs: list[str], *, reduce_minmax=(),
-                 types: dict | None = None, optimize: bool = True, device: str = "cpu",
+                 types: dict | None = None, optimize: bool | str = True, device: str = "cpu",
                  threads: int = 0, spin: bool = False):
         ort = _ort()
         self.outputs = list(outputs)
         self.reduced = list(reduce_minmax)
         so = session_options()
-        so.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
-                                       else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+        disabled = []
+        if optimize == SIMULATE:
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+            so.add_session_config_entry("session.disable_quant_qdq", "1")
+            disabled = QDQ_TRANSFORMERS
+        else:
+            so.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
+                                           else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
         from dipoorlet.threads import session_threads
 
         threads = threads or session_threads()       # under MPI: this process's share of the cores
@@ -199,7 +216,7 @@ class Runner:
         with tempfile.TemporaryDirectory(prefix="dipoorlet-") as tmp:
             src = _exposed_model_bytes_or_path(model, self.outputs, self.reduced, types or {}, tmp)
             try:
-                self.session = ort.InferenceSession(src, so, providers=providers)
+                self.session = ort.InferenceSession(src, so, providers=providers, disabled_optimizers=disabled)
             except Exception as exc:
                 msg = ort_message(exc)
                 custom = _custom_ops(model)

@@ -1,0 +1,59 @@
+"""The "simulate" optimization level for quantized passes: constant folding on, Q/DQ still float."""
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+from dipoorlet.runtime import SIMULATE, Runner
+
+
+def _qdq(name, x, scale, nodes, inits):
+    s, z = name + "_s", name + "_z"
+    inits += [numpy_helper.from_array(np.array(scale, np.float32), s),
+              numpy_helper.from_array(np.array(0, np.int8), z)]
+    nodes += [helper.make_node("QuantizeLinear", [x, s, z], [name + "_q"], name=name + "_Q"),
+              helper.make_node("DequantizeLinear", [name + "_q", s, z], [name + "_dq"], name=name + "_DQ")]
+    return name + "_dq"
+
+
+def _model():
+    """x -> Q/DQ (0.05) -> Q/DQ (0.13): two requantizations onnxruntime's DoubleQDQPairsRemover
+    would merge into one -> MatMul with a Q/DQ int8 weight (folded as a constant) -> Relu."""
+    rng = np.random.default_rng(0)
+    nodes, inits = [], []
+    a = _qdq("a", "x", 0.05, nodes, inits)
+    b = _qdq("b", a, 0.13, nodes, inits)
+    w = rng.normal(size=(16, 8)).astype(np.float32)
+    ws = (np.abs(w).max(axis=0) / 127).astype(np.float32)
+    inits += [numpy_helper.from_array(np.clip(np.rint(w / ws), -127, 127).astype(np.int8), "w_q"),
+              numpy_helper.from_array(ws, "w_s"), numpy_helper.from_array(np.zeros(8, np.int8), "w_z")]
+    nodes += [helper.make_node("DequantizeLinear", ["w_q", "w_s", "w_z"], ["w_dq"], name="w_DQ", axis=1),
+              helper.make_node("MatMul", [b, "w_dq"], ["m"], name="mm"),
+              helper.make_node("Relu", ["m"], ["y"], name="relu")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 16])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)], ir_version=9)
+
+
+def test_simulate_keeps_every_requantization_and_matches_the_reference_evaluator():
+    model = _model()
+    x = np.random.default_rng(1).normal(scale=3.0, size=(4, 16)).astype(np.float32)
+    want = ReferenceEvaluator(model).run(None, {"x": x})[0]
+    off = Runner(model, ["y", "b_dq"], optimize=False).run({"x": x}, ranges=False)[0]
+    sim = Runner(model, ["y", "b_dq"], optimize=SIMULATE).run({"x": x}, ranges=False)[0]
+    np.testing.assert_allclose(off["y"], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(sim["y"], want, rtol=1e-5, atol=1e-5)
+    # the second Q/DQ's grid, applied to the first's output: a merged pair would give x on 0.13's grid
+    twice = np.clip(np.rint(np.clip(np.rint(x / 0.05), -128, 127) * 0.05 / 0.13), -128, 127) * 0.13
+    np.testing.assert_allclose(sim["b_dq"], twice.astype(np.float32), atol=1e-6)
+
+
+def test_simulate_folds_the_constant_weights():
+    model = _model()
+    runner = Runner(model, ["y"], optimize=SIMULATE)
+    import onnxruntime as ort
+
+    assert runner.session.get_session_options().graph_optimization_level == \
+        ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    assert runner.session.get_session_options().get_session_config_entry("session.disable_quant_qdq") == "1"
