@@ -101,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prof_samples", type=int, default=None, metavar="K",
                    help="samples the error profile (report tables, --fail_below) reads (default: all N "
                         "up to 64, as the equalization statistics; all N with --savefp)")
+    p.add_argument("--val_dir", default=None, metavar="DIR",
+                   help="held-out samples in -I's layout (e.g. inputs from deployment): the error profile "
+                        "(report tables, clipped values, --fail_below) reads these instead of the calibration "
+                        "samples, so it shows what calibration did not see")
+    p.add_argument("--val_num", type=int, default=None, metavar="K",
+                   help="--val_dir samples the profile reads (default: all of them up to 64)")
     p.add_argument("--criterion", default="cosine", choices=["cosine", "sqnr", "maxabs"],
                    help="how layers are ranked by sensitivity")
     p.add_argument("--auto_skip", default=None, metavar="TARGET",
@@ -210,12 +216,20 @@ def name_run_log(out_dir: Path | None, ok: bool) -> None:
 
 
 def summary(result, cfg) -> str:
-    from dipoorlet.report import table
+    from dipoorlet.report import profile_source, table
 
     rep = result.report
     lines = ["", f"dipoorlet {__version__}: {rep['platform']} / -A {rep['method']} / {rep['samples']} samples"]
     rows = [[o["tensor"], o["cosine"], o["min_cosine"], o["sqnr_db"]] for o in rep["outputs"]]
+    if rep.get("profile_data"):
+        lines.append(f"error profile over {profile_source(rep)}:")
     lines.append(table(["network output", "mean cos", "min cos", "SQNR dB"], rows))
+    c = rep.get("clipped")
+    if c and c["tensors_clipped"] and rep.get("profile_data"):
+        w = c["worst"][0]
+        lines.append(f"{c['tensors_clipped']} of {c['tensors']} quantized activations saturate on these samples; worst "
+                     f"{w['tensor']}: {w['fraction']:.3g} of its values, up to {w['peak_over_range']:.3g}x its range, "
+                     f"{w['saturation_over_rounding_noise']:.3g}x its rounding noise (report.md lists them)")
     layers = {l["node"]: l for l in rep["layers"]}
     if rep["worst_layers"]:
         lines.append("")
@@ -372,6 +386,7 @@ def _main(args, argv, state) -> int:
                           gptq_samples=args.gptq_samples, gptq_memory=args.gptq_memory,
                           equalize=not args.no_equalize, shift=not args.no_shift, equalize_samples=args.eq_samples,
                           sens_samples=args.sens_samples, prof_samples=args.prof_samples,
+                          val_dir=args.val_dir, val_num=args.val_num,
                           criterion=args.criterion, auto_skip=args.auto_skip,
                           max_float_layers=args.max_float_layers, fail_below=args.fail_below,
                           score_outputs=tuple(args.score_outputs),

@@ -29,6 +29,8 @@ class QuantConfig:
     quant_format: str = "QDQ"
     sens_samples: int = 8
     prof_samples: int | None = None    # --prof_samples; None: N up to PROFILE_SAMPLES (all N with --savefp)
+    val_dir: Path | None = None        # --val_dir: held-out samples the error profile reads instead
+    val_num: int | None = None         # --val_num; None: all of --val_dir's samples up to PROFILE_SAMPLES
     criterion: str = "cosine"
     auto_skip: str | None = None
     max_float_layers: int = 10
@@ -83,6 +85,19 @@ class QuantConfig:
         if self.prof_samples is not None and (isinstance(self.prof_samples, bool) or not isinstance(
                 self.prof_samples, int) or self.prof_samples < 1):
             raise ConfigError(f"--prof_samples must be a positive integer, got {self.prof_samples!r}")
+        if self.val_dir is not None:
+            object.__setattr__(self, "val_dir", Path(self.val_dir))
+        if self.val_num is not None and (isinstance(self.val_num, bool) or not isinstance(self.val_num, int)
+                                         or self.val_num < 1):
+            raise ConfigError(f"--val_num must be a positive integer, got {self.val_num!r}")
+        if self.val_num is not None and self.val_dir is None:
+            raise ConfigError("--val_num counts --val_dir's samples; pass --val_dir DIR with it")
+        if self.val_dir is not None and self.prof_samples is not None:
+            raise ConfigError("--prof_samples counts the calibration samples the profile reads; with --val_dir "
+                              "it reads --val_num held-out samples instead: drop --prof_samples")
+        if self.val_dir is not None and self.savefp:
+            raise ConfigError("--savefp saves the float outputs of the calibration samples, which the profile "
+                              "does not read with --val_dir; run --savefp without --val_dir")
         if self.criterion not in ("cosine", "sqnr", "maxabs"):
             raise ConfigError(f"--criterion must be cosine, sqnr or maxabs, got {self.criterion!r}")
         if self.equalize_samples is not None and (isinstance(self.equalize_samples, bool) or not isinstance(

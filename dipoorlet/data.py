@@ -103,10 +103,18 @@ def with_extra(feed: dict, extra: dict) -> dict:
     return out
 
 
-class DataSource:
-    """Reads calibration samples ``i`` as {input name: array} feeds."""
+# (what, folder flag, count flag): messages name the flags of the data they are about
+CALIBRATION = ("calibration", "-I", "-N")
+VALIDATION = ("validation", "--val_dir", "--val_num")
 
-    def __init__(self, path, specs: list[InputSpec], n: int, input_shapes: dict | None = None):
+
+class DataSource:
+    """Reads calibration samples ``i`` as {input name: array} feeds (``role``: :data:`CALIBRATION`,
+    or :data:`VALIDATION` for --val_dir's held-out samples, which only the messages tell apart)."""
+
+    def __init__(self, path, specs: list[InputSpec], n: int, input_shapes: dict | None = None,
+                 role: tuple = CALIBRATION):
+        self.what, self.dir_flag, self.n_flag = role
         self.path = Path(path)
         self.specs = specs
         self.n = n
@@ -127,7 +135,7 @@ class DataSource:
                                   f"model's input {spec.name!r} of shape {_fmt(spec.shape)}; --input_shape only "
                                   f"fills in its dynamic dims ({spec.name}:{_example_dims(spec.shape)})")
         if not self.path.exists():
-            raise DataError(f"calibration data {self.path} does not exist; pass -I with a folder "
+            raise DataError(f"{self.what} data {self.path} does not exist; pass {self.dir_flag} with a folder "
                             "holding one sub-folder per model input (or an .npz file)")
         self._npz = None
         npz = self._find_npz()
@@ -141,7 +149,7 @@ class DataSource:
     def _find_npz(self):
         if self.path.is_file():
             if self.path.suffix != ".npz":
-                raise DataError(f"calibration data {self.path} is a file but not .npz; pass a "
+                raise DataError(f"{self.what} data {self.path} is a file but not .npz; pass a "
                                 "folder with one sub-folder per input, or an .npz file")
             return self.path
         if not any((self.path / s.name).is_dir() or (self.path / _safe(s.name)).is_dir()
@@ -167,8 +175,8 @@ class DataSource:
                                 "samples per model input")
             count = self._npz[s.name].shape[0]
             if count < self.n:
-                raise DataError(f"{path}[{s.name!r}] holds {count} samples but -N is {self.n}; "
-                                f"lower -N to {count} or add samples")
+                raise DataError(f"{path}[{s.name!r}] holds {count} samples but {self.n_flag} is {self.n}; "
+                                f"lower {self.n_flag} to {count} or add samples")
 
     def _folder(self, spec: InputSpec) -> Path:
         for cand in (self.path / spec.name, self.path / _safe(spec.name)):
@@ -197,8 +205,21 @@ class DataSource:
             else:
                 have = sum(1 for k in names if k.endswith((".bin", ".npy")))
                 raise DataError(f"{folder} has no sample {i}.bin or {i}.npy (found {have} sample "
-                                f"files, -N is {self.n}); lower -N or add files named 0..N-1")
+                                f"files, {self.n_flag} is {self.n}); lower {self.n_flag} or add files named 0..N-1")
         return files
+
+    def available(self) -> int:
+        """How many samples 0..k-1 the source holds for every input (the .npz's shortest array)."""
+        if self._npz is not None:
+            return min(int(self._npz[s.name].shape[0]) for s in self.specs)
+        counts = []
+        for s in self.specs:
+            names = set(os.listdir(self.folders[s.name]))
+            i = 0
+            while f"{i}.npy" in names or f"{i}.bin" in names:
+                i += 1
+            counts.append(i)
+        return min(counts) if counts else 0
 
     # ---- reading -----------------------------------------------------------------------
     def __len__(self) -> int:
@@ -252,10 +273,10 @@ class DataSource:
         except DataError:
             raise
         except PermissionError as exc:
-            raise DataError(f"cannot read calibration file {path} (permission denied); make it readable "
+            raise DataError(f"cannot read {self.what} file {path} (permission denied); make it readable "
                             f"(chmod a+r) or run as its owner") from exc
         except Exception as exc:
-            raise DataError(f"cannot read calibration file {path} ({exc}); "
+            raise DataError(f"cannot read {self.what} file {path} ({exc}); "
                             "write it with numpy.save or as raw binary") from exc
         return raw.reshape(self._bin_shape(spec, raw.size, path))
 
@@ -304,7 +325,7 @@ class DataSource:
                     raise DataError(f"{where} holds {bad} values beyond {spec.dtype}'s range (largest |x| "
                                     f"{float(np.abs(src).max()):.3g}), which input {spec.name!r} cannot "
                                     "take; fix or remove that sample")
-                raise DataError(f"{where} contains {bad} NaN/Inf values; calibration data must be "
+                raise DataError(f"{where} contains {bad} NaN/Inf values; {self.what} data must be "
                                 "finite: fix or remove that sample")
         elif np.issubdtype(spec.dtype, np.integer) or spec.dtype == np.bool_:
             if np.issubdtype(arr.dtype, np.floating):

@@ -216,14 +216,81 @@ class ErrorStats:
         return self
 
 
-def collect_errors(graph, qmodel, data, indices, targets: dict, comm, device="cpu", on_float=None):
+def grid_bounds(plan, places) -> dict[str, tuple[float, float, float, float]]:
+    """tensor -> (lowest, highest value its per-tensor grid represents, and the thresholds beyond
+    which a value saturates: half a step further) for every quantized activation."""
+    out = {}
+    for t in places.activations:
+        qp = plan.activations.get(t)
+        if qp is None or qp.axis is not None or np.ndim(qp.scale) != 0:
+            continue
+        scale, zp = float(qp.scale), float(qp.zero_point)
+        lo, hi = (qp.qmin - zp) * scale, (qp.qmax - zp) * scale
+        out[t] = (lo, hi, lo - 0.5 * scale, hi + 0.5 * scale)
+    return out
+
+
+def _step(bounds) -> float:
+    lo, _, lo_edge, _ = bounds
+    return 2.0 * (lo - lo_edge)
+
+
+class Clipped:
+    """One quantized activation's values beyond its grid over the profile's samples: exact counts
+    and an exact sum of the squared saturation error (mergeable across processes in any order),
+    and the largest value relative to the grid's edge."""
+
+    __slots__ = ("beyond", "total", "lost", "peak", "step")
+
+    def __init__(self, step: float = 0.0):
+        self.beyond, self.total, self.lost, self.peak, self.step = 0, 0, ExactSum(), 0.0, step
+
+    def add(self, x: np.ndarray, bounds) -> None:
+        lo, hi, lo_edge, hi_edge = bounds
+        x = x.reshape(-1)
+        self.total += int(x.size)
+        if not x.size:
+            return
+        top, bottom = float(x.max()), float(x.min())
+        self.peak = max(self.peak, top / hi if hi > 0 and top > 0 else 0.0,
+                        bottom / lo if lo < 0 and bottom < 0 else 0.0)
+        if top <= hi_edge and bottom >= lo_edge:
+            return
+        out = x[(x > hi_edge) | (x < lo_edge)].astype(np.float64)
+        self.beyond += int(out.size)
+        d = out - np.clip(out, lo, hi)
+        self.lost.add(float(d @ d))
+
+    def noise_ratio(self) -> float:
+        """Saturation noise per value over the grid's rounding noise (step^2 / 12): above 1, the
+        saturated values cost more than the rounding of all the others."""
+        if not self.total or self.step <= 0:
+            return 0.0
+        return self.lost.value() / self.total / (self.step ** 2 / 12.0)
+
+    def merge(self, other: "Clipped") -> "Clipped":
+        self.beyond += other.beyond
+        self.total += other.total
+        self.lost.merge(other.lost)
+        self.peak = max(self.peak, other.peak)
+        self.step = self.step or other.step
+        return self
+
+
+def collect_errors(graph, qmodel, data, indices, targets: dict, comm, device="cpu", on_float=None, grids=None):
     """({tensor: ErrorStats} merged over every process, {network output: per-sample cosines in
-    sample order}); both complete on rank 0."""
+    sample order}, {quantized activation: Clipped}); all complete on rank 0. ``grids``
+    (:func:`grid_bounds`): the activations whose values beyond their grid are counted, as the
+    quantized model computes them just before their Q."""
     names = list(targets)
+    grids = dict(grids or {})
+    inputs = {i.name for i in qmodel.graph.input}
+    exposed = names + [t for t in grids if t not in targets and t not in inputs]
     outputs = [t for t in names if t in set(graph.output_names)]
     fp = Runner(graph.model, names, types=graph.types, device=device)
-    qr = Runner(qmodel, names, types=graph.types, optimize=SIMULATE, device=device)
+    qr = Runner(qmodel, exposed, types=graph.types, optimize=SIMULATE, device=device)
     stats = {t: ErrorStats() for t in names}
+    clipped = {t: Clipped(_step(b)) for t, b in grids.items()}
     out_cos: dict[str, list] = {t: [] for t in outputs}
     for i in progress(indices, "error profile", comm):
         feed = data.sample(i)
@@ -236,14 +303,21 @@ def collect_errors(graph, qmodel, data, indices, targets: dict, comm, device="cp
             stats[t].add(*m, size=f_out[t].size)
             if t in out_cos:
                 out_cos[t].append((i, m[0]))
+        for t, c in clipped.items():
+            c.add(np.asarray(feed[t] if t in inputs else q_out[t]), grids[t])
     gathered = comm.gather_samples({t: [st] for t, st in stats.items()})
     merged = {}
     for t, parts in gathered.items():
         merged[t] = ErrorStats()
         for part in parts:
             merged[t].merge(part)
+    clips = {}
+    for t, parts in comm.gather_samples({t: [c] for t, c in clipped.items()}).items():
+        clips[t] = Clipped(_step(grids[t]))
+        for part in parts:
+            clips[t].merge(part)
     cosines = comm.gather_samples(out_cos)
-    return merged, {t: [c for _, c in sorted(v)] for t, v in cosines.items()}
+    return merged, {t: [c for _, c in sorted(v)] for t, v in cosines.items()}, clips
 
 
 def summarize(stats: dict, targets: dict, outputs: list[str], quantized=()) -> list[ErrorRow]:

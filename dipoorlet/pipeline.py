@@ -28,10 +28,10 @@ import onnx
 from dipoorlet import calibrate, layer_errors, placement as placement_mod, platform as platform_mod, prepare, report, sensitivity
 from dipoorlet import shift as shift_mod
 from dipoorlet.config import QuantConfig
-from dipoorlet.data import DataSource, input_specs, shard, spread
+from dipoorlet.data import VALIDATION, DataSource, input_specs, shard, spread
 from dipoorlet.deploy import DeployContext, export_all
 from dipoorlet.dist import SingleProcess
-from dipoorlet.errors import ConfigError, ModelError, OutputError
+from dipoorlet.errors import ConfigError, DataError, ModelError, OutputError
 from dipoorlet.graph import Graph, save_model
 from dipoorlet.qdq import insert_qdq
 from dipoorlet.qparams import QuantPlan, bias_qparams, levels, make_qparams, share_scales
@@ -160,6 +160,22 @@ def profile_samples(cfg: QuantConfig) -> int:
     if cfg.savefp:
         return cfg.data_num
     return min(cfg.data_num, cfg.prof_samples or PROFILE_SAMPLES)
+
+
+def open_validation(cfg: QuantConfig, specs) -> DataSource | None:
+    """--val_dir's samples, checked before any pass: the layout, the count, and the first sample's
+    shape, dtype and values (a mistake there would otherwise surface only after calibration)."""
+    if cfg.val_dir is None:
+        return None
+    probe = DataSource(cfg.val_dir, specs, 0, cfg.input_shapes, role=VALIDATION)
+    have = probe.available()
+    if have == 0:
+        raise DataError(f"validation data {cfg.val_dir} holds no samples; expected "
+                        f"{cfg.val_dir}/<input name>/0.npy (or .bin) ... as for -I, or an .npz")
+    val = DataSource(cfg.val_dir, specs, cfg.val_num or min(have, PROFILE_SAMPLES), cfg.input_shapes,
+                     role=VALIDATION)
+    val.sample(0)
+    return val
 
 
 def one_pass_minmax(cfg: QuantConfig) -> bool:
@@ -393,6 +409,7 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
         log.info("graph inputs with an initializer are treated as constants (their default values): %s",
                  ", ".join(const[:6]) + (" ..." if len(const) > 6 else ""))
     data = DataSource(cfg.input_dir, specs, cfg.data_num, cfg.input_shapes)
+    val = open_validation(cfg, specs)
     indices = shard(cfg.data_num, comm.rank, comm.world)
     _declare_input_ranks(g, data)
 
@@ -653,11 +670,19 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
     savefp = _fp_saver(staging, g.output_names) if cfg.savefp else None
     try:
         t = time.perf_counter()
-        k = profile_samples(cfg)
-        if k < cfg.data_num:
-            log.info("profile: %d of the %d samples, spread over them (--prof_samples to change)", k, cfg.data_num)
-        errors, out_cosines = layer_errors.collect_errors(g, qmodel, data, spread(k, cfg.data_num, comm.rank, comm.world),
-                                                     targets_prof, comm, cfg.device, savefp)
+        if val is not None:
+            k = len(val)
+            log.info("profile: %d held-out samples from --val_dir %s", k, cfg.val_dir)
+            prof_data, prof_indices = val, shard(k, comm.rank, comm.world)
+        else:
+            k = profile_samples(cfg)
+            if k < cfg.data_num:
+                log.info("profile: %d of the %d samples, spread over them (--prof_samples to change)", k,
+                         cfg.data_num)
+            prof_data, prof_indices = data, spread(k, cfg.data_num, comm.rank, comm.world)
+        errors, out_cosines, clipped = layer_errors.collect_errors(
+            g, qmodel, prof_data, prof_indices, targets_prof, comm, cfg.device, savefp,
+            grids=layer_errors.grid_bounds(plan, places))
         timings["profile_s"] = time.perf_counter() - t
         if comm.rank != 0:
             return Result(out_dir, [], {}, [], timings)
@@ -666,13 +691,13 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
                                  places.quantized_nodes if not cfg.skip_prof_layer else ())
         try:
             files, rep = _write_staging(cfg, g, plan, places, plat, data, indices, qmodel, staging, equalized,
-                                        shifted, rows, k, analysis, stats, out_cosines)
+                                        shifted, rows, k, analysis, stats, out_cosines, clipped)
         except OSError as exc:
             what = f": {exc.filename}" if exc.filename else ""
             raise OutputError(f"could not write the outputs into {out_dir} ({exc.strerror or exc}{what}); free "
                               f"space there or choose another -O; nothing in it was changed") from exc
         timings["total_s"] = time.perf_counter() - t0
-        final = _publish(staging, out_dir, keep=(cfg.model, *data.paths()))
+        final = _publish(staging, out_dir, keep=(cfg.model, *data.paths(), *(val.paths() if val else ())))
         return Result(out_dir, final, rep, rows, timings)
     finally:
         if comm.rank == 0:
@@ -684,7 +709,7 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
 
 
 def _write_staging(cfg, g, plan, places, plat, data, indices, qmodel, staging: Path, equalized, shifted, rows,
-                   k, analysis, stats, out_cosines):
+                   k, analysis, stats, out_cosines, clipped=None):
     """Every output file, written into the staging folder; returns (files, report)."""
     staging.mkdir(exist_ok=True)
     if cfg.quant_format == "QOP":
@@ -701,13 +726,14 @@ def _write_staging(cfg, g, plan, places, plat, data, indices, qmodel, staging: P
     meta = {"model": str(cfg.model), "platform": plat.name, "method": cfg.act_quant,
             **({"score_outputs": list(cfg.score_outputs)} if cfg.score_outputs else {}),
             "samples": cfg.data_num, "profile_samples": k,
+            **({"profile_data": str(cfg.val_dir)} if cfg.val_dir is not None else {}),
             "quantized_nodes": len(places.quantized_nodes),
             "qdq_tensors": sum(1 for t in places.activations if t in plan.activations),
             "qdq_tensors_16bit": sum(1 for t in places.activations
                                      if t in plan.activations and plan.activations[t].bits > 8),
             "weights": len(places.weights),
             "int32_biases": sum(1 for (_, index) in places.weights if index == 2)}
-    rep = report.build(rows, places, meta, analysis, stats, plan, out_cosines)
+    rep = report.build(rows, places, meta, analysis, stats, plan, out_cosines, clipped)
     files += report.write(staging, rep)
     return files, rep
 

@@ -64,8 +64,19 @@ def _output_distribution(cosines: dict, outputs: list[str], bins: int = 20) -> d
     return dist
 
 
+def clipped_summary(clipped: dict, k: int = 10) -> dict:
+    """The quantized activations with values beyond their grid on the profile's samples, most
+    clipped first."""
+    hit = [(t, c, c.noise_ratio()) for t, c in clipped.items() if c.beyond]
+    hit.sort(key=lambda tcr: (-tcr[2], -tcr[1].beyond))
+    return {"tensors": len(clipped), "tensors_clipped": len(hit),
+            "worst": [{"tensor": t, "fraction": c.beyond / c.total, "values": c.beyond,
+                       "peak_over_range": _num(c.peak), "saturation_over_rounding_noise": _num(r)}
+                      for t, c, r in hit[:k]]}
+
+
 def build(rows, places, meta: dict, analysis: dict | None = None, stats=None, plan=None,
-          output_cosines=None) -> dict:
+          output_cosines=None, clipped=None) -> dict:
     analysis = analysis or {}
     iso = {s.node: s for s in analysis.get("isolated", [])}
     layers = []
@@ -130,6 +141,8 @@ def build(rows, places, meta: dict, analysis: dict | None = None, stats=None, pl
         focus = list(dict.fromkeys(rep["most_sensitive_layers"][:5] + worst_nodes[:5]))
         rep["activation_histograms"] = _histograms(focus, places, stats, plan,
                                                    shifted=analysis.get("shift", ()))
+    if clipped is not None:
+        rep["clipped"] = clipped_summary(clipped)
     if output_cosines is not None:
         # a single-value output's per-sample cosines are all +-1: no distribution to show
         rep["output_distribution"] = _output_distribution(
@@ -153,7 +166,8 @@ def _iso(layer, key="isolated"):
 def markdown(report: dict) -> str:
     out = [f"# dipoorlet report: {report['model']}", "",
            f"platform `{report['platform']}`, method `{report['method']}`, {report['samples']} samples"
-           + (f" (error profile over {report['profile_samples']} of them, spread evenly)"
+           + (f" (error profile over {profile_source(report)})" if report.get("profile_data") else
+              f" (error profile over {report['profile_samples']} of them, spread evenly)"
               if report.get("profile_samples", report["samples"]) < report["samples"] else "") + ", "
            f"{report['quantized_nodes']} quantized nodes, {report['qdq_tensors']} Q/DQ activations"
            + (f" ({report['qdq_tensors_16bit']} on 16-bit grids)" if report.get('qdq_tensors_16bit') else ""), "",
@@ -164,6 +178,7 @@ def markdown(report: dict) -> str:
     if any(o.get("cosine_over_samples") for o in report["outputs"]):
         out += ["", "\\* fewer than 8 values per sample: one cosine over all samples' values together "
                 "(a single value's own cosine is always 1, two logits' nearly a sign check)"]
+    out += _clipped_section(report)
     out += _transforms(report)
     layers = {l["node"]: l for l in report["layers"]}
     if report["worst_layers"]:
@@ -206,6 +221,38 @@ def markdown(report: dict) -> str:
         out += ["", "## Nodes kept in float, and why", "",
                 table(["node", "op", "reason"], [[d["node"], d["op_type"], d["reason"]] for d in skipped[:50]])]
     return "\n".join(out) + "\n"
+
+
+def profile_source(report: dict) -> str:
+    """Which samples the profile read, in words."""
+    if report.get("profile_data"):
+        return f"{report['profile_samples']} held-out samples from --val_dir {report['profile_data']}"
+    return f"{report.get('profile_samples', report['samples'])} calibration samples"
+
+
+def _clipped_section(report: dict) -> list[str]:
+    c = report.get("clipped")
+    if not c:
+        return []
+    held_out = bool(report.get("profile_data"))
+    head = ["", f"## Values beyond the calibrated ranges ({profile_source(report)})", ""]
+    if not c["tensors_clipped"]:
+        return head + [f"None of the {c['tensors']} quantized activations saturated."]
+    note = ("Held-out values beyond a range saturate in deployment: many here, and few on the "
+            "calibration samples, mean the calibration data does not cover these inputs; calibrate on "
+            "samples like them (add them to -I)." if held_out else
+            "Some saturation is by design (-A hist/mse/entropy/percentile clip rare tails to refine the "
+            "grid, and a tensor after quantized layers overshoots its float range by their error); "
+            "--val_dir with inputs from deployment shows whether those see more.")
+    return head + [f"{c['tensors_clipped']} of {c['tensors']} quantized activations have values beyond their grid. "
+                   + note, "",
+                   table(["tensor", "values beyond", "fraction", "largest / range edge",
+                          "saturation / rounding noise"],
+                         [[w["tensor"], w["values"], f"{w['fraction']:.3g}", w["peak_over_range"],
+                           w["saturation_over_rounding_noise"]] for w in c["worst"]]),
+                   "", "Saturation / rounding noise: the squared error of the saturated values per value, "
+                   "over the grid's own rounding noise (step² / 12); above 1 they cost more than the "
+                   "rounding of everything else."]
 
 
 def _auto_section(name, a, how, label, layers, after, note) -> list[str]:

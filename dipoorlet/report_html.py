@@ -129,8 +129,19 @@ def html(rep: dict) -> str:
         e = d["edges"]
         out.append(bar_plot(d["counts"], e[0], e[-1], f"per-sample output cosine: {name} ({d['samples']} samples)",
                             width=W, height=150))
-    from dipoorlet.report import _transforms
+    from dipoorlet.report import _transforms, profile_source
 
+    if rep.get("profile_data"):
+        out.insert(out.index("<h2>Network outputs</h2>") + 1,
+                   f"<p class=muted>error profile over {esc(profile_source(rep))}</p>")
+    c = rep.get("clipped")
+    if c and c["tensors_clipped"]:
+        out += [f"<h2>Values beyond the calibrated ranges</h2><p class=muted>{esc(profile_source(rep))}: "
+                f"{c['tensors_clipped']} of {c['tensors']} quantized activations saturate; saturation / rounding "
+                "noise above 1 costs more than the grid's rounding</p>",
+                _table(["tensor", "values beyond", "fraction", "largest / range edge", "saturation / rounding noise"],
+                       [[esc(w["tensor"]), w["values"], f"{w['fraction']:.3g}", _fmt(w["peak_over_range"], 3),
+                         _fmt(w["saturation_over_rounding_noise"], 3)] for w in c["worst"]])]
     transforms = _transforms(rep)
     if transforms:
         out += ["<h2>Transforms applied</h2><p class=muted>their float graph: transformed_model.onnx</p><ul>",

@@ -171,3 +171,27 @@ def test_brecq_under_mpi_sums_gradients_over_processes(case, tmp_path):
     err = {k: sum(float(np.sum((ort_run(model, f)[0] - ort_run(q, f)[0]) ** 2)) for f in feeds)
            for k, q in outs.items()}
     assert err["one"] < err["nearest"] and err["two"] < err["nearest"] and err["two_lsq"] < err["nearest"], err
+
+
+def test_validation_profile_identical_for_any_process_count(case):
+    """--val_dir's samples are shared out over the ranks like the calibration samples; the profile
+    and the saturation counts merge exactly (5 samples: uneven over 2 and 3 ranks)."""
+    val = case / "val"
+    if not val.exists():
+        rng = np.random.default_rng(7)
+        (val / "x").mkdir(parents=True)
+        for i in range(5):
+            (rng.standard_normal((1, 3, 12, 12)) * 4).astype(np.float32).tofile(val / "x" / f"{i}.bin")
+    outs = {}
+    for ranks in (1, 2, 3):
+        out = case / f"val-{ranks}"
+        res = _run(case, out, f"hist --val_dir {val}", ranks)
+        assert res.returncode == 0, res.stderr
+        outs[ranks] = out
+    import json
+
+    rep = json.loads((outs[1] / "report.json").read_text())
+    assert rep["profile_samples"] == 5 and rep["clipped"]["tensors_clipped"] > 0
+    for ranks in (2, 3):
+        for name in OUTPUTS:
+            assert (outs[1] / name).read_bytes() == (outs[ranks] / name).read_bytes(), (name, ranks)

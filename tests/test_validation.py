@@ -1,0 +1,126 @@
+"""--val_dir: the error profile on held-out samples, and the values beyond each calibrated grid."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from conftest import input_feeds, ort_run, save, tiny_cnn, write_samples
+
+
+def _grid(qmodel: onnx.ModelProto, tensor: str):
+    """(scale, zero point, qmin, qmax) of the Q that reads ``tensor``."""
+    inits = {t.name: numpy_helper.to_array(t) for t in qmodel.graph.initializer}
+    for n in qmodel.graph.node:
+        if n.op_type == "QuantizeLinear" and n.input[0] == tensor:
+            zp = inits[n.input[2]]
+            info = np.iinfo(zp.dtype)
+            return float(inits[n.input[1]]), float(zp), info.min, info.max
+    raise AssertionError(f"no Q reads {tensor}")
+
+
+def _cosine(a, b):
+    a, b = a.reshape(-1).astype(np.float64), b.reshape(-1).astype(np.float64)
+    return float(a @ b / np.sqrt((a @ a) * (b @ b)))
+
+
+@pytest.fixture
+def case(tmp_path):
+    model = tiny_cnn()
+    save(model, tmp_path / "m.onnx")
+    calib = input_feeds(model, 6, seed=1)
+    write_samples(tmp_path / "calib", calib)
+    # held-out inputs three times as wide: the input's grid, fitted on calibration, saturates
+    val = [{"x": f["x"] * 3.0} for f in input_feeds(model, 5, seed=2)]
+    write_samples(tmp_path / "val", val)
+    return tmp_path, model, val
+
+
+def _cli(tmp, *args):
+    return subprocess.run([sys.executable, "-m", "dipoorlet", "-M", str(tmp / "m.onnx"), "-I", str(tmp / "calib"),
+                           "-N", "6", "-D", "trt", "-A", "minmax", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_the_profile_reads_the_held_out_samples_and_counts_what_saturates(case):
+    tmp, model, val = case
+    res = _cli(tmp, "-O", str(tmp / "out"), "--val_dir", str(tmp / "val"), "--no_bc")
+    assert res.returncode == 0, res.stderr
+    rep = json.loads((tmp / "out" / "report.json").read_text())
+    assert rep["profile_samples"] == 5 and rep["profile_data"] == str(tmp / "val")
+    qmodel = onnx.load(str(tmp / "out" / "quant_model.onnx"))
+
+    # network output cosine: the float and the quantized model on the held-out samples (numpy/onnxruntime oracle)
+    cos = [_cosine(ort_run(model, f)[0], ort_run(qmodel, f)[0]) for f in val]
+    out = rep["outputs"][0]
+    assert out["cosine"] == pytest.approx(np.mean(cos), abs=1e-5)
+    assert out["min_cosine"] == pytest.approx(min(cos), abs=1e-5)
+
+    # the input's saturation: counted in numpy from the Q's own grid
+    scale, zp, qmin, qmax = _grid(qmodel, "x")
+    lo, hi = (qmin - zp) * scale, (qmax - zp) * scale
+    x = np.concatenate([f["x"].reshape(-1) for f in val]).astype(np.float64)
+    beyond = x[(x > hi + scale / 2) | (x < lo - scale / 2)]
+    assert beyond.size > 0
+    row = {w["tensor"]: w for w in rep["clipped"]["worst"]}["x"]
+    assert row["values"] == beyond.size
+    assert row["fraction"] == pytest.approx(beyond.size / x.size)
+    assert row["peak_over_range"] == pytest.approx(max(x.max() / hi, x.min() / lo), rel=1e-5)
+    lost = float(np.sum((beyond - np.clip(beyond, lo, hi)) ** 2))
+    assert row["saturation_over_rounding_noise"] == pytest.approx(lost / x.size / (scale ** 2 / 12), rel=1e-4)
+    md = (tmp / "out" / "report.md").read_text()
+    assert "5 held-out samples from --val_dir" in md and "Values beyond the calibrated ranges" in md
+    assert "saturate on these samples" in res.stderr + res.stdout
+
+
+def test_calibration_samples_do_not_saturate_the_input_under_minmax(case):
+    tmp, _, _ = case
+    res = _cli(tmp, "-O", str(tmp / "out"), "--no_bc")
+    assert res.returncode == 0, res.stderr
+    rep = json.loads((tmp / "out" / "report.json").read_text())
+    assert "profile_data" not in rep
+    # minmax grids span every calibration value of the float model: the input saturates nowhere;
+    # a tensor downstream of quantized layers may overshoot its float range by the upstream error
+    clipped = rep["clipped"]
+    assert clipped["tensors"] == 5
+    assert "x" not in {w["tensor"] for w in clipped["worst"]}
+    assert all(1.0 < w["peak_over_range"] < 1.1 for w in clipped["worst"])
+    assert "Some saturation is by design" in (tmp / "out" / "report.md").read_text()
+
+
+def test_val_num_reads_the_first_k(case):
+    tmp, _, _ = case
+    res = _cli(tmp, "-O", str(tmp / "out"), "--val_dir", str(tmp / "val"), "--val_num", "2", "--skip_prof_layer")
+    assert res.returncode == 0, res.stderr
+    assert json.loads((tmp / "out" / "report.json").read_text())["profile_samples"] == 2
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--val_dir", "{tmp}/nowhere"], ["validation data", "nowhere", "does not exist", "--val_dir"]),
+    (["--val_dir", "{tmp}/val", "--val_num", "9"], ["--val_num is 9", "lower --val_num"]),
+    (["--val_num", "3"], ["--val_num", "--val_dir"]),
+    (["--val_dir", "{tmp}/val", "--val_num", "0"], ["--val_num must be a positive integer"]),
+    (["--val_dir", "{tmp}/val", "--prof_samples", "3"], ["--prof_samples", "--val_num"]),
+    (["--val_dir", "{tmp}/val", "--savefp"], ["--savefp", "--val_dir"]),
+    (["--val_dir", "{tmp}/empty"], ["no folder for model input 'x'", "empty"]),
+    (["--val_dir", "{tmp}/badshape"], ["has shape", "expects"]),
+    (["--val_dir", "{tmp}/nan"], ["NaN/Inf", "validation data must be finite"]),
+])
+def test_bad_validation_data_is_one_line_and_nothing_is_written(case, args, words):
+    tmp, _, _ = case
+    (tmp / "empty").mkdir()
+    write_samples(tmp / "badshape", [{"x": np.zeros((1, 3, 8, 8), np.float32)}])
+    bad = np.zeros((1, 3, 16, 16), np.float32)
+    bad[0, 0, 0, 0] = np.nan
+    write_samples(tmp / "nan", [{"x": bad}])
+    res = _cli(tmp, "-O", str(tmp / "out"), *[a.format(tmp=tmp) for a in args])
+    assert res.returncode == 2, res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.startswith("dipoorlet: error:")]
+    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+    assert not (tmp / "out" / "quant_model.onnx").exists()
