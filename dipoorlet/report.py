@@ -234,16 +234,14 @@ def _clipped_section(report: dict) -> list[str]:
     c = report.get("clipped")
     if not c:
         return []
-    held_out = bool(report.get("profile_data"))
     head = ["", f"## Values beyond the calibrated ranges ({profile_source(report)})", ""]
     if not c["tensors_clipped"]:
         return head + [f"None of the {c['tensors']} quantized activations saturated."]
-    note = ("Held-out values beyond a range saturate in deployment: many here, and few on the "
-            "calibration samples, mean the calibration data does not cover these inputs; calibrate on "
-            "samples like them (add them to -I)." if held_out else
-            "Some saturation is by design (-A hist/mse/entropy/percentile clip rare tails to refine the "
-            "grid, and a tensor after quantized layers overshoots its float range by their error); "
-            "--val_dir with inputs from deployment shows whether those see more.")
+    note = ("Values beyond a range saturate in deployment. Some is by design (-A hist/mse/entropy/percentile "
+            "clip rare tails to refine the grid, and a tensor after quantized layers overshoots its float "
+            "range by their error), but many here, and few with --val_dir pointed at the calibration samples, "
+            "mean the calibration data does not cover these inputs: calibrate on samples like them (add them "
+            "to -I).")
     return head + [f"{c['tensors_clipped']} of {c['tensors']} quantized activations have values beyond their grid. "
                    + note, "",
                    table(["tensor", "values beyond", "fraction", "largest / range edge",

@@ -77,19 +77,31 @@ def test_the_profile_reads_the_held_out_samples_and_counts_what_saturates(case):
     assert "saturate on these samples" in res.stderr + res.stdout
 
 
-def test_calibration_samples_do_not_saturate_the_input_under_minmax(case):
-    tmp, _, _ = case
+def test_without_val_dir_the_profile_reads_calibration_samples_and_counts_nothing(case):
+    tmp, model, _ = case
     res = _cli(tmp, "-O", str(tmp / "out"), "--no_bc")
     assert res.returncode == 0, res.stderr
     rep = json.loads((tmp / "out" / "report.json").read_text())
-    assert "profile_data" not in rep
-    # minmax grids span every calibration value of the float model: the input saturates nowhere;
-    # a tensor downstream of quantized layers may overshoot its float range by the upstream error
-    clipped = rep["clipped"]
+    assert "profile_data" not in rep and "clipped" not in rep and rep["profile_samples"] == 6
+    assert "Values beyond" not in (tmp / "out" / "report.md").read_text()
+    # the output cosine is the calibration samples' (oracle: onnxruntime on those files)
+    qmodel = onnx.load(str(tmp / "out" / "quant_model.onnx"))
+    feeds = [{"x": np.load(tmp / "calib" / "x" / f"{i}.npy")} for i in range(6)]
+    cos = [_cosine(ort_run(model, f)[0], ort_run(qmodel, f)[0]) for f in feeds]
+    assert rep["outputs"][0]["cosine"] == pytest.approx(np.mean(cos), abs=1e-5)
+
+
+def test_minmax_grids_hold_the_calibration_inputs(case):
+    """--val_dir pointing at the calibration samples themselves: minmax grids span the float
+    model's values, so the input saturates nowhere; a tensor after quantized layers may overshoot
+    its float range by their error, but only slightly."""
+    tmp, _, _ = case
+    res = _cli(tmp, "-O", str(tmp / "out"), "--no_bc", "--val_dir", str(tmp / "calib"))
+    assert res.returncode == 0, res.stderr
+    clipped = json.loads((tmp / "out" / "report.json").read_text())["clipped"]
     assert clipped["tensors"] == 5
     assert "x" not in {w["tensor"] for w in clipped["worst"]}
     assert all(1.0 < w["peak_over_range"] < 1.1 for w in clipped["worst"])
-    assert "Some saturation is by design" in (tmp / "out" / "report.md").read_text()
 
 
 def test_val_num_reads_the_first_k(case):
