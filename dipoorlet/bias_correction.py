@@ -32,7 +32,7 @@ import numpy as np
 
 from dipoorlet.graph import node_attr
 from dipoorlet.progress import progress
-from dipoorlet.qdq import insert_qdq
+from dipoorlet.qdq import dq_source, insert_qdq
 from dipoorlet.qparams import quantize_array
 from dipoorlet.runtime import SIMULATE, Runner
 
@@ -53,21 +53,6 @@ class Site:
     x: str               # layer input before Q/DQ in the quantized model
     xq: str              # layer input as the layer reads it (the DQ output, or x itself)
     channel_axis: int    # axis of input channels in x
-
-
-def _dq_source(model_nodes: dict, tensor: str) -> str | None:
-    """The float tensor a DequantizeLinear output came from (through its Q and integer Clip)."""
-    node = model_nodes.get(tensor)
-    if node is None or node.op_type != "DequantizeLinear":
-        return None
-    src = node.input[0]
-    while src in model_nodes and model_nodes[src].op_type != "QuantizeLinear":
-        prev = model_nodes[src]
-        if prev.op_type != "Clip":
-            return None
-        src = prev.input[0]
-    q = model_nodes.get(src)
-    return q.input[0] if q is not None and q.op_type == "QuantizeLinear" else None
 
 
 def find_sites(g, places, plan, qmodel) -> list[Site]:
@@ -100,7 +85,7 @@ def find_sites(g, places, plan, qmodel) -> list[Site]:
         if qnode is None:
             continue
         xq = qnode.input[0]
-        x = _dq_source(producers, xq)
+        x = dq_source(producers, xq)
         if x is None:
             if xq != node.input[0]:
                 continue  # e.g. a Pad between the Q/DQ and the Conv: the input mean is not comparable

@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(report tables, clipped values, --fail_below) reads these instead of the calibration "
                         "samples, so it shows what calibration did not see")
     p.add_argument("--val_num", type=int, default=None, metavar="K",
-                   help="--val_dir samples the profile reads (default: all of them up to 64)")
+                   help="--val_dir samples the profile reads, spread evenly over the folder (default: all of them up to 64)")
     p.add_argument("--criterion", default="cosine", choices=["cosine", "sqnr", "maxabs"],
                    help="how layers are ranked by sensitivity")
     p.add_argument("--auto_skip", default=None, metavar="TARGET",
@@ -227,9 +227,10 @@ def summary(result, cfg) -> str:
     c = rep.get("clipped")
     if c and c["tensors_clipped"] and rep.get("profile_data"):
         w = c["worst"][0]
+        g = lambda v: "inf" if v is None else f"{v:.3g}"    # None: infinite (JSON has no inf)
         lines.append(f"{c['tensors_clipped']} of {c['tensors']} quantized activations saturate on these samples; worst "
-                     f"{w['tensor']}: {w['fraction']:.3g} of its values, up to {w['peak_over_range']:.3g}x its range, "
-                     f"{w['saturation_over_rounding_noise']:.3g}x its rounding noise (report.md lists them)")
+                     f"{w['tensor']}: {w['fraction']:.3g} of its values, up to {g(w['peak_over_range'])}x its range, "
+                     f"{g(w['saturation_over_rounding_noise'])}x its rounding noise (report.md lists them)")
     layers = {l["node"]: l for l in rep["layers"]}
     if rep["worst_layers"]:
         lines.append("")

@@ -230,6 +230,13 @@ def grid_bounds(plan, places) -> dict[str, tuple[float, float, float, float]]:
     return out
 
 
+def _q_input(producers: dict, tensor: str) -> str:
+    """The float tensor the Q/DQ that makes ``tensor`` reads, or ``tensor`` itself."""
+    from dipoorlet.qdq import dq_source
+
+    return dq_source(producers, tensor) or tensor
+
+
 def _step(bounds) -> float:
     lo, _, lo_edge, _ = bounds
     return 2.0 * (lo - lo_edge)
@@ -240,10 +247,10 @@ class Clipped:
     and an exact sum of the squared saturation error (mergeable across processes in any order),
     and the largest value relative to the grid's edge."""
 
-    __slots__ = ("beyond", "total", "lost", "peak", "step")
+    __slots__ = ("beyond", "total", "lost", "peak", "step", "nan")
 
     def __init__(self, step: float = 0.0):
-        self.beyond, self.total, self.lost, self.peak, self.step = 0, 0, ExactSum(), 0.0, step
+        self.beyond, self.total, self.lost, self.peak, self.step, self.nan = 0, 0, ExactSum(), 0.0, step, 0
 
     def add(self, x: np.ndarray, bounds) -> None:
         lo, hi, lo_edge, hi_edge = bounds
@@ -251,15 +258,25 @@ class Clipped:
         self.total += int(x.size)
         if not x.size:
             return
-        top, bottom = float(x.max()), float(x.min())
+        top = float(x.max())
+        if top != top:      # a NaN (max propagates it): counted apart, the other values measured
+            finite = x[~np.isnan(x)]
+            self.nan += int(x.size - finite.size)
+            x = finite
+            if not x.size:
+                return
+            top = float(x.max())
+        bottom = float(x.min())
         self.peak = max(self.peak, top / hi if hi > 0 and top > 0 else 0.0,
                         bottom / lo if lo < 0 and bottom < 0 else 0.0)
         if top <= hi_edge and bottom >= lo_edge:
             return
         out = x[(x > hi_edge) | (x < lo_edge)].astype(np.float64)
         self.beyond += int(out.size)
-        d = out - np.clip(out, lo, hi)
-        self.lost.add(float(d @ d))
+        with np.errstate(invalid="ignore", over="ignore"):
+            d = out - np.clip(out, lo, hi)
+            # numpy's own pairwise sum: the same bits whatever BLAS threads the process has (MPI)
+            self.lost.add(float(np.sum(d * d)))
 
     def noise_ratio(self) -> float:
         """Saturation noise per value over the grid's rounding noise (step^2 / 12): above 1, the
@@ -274,6 +291,7 @@ class Clipped:
         self.lost.merge(other.lost)
         self.peak = max(self.peak, other.peak)
         self.step = self.step or other.step
+        self.nan += other.nan
         return self
 
 
@@ -285,7 +303,11 @@ def collect_errors(graph, qmodel, data, indices, targets: dict, comm, device="cp
     names = list(targets)
     grids = dict(grids or {})
     inputs = {i.name for i in qmodel.graph.input}
-    exposed = names + [t for t in grids if t not in targets and t not in inputs]
+    # the tensor each Q reads: a quantized network output keeps its name on the DQ's output, and
+    # its producer writes <t>_float (qdq.py), which is what saturates
+    producers = {o: n for n in qmodel.graph.node for o in n.output}
+    before_q = {t: _q_input(producers, t) for t in grids}
+    exposed = names + list(dict.fromkeys(s for s in before_q.values() if s not in names and s not in inputs))
     outputs = [t for t in names if t in set(graph.output_names)]
     fp = Runner(graph.model, names, types=graph.types, device=device)
     qr = Runner(qmodel, exposed, types=graph.types, optimize=SIMULATE, device=device)
@@ -304,7 +326,8 @@ def collect_errors(graph, qmodel, data, indices, targets: dict, comm, device="cp
             if t in out_cos:
                 out_cos[t].append((i, m[0]))
         for t, c in clipped.items():
-            c.add(np.asarray(feed[t] if t in inputs else q_out[t]), grids[t])
+            src = before_q[t]
+            c.add(np.asarray(feed[src] if src in inputs else q_out[src]), grids[t])
     gathered = comm.gather_samples({t: [st] for t, st in stats.items()})
     merged = {}
     for t, parts in gathered.items():

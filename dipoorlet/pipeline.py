@@ -162,9 +162,11 @@ def profile_samples(cfg: QuantConfig) -> int:
     return min(cfg.data_num, cfg.prof_samples or PROFILE_SAMPLES)
 
 
-def open_validation(cfg: QuantConfig, specs) -> DataSource | None:
-    """--val_dir's samples, checked before any pass: the layout, the count, and the first sample's
-    shape, dtype and values (a mistake there would otherwise surface only after calibration)."""
+def open_validation(cfg: QuantConfig, specs, comm):
+    """--val_dir's samples: (source, K, this process's indices, K spread evenly over the folder),
+    or None. Checked before any pass, every sample the profile will read (this process's share):
+    the layout, the count, each sample's shape, dtype and values; a mistake there would otherwise
+    surface only after calibration."""
     if cfg.val_dir is None:
         return None
     probe = DataSource(cfg.val_dir, specs, 0, cfg.input_shapes, role=VALIDATION)
@@ -172,10 +174,15 @@ def open_validation(cfg: QuantConfig, specs) -> DataSource | None:
     if have == 0:
         raise DataError(f"validation data {cfg.val_dir} holds no samples; expected "
                         f"{cfg.val_dir}/<input name>/0.npy (or .bin) ... as for -I, or an .npz")
-    val = DataSource(cfg.val_dir, specs, cfg.val_num or min(have, PROFILE_SAMPLES), cfg.input_shapes,
-                     role=VALIDATION)
-    val.sample(0)
-    return val
+    if cfg.val_num is not None and cfg.val_num > have:
+        raise DataError(f"validation data {cfg.val_dir} holds {have} samples (0..{have - 1}) but --val_num is "
+                        f"{cfg.val_num}; lower --val_num to {have} or add samples")
+    val = DataSource(cfg.val_dir, specs, have, cfg.input_shapes, role=VALIDATION)
+    k = cfg.val_num or min(have, PROFILE_SAMPLES)
+    indices = spread(k, have, comm.rank, comm.world)
+    for i in indices:
+        val.sample(i)
+    return val, k, indices
 
 
 def one_pass_minmax(cfg: QuantConfig) -> bool:
@@ -409,7 +416,7 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
         log.info("graph inputs with an initializer are treated as constants (their default values): %s",
                  ", ".join(const[:6]) + (" ..." if len(const) > 6 else ""))
     data = DataSource(cfg.input_dir, specs, cfg.data_num, cfg.input_shapes)
-    val = open_validation(cfg, specs)
+    val = open_validation(cfg, specs, comm)
     indices = shard(cfg.data_num, comm.rank, comm.world)
     _declare_input_ranks(g, data)
 
@@ -671,9 +678,9 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
     try:
         t = time.perf_counter()
         if val is not None:
-            k = len(val)
-            log.info("profile: %d held-out samples from --val_dir %s", k, cfg.val_dir)
-            prof_data, prof_indices = val, shard(k, comm.rank, comm.world)
+            prof_data, k, prof_indices = val
+            log.info("profile: %d held-out samples from --val_dir %s%s", k, cfg.val_dir,
+                     f", spread over its {len(prof_data)}" if k < len(prof_data) else "")
         else:
             k = profile_samples(cfg)
             if k < cfg.data_num:
@@ -700,7 +707,7 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
             raise OutputError(f"could not write the outputs into {out_dir} ({exc.strerror or exc}{what}); free "
                               f"space there or choose another -O; nothing in it was changed") from exc
         timings["total_s"] = time.perf_counter() - t0
-        final = _publish(staging, out_dir, keep=(cfg.model, *data.paths(), *(val.paths() if val else ())))
+        final = _publish(staging, out_dir, keep=(cfg.model, *data.paths(), *(val[0].paths() if val else ())))
         return Result(out_dir, final, rep, rows, timings)
     finally:
         if comm.rank == 0:

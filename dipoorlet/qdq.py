@@ -443,3 +443,18 @@ class Switchboard:
                 continue
             feed[name] = self._resident_value(self._value(tensor, weights)[1])
         return feed
+
+
+def dq_source(model_nodes: dict, tensor: str) -> str | None:
+    """The float tensor a DequantizeLinear output came from (through its Q and integer Clip)."""
+    node = model_nodes.get(tensor)
+    if node is None or node.op_type != "DequantizeLinear":
+        return None
+    src = node.input[0]
+    while src in model_nodes and model_nodes[src].op_type != "QuantizeLinear":
+        prev = model_nodes[src]
+        if prev.op_type != "Clip":
+            return None
+        src = prev.input[0]
+    q = model_nodes.get(src)
+    return q.input[0] if q is not None and q.op_type == "QuantizeLinear" else None

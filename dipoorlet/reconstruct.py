@@ -47,11 +47,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dipoorlet.bias_correction import _bcast, _dq_source
+from dipoorlet.bias_correction import _bcast
 from dipoorlet.errors import ModelError
 from dipoorlet.graph import node_attr
 from dipoorlet.progress import progress
-from dipoorlet.qdq import insert_qdq
+from dipoorlet.qdq import dq_source, insert_qdq
 from dipoorlet.qparams import quantize_array
 from dipoorlet.runtime import Runner
 
@@ -134,7 +134,7 @@ def find_layers(g, places, plan, qmodel) -> tuple[list[Layer], dict]:
             continue
         qnode = qnodes.get(name)
         xq = qnode.input[0] if qnode is not None else None
-        pre = _dq_source(producers, xq) if xq else None
+        pre = dq_source(producers, xq) if xq else None
         qp = plan.activations.get(pre) if pre else None
         if qp is None or qp.axis is not None or np.ndim(qp.scale):
             skipped[name] = "its input has no per-tensor Q/DQ right before it"

@@ -70,6 +70,7 @@ def clipped_summary(clipped: dict, k: int = 10) -> dict:
     hit = [(t, c, c.noise_ratio()) for t, c in clipped.items() if c.beyond]
     hit.sort(key=lambda tcr: (-tcr[2], -tcr[1].beyond))
     return {"tensors": len(clipped), "tensors_clipped": len(hit),
+            **({"nan_values": sum(c.nan for c in clipped.values())} if any(c.nan for c in clipped.values()) else {}),
             "worst": [{"tensor": t, "fraction": c.beyond / c.total, "values": c.beyond,
                        "peak_over_range": _num(c.peak), "saturation_over_rounding_noise": _num(r)}
                       for t, c, r in hit[:k]]}

@@ -104,11 +104,79 @@ def test_minmax_grids_hold_the_calibration_inputs(case):
     assert all(1.0 < w["peak_over_range"] < 1.1 for w in clipped["worst"])
 
 
-def test_val_num_reads_the_first_k(case):
-    tmp, _, _ = case
+def test_val_num_reads_k_samples_spread_over_the_folder(case):
+    tmp, model, val = case
     res = _cli(tmp, "-O", str(tmp / "out"), "--val_dir", str(tmp / "val"), "--val_num", "2", "--skip_prof_layer")
     assert res.returncode == 0, res.stderr
-    assert json.loads((tmp / "out" / "report.json").read_text())["profile_samples"] == 2
+    rep = json.loads((tmp / "out" / "report.json").read_text())
+    assert rep["profile_samples"] == 2
+    qmodel = onnx.load(str(tmp / "out" / "quant_model.onnx"))
+    picked = [val[0], val[2]]      # 2 of 5, spread: samples 0 and 2
+    cos = [_cosine(ort_run(model, f)[0], ort_run(qmodel, f)[0]) for f in picked]
+    assert rep["outputs"][0]["cosine"] == pytest.approx(np.mean(cos), abs=1e-5)
+
+
+def test_a_quantized_network_output_is_counted_before_its_q(case):
+    """snpe quantizes the network output itself: its producer writes logits_float, the DQ writes
+    logits; what saturates is logits_float (oracle: onnxruntime exposing it, numpy counting)."""
+    tmp, _, val = case
+    res = _cli(tmp, "-O", str(tmp / "out"), "--val_dir", str(tmp / "val"), "--no_bc", "-D", "snpe")
+    assert res.returncode == 0, res.stderr
+    qmodel = onnx.load(str(tmp / "out" / "quant_model.onnx"))
+    scale, zp, qmin, qmax = _grid(qmodel, "logits_float")
+    exposed = onnx.load(str(tmp / "out" / "quant_model.onnx"))
+    exposed.graph.output.append(onnx.helper.make_tensor_value_info("logits_float", onnx.TensorProto.FLOAT, None))
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(exposed.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    x = np.concatenate([sess.run(["logits_float"], f)[0].reshape(-1) for f in val]).astype(np.float64)
+    lo, hi = (qmin - zp) * scale, (qmax - zp) * scale
+    beyond = int(np.count_nonzero((x > hi + scale / 2) | (x < lo - scale / 2)))
+    assert beyond > 0
+    rows = {w["tensor"]: w for w in json.loads((tmp / "out" / "report.json").read_text())["clipped"]["worst"]}
+    assert rows["logits"]["values"] == beyond
+
+
+@pytest.mark.parametrize("op, value, what", [("Exp", 100.0, "inf"), ("Sqrt", -4.0, "nan")])
+def test_non_finite_activations_do_not_break_the_run(tmp_path, op, value, what):
+    """Exp(100) overflows float32 and Sqrt(-4) is NaN in the held-out data: the run still ends with
+    its summary; an infinite saturation shows as inf, NaN values are counted apart."""
+    from conftest import make_model, rand, vi
+    from onnx import helper
+
+    nodes = [helper.make_node(op, ["x"], ["e"], name="act"),
+             helper.make_node("Conv", ["e", "w", "b"], ["y"], name="conv", pads=[1, 1, 1, 1])]
+    model = make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("y", [1, 4, 8, 8])],
+                       {"w": rand((4, 3, 3, 3), 0, 0.3), "b": rand((4,), 1, 0.1)})
+    save(model, tmp_path / "m.onnx")
+    write_samples(tmp_path / "calib", [{"x": np.abs(rand((1, 3, 8, 8), i))} for i in range(6)])
+    held = np.abs(rand((1, 3, 8, 8), 9))
+    held[0, 0, 0, 0] = value
+    write_samples(tmp_path / "val", [{"x": held}])
+    res = _cli(tmp_path, "-O", str(tmp_path / "out"), "--val_dir", str(tmp_path / "val"))
+    assert res.returncode == 0, res.stderr
+    assert "Traceback" not in res.stderr
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    if what == "inf":
+        assert rep["clipped"]["worst"][0]["tensor"] == "e"
+        assert rep["clipped"]["worst"][0]["saturation_over_rounding_noise"] is None    # inf
+        assert "inf" in res.stderr + res.stdout
+    else:
+        assert rep["clipped"]["nan_values"] == 1
+
+
+def test_a_bad_held_out_sample_stops_the_run_before_any_pass(case):
+    tmp, _, val = case
+    bad = [dict(f) for f in val]
+    bad[3] = {"x": np.zeros((1, 3, 8, 8), np.float32)}
+    write_samples(tmp / "val_bad", bad)
+    res = _cli(tmp, "-O", str(tmp / "out"), "--val_dir", str(tmp / "val_bad"))
+    assert res.returncode == 2
+    lines = [line for line in res.stderr.splitlines() if line.startswith("dipoorlet: error:")]
+    assert len(lines) == 1 and "3.npy" in lines[0] and "has shape" in lines[0]
+    assert "get Q/DQ on" not in res.stderr      # placement, calibration: never reached
 
 
 @pytest.mark.parametrize("args, words", [
