@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dipoorlet.progress import progress
+from dipoorlet.qdq import dq_source
 from dipoorlet.runtime import SIMULATE, Runner
 
 
@@ -232,8 +233,6 @@ def grid_bounds(plan, places) -> dict[str, tuple[float, float, float, float]]:
 
 def _q_input(producers: dict, tensor: str) -> str:
     """The float tensor the Q/DQ that makes ``tensor`` reads, or ``tensor`` itself."""
-    from dipoorlet.qdq import dq_source
-
     return dq_source(producers, tensor) or tensor
 
 

@@ -163,8 +163,8 @@ def profile_samples(cfg: QuantConfig) -> int:
 
 
 def open_validation(cfg: QuantConfig, specs, comm):
-    """--val_dir's samples: (source, K, this process's indices, K spread evenly over the folder),
-    or None. Checked before any pass, every sample the profile will read (this process's share):
+    """--val_dir's samples as (source, K, this process's share of K indices spread evenly over
+    the folder), or None. Checked before any pass, every sample the profile will read (this process's share):
     the layout, the count, each sample's shape, dtype and values; a mistake there would otherwise
     surface only after calibration."""
     if cfg.val_dir is None:
