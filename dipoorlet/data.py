@@ -311,6 +311,11 @@ class DataSource:
             if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
                 raise DataError(f"{where} has dtype {arr.dtype}, input {spec.name!r} is {spec.dtype}; "
                                 f"save the sample as {spec.dtype} (numpy: arr.astype(np.{spec.dtype}))")
+            if (np.issubdtype(arr.dtype, np.floating) and arr.dtype.itemsize > np.dtype(spec.dtype).itemsize
+                    and ("wide", spec.name) not in self._warned_int):
+                self._warned_int.add(("wide", spec.name))
+                log.info("%s holds %s values for %s input %r: cast to %s (said once per input)", where,
+                         arr.dtype, spec.dtype, spec.name, spec.dtype)
             if np.issubdtype(arr.dtype, np.integer) and spec.name not in self._warned_int:
                 self._warned_int.add(spec.name)
                 log.warning("%s holds %s values for float input %r: cast to %s as they are; if these are "

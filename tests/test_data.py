@@ -452,3 +452,18 @@ def test_spread_picks_k_indices_evenly_and_shards_them_over_ranks():
     assert spread(8, 5, 0, 1) == [0, 1, 2, 3, 4]          # k >= n: every sample
     parts = [spread(5, 100, r, 3) for r in range(3)]
     assert sum(parts, []) == [0, 20, 40, 60, 80] and all(parts)
+
+
+def test_float64_npy_for_a_float32_input_is_cast_and_said_once(tmp_path, caplog):
+    spec = InputSpec("x", np.dtype(np.float32), (1, 2))
+    d = tmp_path / "x"
+    d.mkdir()
+    for i in range(3):
+        np.save(d / f"{i}.npy", np.array([[0.1 * i, 1e-3]], dtype=np.float64))
+    src = DataSource(tmp_path, [spec], 3)
+    with caplog.at_level("INFO", logger="dipoorlet.data"):
+        got = [src.sample(i)["x"] for i in range(3)]
+    assert all(a.dtype == np.float32 for a in got)
+    np.testing.assert_array_equal(got[2], np.array([[0.2, 1e-3]], dtype=np.float32))
+    said = [r.getMessage() for r in caplog.records if "cast to float32" in r.getMessage()]
+    assert len(said) == 1 and "float64" in said[0] and "0.npy" in said[0]
