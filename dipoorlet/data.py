@@ -119,7 +119,7 @@ class DataSource:
         self.specs = specs
         self.n = n
         self.input_shapes = dict(input_shapes or {})
-        self._warned_int: set = set()
+        self._said: set = set()
         unknown = set(self.input_shapes) - {s.name for s in specs}
         if unknown:
             from dipoorlet.errors import ConfigError
@@ -312,12 +312,12 @@ class DataSource:
                 raise DataError(f"{where} has dtype {arr.dtype}, input {spec.name!r} is {spec.dtype}; "
                                 f"save the sample as {spec.dtype} (numpy: arr.astype(np.{spec.dtype}))")
             if (np.issubdtype(arr.dtype, np.floating) and arr.dtype.itemsize > np.dtype(spec.dtype).itemsize
-                    and ("wide", spec.name) not in self._warned_int):
-                self._warned_int.add(("wide", spec.name))
+                    and ("wide", spec.name) not in self._said):
+                self._said.add(("wide", spec.name))
                 log.info("%s holds %s values for %s input %r: cast to %s (said once per input)", where,
                          arr.dtype, spec.dtype, spec.name, spec.dtype)
-            if np.issubdtype(arr.dtype, np.integer) and spec.name not in self._warned_int:
-                self._warned_int.add(spec.name)
+            if np.issubdtype(arr.dtype, np.integer) and spec.name not in self._said:
+                self._said.add(spec.name)
                 log.warning("%s holds %s values for float input %r: cast to %s as they are; if these are "
                             "raw pixels, normalize them as the model expects before calibrating", where,
                             arr.dtype, spec.name, spec.dtype)

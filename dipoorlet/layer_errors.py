@@ -217,9 +217,9 @@ class ErrorStats:
         return self
 
 
-def grid_bounds(plan, places) -> dict[str, tuple[float, float, float, float]]:
-    """tensor -> (lowest, highest value its per-tensor grid represents, and the thresholds beyond
-    which a value saturates: half a step further) for every quantized activation."""
+def grid_bounds(plan, places) -> dict[str, tuple[float, float, float]]:
+    """tensor -> (lowest and highest value its per-tensor grid represents, its step) for every
+    quantized activation; a value more than half a step beyond them saturates."""
     out = {}
     for t in places.activations:
         qp = plan.activations.get(t)
@@ -227,18 +227,8 @@ def grid_bounds(plan, places) -> dict[str, tuple[float, float, float, float]]:
             continue
         scale, zp = float(qp.scale), float(qp.zero_point)
         lo, hi = (qp.qmin - zp) * scale, (qp.qmax - zp) * scale
-        out[t] = (lo, hi, lo - 0.5 * scale, hi + 0.5 * scale)
+        out[t] = (lo, hi, scale)
     return out
-
-
-def _q_input(producers: dict, tensor: str) -> str:
-    """The float tensor the Q/DQ that makes ``tensor`` reads, or ``tensor`` itself."""
-    return dq_source(producers, tensor) or tensor
-
-
-def _step(bounds) -> float:
-    lo, _, lo_edge, _ = bounds
-    return 2.0 * (lo - lo_edge)
 
 
 class Clipped:
@@ -252,7 +242,8 @@ class Clipped:
         self.beyond, self.total, self.lost, self.peak, self.step, self.nan = 0, 0, ExactSum(), 0.0, step, 0
 
     def add(self, x: np.ndarray, bounds) -> None:
-        lo, hi, lo_edge, hi_edge = bounds
+        lo, hi, step = bounds
+        lo_edge, hi_edge = lo - 0.5 * step, hi + 0.5 * step
         x = x.reshape(-1)
         self.total += int(x.size)
         if not x.size:
@@ -305,13 +296,13 @@ def collect_errors(graph, qmodel, data, indices, targets: dict, comm, device="cp
     # the tensor each Q reads: a quantized network output keeps its name on the DQ's output, and
     # its producer writes <t>_float (qdq.py), which is what saturates
     producers = {o: n for n in qmodel.graph.node for o in n.output}
-    before_q = {t: _q_input(producers, t) for t in grids}
+    before_q = {t: dq_source(producers, t) or t for t in grids}
     exposed = names + list(dict.fromkeys(s for s in before_q.values() if s not in names and s not in inputs))
     outputs = [t for t in names if t in set(graph.output_names)]
     fp = Runner(graph.model, names, types=graph.types, device=device)
     qr = Runner(qmodel, exposed, types=graph.types, optimize=SIMULATE, device=device)
     stats = {t: ErrorStats() for t in names}
-    clipped = {t: Clipped(_step(b)) for t, b in grids.items()}
+    clipped = {t: Clipped(b[2]) for t, b in grids.items()}
     out_cos: dict[str, list] = {t: [] for t in outputs}
     for i in progress(indices, "error profile", comm):
         feed = data.sample(i)
@@ -335,7 +326,7 @@ def collect_errors(graph, qmodel, data, indices, targets: dict, comm, device="cp
             merged[t].merge(part)
     clips = {}
     for t, parts in comm.gather_samples({t: [c] for t, c in clipped.items()}).items():
-        clips[t] = Clipped(_step(grids[t]))
+        clips[t] = Clipped(grids[t][2])
         for part in parts:
             clips[t].merge(part)
     cosines = comm.gather_samples(out_cos)
