@@ -35,7 +35,7 @@ from dipoorlet.errors import ConfigError, DataError, ModelError, OutputError
 from dipoorlet.graph import Graph, save_model
 from dipoorlet.qdq import insert_qdq
 from dipoorlet.qparams import QuantPlan, bias_qparams, levels, make_qparams, share_scales
-from dipoorlet.ranges import NEEDS_HISTOGRAM, RANGE_METHODS, RangeParams
+from dipoorlet.ranges import NEEDS_HISTOGRAM, RANGE_METHODS, RangeParams, power_of_two_clip
 from dipoorlet.util import write_json
 
 log = logging.getLogger(__name__)
@@ -249,6 +249,11 @@ def plan_activations(stats, cfg: QuantConfig, plat, places=None) -> QuantPlan:
         params = RangeParams(qmax=steps, threshold=cfg.threshold, percentile=cfg.percentile,
                              quant_bins=128 if rule.bits <= 8 else cfg.bins)
         lo, hi = method(st, params)
+        if rule.power_of_two and rule.symmetric and cfg.act_quant == "mse":
+            # -A mse on a power-of-two grid: the best power-of-two step, not mse's step rounded up
+            clip = power_of_two_clip(st, steps)
+            if clip is not None:
+                lo, hi = min(max(st.minmax.lo, -clip), 0.0), max(min(st.minmax.hi, clip), 0.0)
         plan.activations[t] = make_qparams(lo, hi, rule)
         plan.rules[t] = rule
         if bits:

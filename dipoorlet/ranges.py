@@ -149,6 +149,39 @@ def mse(st: TensorStats, p: RangeParams) -> tuple[float, float]:
     return _clip(st, float(min(cands[int(np.argmin(err))], st.hist.amax)))
 
 
+def power_of_two_clip(st: TensorStats, qmax: int) -> float | None:
+    """The clip ``2^k * qmax`` (a power-of-two step) with the least quantization error of the
+    pooled |x| histogram, or None without one.
+
+    A power-of-two backend cannot hold the step that ``mse`` picks: rounding that step up to the
+    next power of two (what :func:`~dipoorlet.qparams.make_qparams` does) keeps the clip but makes
+    the step up to 2x coarser, about 3 dB more rounding noise on average. Here the power-of-two
+    step that covers the largest value and the four below it are scored on the histogram
+    (rounding inside, clipping outside), so a tensor whose tail is cheaper to clip than its body
+    is to round gets the finer step. Each bin is scored at 8 points spread over its width: at
+    the smallest candidates a step spans only a few bins, and bin centres alone would fall on
+    or halfway between grid points.
+    """
+    if st.hist is None:
+        return None
+    counts = st.hist.abs_counts().astype(np.float64)
+    amax = float(st.minmax.amax)
+    if counts.sum() == 0 or not (amax > 0 and np.isfinite(amax)):
+        return None
+    nz = np.nonzero(counts)[0]
+    sub = (np.arange(8) + 0.5) / 8
+    x = ((nz[:, None] + sub[None, :]) * st.hist.width).ravel()
+    weight = np.repeat(counts[nz] / 8, 8)
+    top = int(np.ceil(np.log2(amax / qmax)))
+    clips = qmax * 2.0 ** np.arange(top - 4, top + 1, dtype=np.float64)
+    err = []
+    for c in clips:
+        step = c / qmax
+        q = np.minimum(np.round(x / step), qmax) * step
+        err.append(float(((x - q) ** 2) @ weight))
+    return float(clips[int(np.argmin(err))])
+
+
 def _kl_at(counts: np.ndarray, i: int, nq: int) -> float:
     p = counts[:i].astype(np.float64)
     p[i - 1] += counts[i:].sum()

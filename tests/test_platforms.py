@@ -69,6 +69,30 @@ def test_power_of_two_platforms_use_power_of_two_scales(case, plat):
         assert np.allclose(np.log2(s), np.round(np.log2(s)))
 
 
+@pytest.mark.parametrize("plat, method, step", [("imx", "mse", 2.0 ** -5), ("ti", "mse", 2.0 ** -5),
+                                                  ("imx", "minmax", 2.0 ** -4), ("imx", "hist", 2.0 ** -4)])
+def test_power_of_two_step_of_mse_is_the_best_power_of_two(tmp_path, plat, method, step):
+    """A Conv input of normal values with three at +-4.5: -A mse's own clip (~4.46) needs a step
+    just over 2^-5, and rounding it up (the earlier rule) gives 2^-4; the step with the least
+    error on the data is 2^-5 (clipping the three to 3.97; numpy oracle below), which -A mse now
+    takes. minmax and hist keep their clip covered (2^-4)."""
+    from conftest import conv_model, stats_from
+    from dipoorlet.ranges import RangeParams, mse
+
+    x = np.random.default_rng(4).standard_normal((8, 1, 3, 16, 16)).astype(np.float32)
+    x.reshape(-1)[[5, 700, 3000]] = [4.5, -4.5, 4.5]
+    top = 2.0 ** np.ceil(np.log2(np.abs(x).max() / 127))
+    err = {s: np.mean((x - np.clip(np.rint(x / s), -127, 127) * s) ** 2) for s in (top, top / 2, top / 4)}
+    assert top == 2.0 ** -4 and min(err, key=err.get) == 2.0 ** -5
+    lo, hi = mse(stats_from(x), RangeParams(qmax=127))
+    assert max(-lo, hi) > 127 * 2.0 ** -5                 # rounded up to a power of two: 2^-4
+    data = write_samples(tmp_path / "data", [{"x": v} for v in x])
+    out = tmp_path / "out"
+    dipoorlet.quantize(model=save(conv_model(hw=16), tmp_path / "m.onnx"), input_dir=data, data_num=8,
+                       deploy=plat, output_dir=out, act_quant=method, skip_prof_layer=True, bias_correction=False)
+    assert float(scales(onnx.load(str(out / "quant_model.onnx")))["x"]) == step
+
+
 def test_ti_uses_the_unsigned_grid_for_non_negative_tensors(case):
     _, _, qm = run(case, "ti")
     zps = {t.name[:-11]: numpy_helper.to_array(t) for t in qm.graph.initializer if t.name.endswith("_zero_point")}

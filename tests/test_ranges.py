@@ -201,3 +201,75 @@ def test_all_zero_tensor_gives_zero_range(method):
 def test_constant_positive_tensor_gives_ordered_range(method):
     lo, hi = RANGE_METHODS[method](stats_from(np.full(1000, 2.5, np.float32), 512), RangeParams())
     assert lo <= hi
+
+
+# ---- power-of-two grids under -A mse ---------------------------------------------------------
+def _pow2_oracle(x: np.ndarray, qmax: int = 127) -> tuple[float, dict]:
+    """Every power-of-two step from the one covering max|x| down to 1/16 of it, scored by the
+    real squared error of symmetric fake quantization of the raw data."""
+    x = x.astype(np.float64)
+    top = int(np.ceil(np.log2(np.abs(x).max() / qmax)))
+    errs = {}
+    for k in range(top - 4, top + 1):
+        s = 2.0 ** k
+        errs[s * qmax] = float(np.mean((x - np.clip(np.rint(x / s), -qmax, qmax) * s) ** 2))
+    return min(errs, key=errs.get), errs
+
+
+@pytest.mark.parametrize("kind", DISTS)
+def test_power_of_two_clip_is_the_best_power_of_two_step(kind):
+    from dipoorlet.ranges import power_of_two_clip
+
+    x = _data(kind, seed=3)
+    got = power_of_two_clip(stats_from(x), 127)
+    best, errs = _pow2_oracle(x)
+    assert np.log2(got / 127) == np.round(np.log2(got / 127))
+    assert got in errs
+    # the histogram estimate may pick a neighbour only where the two errors are within 3%
+    assert errs[got] <= 1.03 * errs[best]
+
+
+def test_power_of_two_clip_takes_the_finer_step_when_the_tail_is_cheap_to_clip():
+    """Normal data (sigma 1.15) whose mse clip (~4.3) needs a step just over 2^-5: rounding it up
+    to a power of two (the earlier rule) gives 2^-4, twice as coarse, where 2^-5 clips only the
+    values above 3.97."""
+    from dipoorlet.qparams import make_qparams
+    from dipoorlet.platform import TensorRule
+    from dipoorlet.ranges import power_of_two_clip
+
+    x = _data("normal", seed=4) * np.float32(1.15)
+    st = stats_from(x)
+    got = power_of_two_clip(st, 127)
+    best, errs = _pow2_oracle(x)
+    assert got == best == 127 * 2.0 ** -5 < max(errs)
+    lo, hi = mse(st, RangeParams(qmax=127))
+    rule = TensorRule(bits=8, symmetric=True, power_of_two=True)
+    assert float(make_qparams(lo, hi, rule).scale) == 2.0 ** -4      # what mse + rounding up gives
+    assert errs[got] < 0.6 * errs[127 * 2.0 ** -4]
+
+
+def test_power_of_two_clip_keeps_the_covering_step_for_uniform_data():
+    from dipoorlet.ranges import power_of_two_clip
+
+    x = np.random.default_rng(5).uniform(-1.9, 1.9, N).astype(np.float32)   # 1.9/127: step 2^-6 covers it
+    got = power_of_two_clip(stats_from(x), 127)
+    assert got == 127 * 2.0 ** -6 == _pow2_oracle(x)[0]
+
+
+def test_power_of_two_clip_unsigned_grid():
+    """ti's unsigned grid for a non-negative tensor: 255 steps of a power of two."""
+    from dipoorlet.ranges import power_of_two_clip
+
+    r = np.random.default_rng(6)
+    x = np.maximum(r.standard_normal(N), 0).astype(np.float32)
+    got = power_of_two_clip(stats_from(x), 255)
+    best, errs = _pow2_oracle(x, qmax=255)
+    assert got in errs and errs[got] <= 1.03 * errs[best]
+
+
+def test_power_of_two_clip_without_histogram_or_data():
+    from dipoorlet.ranges import power_of_two_clip
+    from dipoorlet.stats import TensorStats
+
+    assert power_of_two_clip(TensorStats(), 127) is None
+    assert power_of_two_clip(stats_from(np.zeros(100, np.float32)), 127) is None
