@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--bc", action="store_true",
                    help="bias correction: after calibration, remove the mean shift each quantized "
                         "Conv/Gemm/MatMul adds to its output (one extra pass of the quantized model). On "
-                        "by default but on imx (power-of-two weights); give --bc to keep it there and with --gptq, "
+                        "by default; give --bc to keep it with --gptq, "
                         "--adaround, --brecq or --sparse, which turn it off otherwise (--auto_a16 and --auto_w8 "
                         "turn it off and refuse --bc)")
     bc.add_argument("--no_bc", action="store_true", help="no bias correction")

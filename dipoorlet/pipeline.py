@@ -391,8 +391,8 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
     if cfg.gptq_samples and not (cfg.gptq or cfg.adaround or cfg.brecq or cfg.sparse is not None):
         log.warning("--gptq_samples applies with --gptq, --adaround, --brecq or --sparse only; ignored")
     if cfg.bc_samples is not None and not cfg.bias_correction:
-        log.warning("--bc_samples applies with bias correction only (off here: --no_bc, --auto_a16/--auto_w8, imx's "
-                    "power-of-two weights or a fitted rounding without --bc); ignored")
+        log.warning("--bc_samples applies with bias correction only (off here: --no_bc, --auto_a16/--auto_w8 "
+                    "or a fitted rounding without --bc); ignored")
     if cfg.ada_iters != 1000 and not (cfg.adaround or cfg.brecq):
         log.warning("--ada_iters applies with --adaround or --brecq/--drop only; ignored")
     if cfg.max_a16_layers is not None and not cfg.auto_a16:
@@ -427,10 +427,10 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
 
     equalized = []
     stats = None
-    # Per-channel weights: rescaling channels costs the producer's weights nothing. Not with
-    # power-of-two scales: the noise estimate that picks the scales does not model that rounding
-    # (on imx it cost the VAD 4 points).
-    eq_on = cfg.equalize and plat.weight.per_channel and not (plat.weight.power_of_two or plat.activation.power_of_two)
+    # Per-channel weights: rescaling channels costs the producer's weights nothing. Power-of-two
+    # grids (imx) too since -A mse picks their steps by error: with mse's steps rounded up it had
+    # cost imx's VAD 4 points; now 1, and the OCR models gain (README, Weight transforms).
+    eq_on = cfg.equalize and plat.weight.per_channel
     if eq_on:
         from dipoorlet import equalize
 

@@ -255,9 +255,8 @@ def test_bias_correction_is_on_by_default_unless_the_rounding_is_fitted_or_searc
 
     cfg = QuantConfig(model=tmp_path / "m.onnx", input_dir=tmp_path, data_num=1, **kwargs)
     assert cfg.bias_correction_on(platform_mod.load("trt")) is on
-    assert cfg.bias_correction_on(platform_mod.load("ti")) is on          # power-of-two activations only
-    # power-of-two weight grids (imx): off unless asked for
-    assert cfg.bias_correction_on(platform_mod.load("imx")) is (kwargs.get("bias_correction") is True)
+    assert cfg.bias_correction_on(platform_mod.load("ti")) is on          # power-of-two activations
+    assert cfg.bias_correction_on(platform_mod.load("imx")) is on         # and weights
 
 
 def test_bias_correction_by_default_reads_bc_samples_spread_over_n(tmp_path):
