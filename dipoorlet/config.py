@@ -207,7 +207,8 @@ class QuantConfig:
         (on the classifier, detector and recognizer --gptq lost with it), nor before a search that
         re-plans the weights. Power-of-two grids (imx) too since session 22: with -A mse's steps
         rounded up and no equalization it had cost imx's VAD 9 points and its PP-OCRv5 detector
-        0.56 mask IoU; with both changed it gains on six of eight models there."""
+        0.56 mask IoU; with both changed it gains on five of eight models there, is flat on one
+        and lowers the VAD and MiniLM."""
         if self.bias_correction is not None:
             return self.bias_correction
         fitted = self.gptq or self.adaround or self.brecq or self.sparse is not None

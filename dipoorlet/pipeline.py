@@ -428,8 +428,8 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
     equalized = []
     stats = None
     # Per-channel weights: rescaling channels costs the producer's weights nothing. Power-of-two
-    # grids (imx) too since -A mse picks their steps by error: with mse's steps rounded up it had
-    # cost imx's VAD 4 points; now 1, and the OCR models gain (README, Weight transforms).
+    # grids (imx) too, with every -A: with mse's steps rounded up it had cost imx's VAD 4 points;
+    # with -A mse choosing them by error it costs 1 and most OCR models gain (README, Measured).
     eq_on = cfg.equalize and plat.weight.per_channel
     if eq_on:
         from dipoorlet import equalize

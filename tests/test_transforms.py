@@ -547,9 +547,22 @@ def test_weight_equalization_lowers_the_error_on_per_tensor_platforms(tmp_path):
         assert sq[True] > sq[False] + 3.0, (deploy, sq)
 
 
-def test_per_channel_platforms_keep_the_data_driven_equalization(tmp_path):
-    _, res, _ = _sqnr_on(tmp_path, _mobilenet_block(), _feeds(2), "qnn", True)
+@pytest.mark.parametrize("deploy", ["qnn", "imx"])
+def test_per_channel_platforms_keep_the_data_driven_equalization(tmp_path, deploy):
+    """Per-channel weights, power-of-two grids (imx) included: the data-driven equalization runs
+    by default, and lowers the error on imx's power-of-two grids too."""
+    import dipoorlet
+
+    sq, res, _ = _sqnr_on(tmp_path, _mobilenet_block(), _feeds(8), deploy, True)
     assert res.report["equalization"] and all("method" not in r for r in res.report["equalization"])
+    if deploy == "imx":
+        assert sq > _sqnr_on(tmp_path, _mobilenet_block(), _feeds(8), deploy, False)[0] + 3.0
+    # the default (no equalize argument) is on
+    from conftest import write_samples
+    data = write_samples(tmp_path / "dd", _feeds(2))
+    res = dipoorlet.quantize(model=tmp_path / "m.onnx", input_dir=data, data_num=2, deploy=deploy,
+                             output_dir=tmp_path / "od", skip_prof_layer=True)
+    assert res.report["equalization"]
 
 
 # ----------------------------------------------------------------------------------- MatMul smoothing
