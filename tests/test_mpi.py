@@ -64,7 +64,8 @@ def _run(root: Path, out: Path, method: str, ranks: int, calib="calib"):
                                     "mse --gptq --gptq_memory 0.001 -D snpe", "mse --adaround --ada_iters 50 --w_bits 4",
                                     "mse --sparse 0.5", "mse --sparse 1:3",
                                     "mse --w_bits 4 --auto_w8 sqnr:60 --sens_samples 4 --adaround --ada_iters 50",
-                                    "mse -D qnn --a_bits 4 --auto_a16 0.99999 --max_a16_layers 2 --sens_samples 4"])
+                                    "mse -D qnn --a_bits 4 --auto_a16 0.99999 --max_a16_layers 2 --sens_samples 4",
+                                    "mse -D imx", "mse -D ti"])
 def test_outputs_identical_for_any_process_count(case, method):
     single = _run(case, case / f"one-{method}", method, 1)
     assert single.returncode == 0, single.stderr
