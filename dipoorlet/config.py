@@ -44,7 +44,7 @@ class QuantConfig:
     a_bits: int | None = None          # override the platform's activation bits
     layer_bits: dict = field(default_factory=dict)  # node -> (weight bits | None, act bits | None)
     stpu_wg: bool = False
-    bias_correction: bool | None = None  # --bc / --no_bc; None: the default, bias_correction_on(platform)
+    bias_correction: bool | None = None  # --bc / --no_bc; None: the default, bias_correction_on()
     bc_samples: int | None = None      # --bc_samples; None: N up to BC_SAMPLES
     gptq: bool = False                 # --gptq: output-aware weight rounding (reconstruct.py)
     adaround: bool = False             # --adaround: AdaRound on the same statistics (adaround.py)
@@ -82,14 +82,10 @@ class QuantConfig:
             raise ConfigError(f"--percentile must be in (50, 100], got {self.percentile}; e.g. 99.999")
         if not isinstance(self.sens_samples, int) or self.sens_samples < 1:
             raise ConfigError(f"--sens_samples must be a positive integer, got {self.sens_samples!r}")
-        if self.prof_samples is not None and (isinstance(self.prof_samples, bool) or not isinstance(
-                self.prof_samples, int) or self.prof_samples < 1):
-            raise ConfigError(f"--prof_samples must be a positive integer, got {self.prof_samples!r}")
+        _optional_count(self.prof_samples, "--prof_samples")
         if self.val_dir is not None:
             object.__setattr__(self, "val_dir", Path(self.val_dir))
-        if self.val_num is not None and (isinstance(self.val_num, bool) or not isinstance(self.val_num, int)
-                                         or self.val_num < 1):
-            raise ConfigError(f"--val_num must be a positive integer, got {self.val_num!r}")
+        _optional_count(self.val_num, "--val_num")
         if self.val_num is not None and self.val_dir is None:
             raise ConfigError("--val_num counts --val_dir's samples; pass --val_dir DIR with it")
         if self.val_dir is not None and self.prof_samples is not None:
@@ -100,17 +96,13 @@ class QuantConfig:
                               "does not read with --val_dir; run --savefp without --val_dir")
         if self.criterion not in ("cosine", "sqnr", "maxabs"):
             raise ConfigError(f"--criterion must be cosine, sqnr or maxabs, got {self.criterion!r}")
-        if self.equalize_samples is not None and (isinstance(self.equalize_samples, bool) or not isinstance(
-                self.equalize_samples, int) or self.equalize_samples < 1):
-            raise ConfigError(f"--eq_samples must be a positive integer, got {self.equalize_samples!r}")
+        _optional_count(self.equalize_samples, "--eq_samples")
         for flag in ("savefp", "skip_prof_layer", "stpu_wg", "gptq", "adaround", "brecq", "drop", "lsq", "equalize",
                      "shift",
                      "debug"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
-        if self.gptq_samples is not None and (isinstance(self.gptq_samples, bool) or not isinstance(
-                self.gptq_samples, int) or self.gptq_samples < 1):
-            raise ConfigError(f"--gptq_samples must be a positive integer, got {self.gptq_samples!r}")
+        _optional_count(self.gptq_samples, "--gptq_samples")
         if (isinstance(self.gptq_memory, bool) or not isinstance(self.gptq_memory, (int, float))
                 or not self.gptq_memory > 0 or self.gptq_memory == float("inf")):
             raise ConfigError(f"--gptq_memory must be a positive number of MB, got {self.gptq_memory!r}")
@@ -121,9 +113,7 @@ class QuantConfig:
             if self.adaround:
                 raise ConfigError("--sparse with --adaround: pruning is decided with GPTQ's rounding (SparseGPT); "
                                   "drop --adaround (--sparse implies --gptq)")
-        if self.ada_bs is not None and (isinstance(self.ada_bs, bool) or not isinstance(self.ada_bs, int)
-                                        or self.ada_bs < 1):
-            raise ConfigError(f"--ada_bs must be a positive integer, got {self.ada_bs!r}")
+        _optional_count(self.ada_bs, "--ada_bs")
         if (self.drop or self.lsq) and not self.brecq:
             object.__setattr__(self, "brecq", True)
         if self.brecq and (self.gptq or self.adaround or self.sparse is not None):
@@ -151,9 +141,7 @@ class QuantConfig:
                                   "inputs before the search; run --auto_a16 first, then again with --layer_bits "
                                   "NODE=a16 for the layers it chose (report.json: auto_a16.a16_layers) and "
                                   "--gptq/--adaround/--sparse/--bc")
-        if self.max_w8_layers is not None and (isinstance(self.max_w8_layers, bool) or not isinstance(
-                self.max_w8_layers, int) or self.max_w8_layers < 1):
-            raise ConfigError(f"--max_w8_layers must be a positive integer, got {self.max_w8_layers!r}")
+        _optional_count(self.max_w8_layers, "--max_w8_layers")
         if self.auto_w8 is not None:
             from dipoorlet.sensitivity import parse_target
             parse_target(self.auto_w8, flag="--auto_w8")
@@ -182,9 +170,7 @@ class QuantConfig:
                               f"got {self.bias_correction!r}")
         if not isinstance(self.equalize, bool):
             raise ConfigError(f"equalize (--no_equalize) must be True or False, got {self.equalize!r}")
-        if self.bc_samples is not None and (isinstance(self.bc_samples, bool) or not isinstance(
-                self.bc_samples, int) or self.bc_samples < 1):
-            raise ConfigError(f"--bc_samples must be a positive integer, got {self.bc_samples!r}")
+        _optional_count(self.bc_samples, "--bc_samples")
         if isinstance(self.trt_version, int) and not isinstance(self.trt_version, bool) and self.trt_version >= 0:
             object.__setattr__(self, "trt_version", str(self.trt_version))
         if not (isinstance(self.trt_version, str) and re.fullmatch(r"[0-9]+", self.trt_version)):
@@ -201,8 +187,8 @@ class QuantConfig:
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
 
-    def bias_correction_on(self, plat) -> bool:
-        """--bc / --no_bc, or the default for ``plat``. On by default: it lowers the error on
+    def bias_correction_on(self) -> bool:
+        """--bc / --no_bc, or the default. On by default: it lowers the error on
         nearly every model measured (README, Weight transforms). Not where the rounding is fitted
         (on the classifier, detector and recognizer --gptq lost with it), nor before a search that
         re-plans the weights. Power-of-two grids (imx) too since session 22: with -A mse's steps
@@ -213,6 +199,12 @@ class QuantConfig:
             return self.bias_correction
         fitted = self.gptq or self.adaround or self.brecq or self.sparse is not None
         return not (fitted or self.auto_a16 is not None or self.auto_w8 is not None)
+
+
+def _optional_count(value, flag: str) -> None:
+    """None, or a positive integer (not a bool); else the one-line error naming ``flag``."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigError(f"{flag} must be a positive integer, got {value!r}")
 
 
 def parse_sparse(value):

@@ -382,7 +382,7 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
     out_dir = Path(cfg.output_dir)
     check_output_dir(out_dir)
     plat = platform_mod.load(cfg.deploy)
-    cfg = dataclasses.replace(cfg, bias_correction=cfg.bias_correction_on(plat))
+    cfg = dataclasses.replace(cfg, bias_correction=cfg.bias_correction_on())
     check_bits(cfg, plat)
     if cfg.brecq:
         from dipoorlet.torch_graph import import_torch
