@@ -64,6 +64,39 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     return model
 
 
+# Ops of an already quantized model (ONNX's and onnxruntime's contrib ops), besides any QLinear*
+QUANTIZED_OPS = {"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "ConvInteger", "MatMulInteger",
+                 "QGemm", "QAttention", "QEmbedLayerNormalization", "DynamicQuantizeLSTM", "DynamicQuantizeMatMul",
+                 "MatMulIntegerToFloat", "MatMulNBits", "DequantizeBFP", "QuantizeBFP", "QOrderedMatMul",
+                 "QOrderedAttention", "QOrderedLayerNormalization", "QOrderedGelu", "QOrderedLongformerAttention"}
+
+
+def _all_nodes(graph: onnx.GraphProto):
+    """Every node of ``graph`` and of the subgraphs its If/Loop/Scan nodes hold."""
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                yield from _all_nodes(sub)
+
+
+def check_float(model: onnx.ModelProto, path) -> None:
+    """A ModelError naming the quantized ops when ``model`` is already quantized (a QDQ or QOp
+    model, e.g. a quant_model.onnx passed back as -M, or one from another quantizer): quantizing
+    it again would put a second grid over the first one and calibrate on values the first one
+    already rounded."""
+    found: dict[str, int] = {}
+    first = None
+    for node in _all_nodes(model.graph):
+        if node.op_type in QUANTIZED_OPS or node.op_type.startswith("QLinear"):
+            found[node.op_type] = found.get(node.op_type, 0) + 1
+            first = first or (node.name or node.output[0])
+    if found:
+        ops = ", ".join(f"{n} {op}" for op, n in sorted(found.items(), key=lambda kv: -kv[1]))
+        raise ModelError(f"{path} is already quantized ({ops}; first: {first}); dipoorlet quantizes float "
+                         "models: pass the float model it was made from with -M")
+
+
 def opset_of(model: onnx.ModelProto) -> int:
     for imp in model.opset_import:
         if imp.domain in ("", "ai.onnx"):

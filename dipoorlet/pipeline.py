@@ -32,7 +32,7 @@ from dipoorlet.data import VALIDATION, DataSource, input_specs, shard, spread
 from dipoorlet.deploy import DeployContext, export_all
 from dipoorlet.dist import SingleProcess
 from dipoorlet.errors import ConfigError, DataError, ModelError, OutputError
-from dipoorlet.graph import Graph, save_model
+from dipoorlet.graph import Graph, check_float, save_model
 from dipoorlet.qdq import insert_qdq
 from dipoorlet.qparams import QuantPlan, bias_qparams, levels, make_qparams, share_scales
 from dipoorlet.ranges import NEEDS_HISTOGRAM, RANGE_METHODS, RangeParams, power_of_two_clip
@@ -84,6 +84,7 @@ def guard_inputs(model, input_dir, out_dir: Path, savefp: bool = False) -> None:
 
 def load_graph(cfg: QuantConfig, plat=None) -> Graph:
     g = Graph.load(cfg.model)
+    check_float(g.model, cfg.model)
     # the names the input model has: where the side files name anything else (a folded
     # BatchNormalization's weight, a tensor the opset conversion made), transformed_model.onnx
     # is the float model they describe

@@ -188,6 +188,30 @@ def nothing_quantizable(c):
     return ["relu.onnx", "quantizable"]
 
 
+def already_quantized_qdq(c):
+    """A QDQ model passed as -M (e.g. a quant_model.onnx given back): refused, not quantized twice."""
+    w = conv_model().graph.initializer
+    inits = {"s": np.float32(0.02), "z": np.int8(0)}
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"], name="x_q"),
+             helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"], name="x_dq"),
+             helper.make_node("Conv", ["xd", "w", "b"], ["y"], name="conv", pads=[1] * 4)]
+    model = make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("y", [1, 4, 8, 8])],
+                       {**{t.name: onnx.numpy_helper.to_array(t) for t in w}, **inits})
+    c.args["-M"] = str(save(model, c.tmp / "qdq.onnx"))
+    return ["qdq.onnx", "already quantized", "1 QuantizeLinear", "1 DequantizeLinear", "float model"]
+
+
+def already_quantized_integer_ops(c):
+    """onnxruntime's dynamic quantization (DynamicQuantizeLinear -> ConvInteger) is refused too."""
+    inits = {"w": np.ones((4, 3, 3, 3), np.uint8), "wz": np.uint8(0)}
+    nodes = [helper.make_node("DynamicQuantizeLinear", ["x"], ["xq", "xs", "xz"], name="dq"),
+             helper.make_node("ConvInteger", ["xq", "w", "xz", "wz"], ["yi"], name="convint", pads=[1] * 4),
+             helper.make_node("Cast", ["yi"], ["y"], name="cast", to=onnx.TensorProto.FLOAT)]
+    model = make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("y", [1, 4, 8, 8])], inits)
+    c.args["-M"] = str(save(model, c.tmp / "dyn.onnx"))
+    return ["dyn.onnx", "already quantized", "ConvInteger", "DynamicQuantizeLinear"]
+
+
 def skip_layer_unknown(c):
     c.extra = ["--skip_layers", "no_such_node"]
     return ["no_such_node", "--skip_layers"]
@@ -396,7 +420,8 @@ def reference_update_bn(c):
 
 CASES = [missing_model, model_is_a_folder, not_onnx, external_data_missing, custom_op, input_dir_missing, input_folder_missing,
          too_few_files, bin_wrong_size, nan_in_sample, inf_in_npy, unknown_method, unknown_platform,
-         output_not_writable, output_is_a_file, nothing_quantizable, skip_layer_unknown, score_output_unknown,
+         output_not_writable, output_is_a_file, nothing_quantizable, already_quantized_qdq,
+         already_quantized_integer_ops, skip_layer_unknown, score_output_unknown,
          input_shape_malformed, input_shape_unknown_name, input_shape_static_conflict, input_shape_twice,
          input_shape_zero, sample_beyond_float32, platform_op_typo, model_without_inputs, inputs_all_initializers,
          zero_samples,
