@@ -187,8 +187,15 @@ class DataSource:
             raise DataError(f"{self.path} holds {len(npz)} .npz files ({', '.join(npz[:3])}) and no folder for "
                             f"model input {spec.name!r}; put every input's [N, ...] array into one .npz "
                             "(numpy.savez), or use one folder per input")
+        listing = sorted(os.listdir(self.path))
+        hint = _layout_hint(self.path, listing)
+        loose = [k for k in listing if k.endswith((".npy", ".bin"))]
+        if loose and len(self.specs) == 1:
+            hint = (f"{len(loose)} sample files such as {loose[0]} sit in {self.path} itself: move them into "
+                    f"{self.path / _safe(spec.name)}")
         raise DataError(f"no folder for model input {spec.name!r} in {self.path}; expected "
-                        f"{self.path / _safe(spec.name)}/0.bin (or .npy) ... one file per sample")
+                        f"{self.path / _safe(spec.name)}/0.bin (or .npy) ... one file per sample"
+                        + (f" ({hint})" if hint else ""))
 
     def _files(self, spec: InputSpec) -> list[Path]:
         folder, files = self.folders[spec.name], []
@@ -204,8 +211,10 @@ class DataSource:
                     break
             else:
                 have = sum(1 for k in names if k.endswith((".bin", ".npy")))
+                hint = _layout_hint(folder, sorted(names))
                 raise DataError(f"{folder} has no sample {i}.bin or {i}.npy (found {have} sample "
-                                f"files, {self.n_flag} is {self.n}); lower {self.n_flag} or add files named 0..N-1")
+                                f"files, {self.n_flag} is {self.n}); "
+                                + (hint or f"lower {self.n_flag} or add files named 0..N-1"))
         return files
 
     def available(self) -> int:
@@ -341,10 +350,32 @@ class DataSource:
         if spec.shape is not None:
             want = self.input_shapes.get(spec.name, spec.shape)
             if len(want) != arr.ndim or any(w is not None and w != a for w, a in zip(want, arr.shape)):
+                turned = (len(want) == arr.ndim and None not in want and sorted(want) == sorted(arr.shape)
+                          and list(want) != list(arr.shape))
                 raise DataError(f"{where} has shape {_fmt(arr.shape)} but input {spec.name!r} "
-                                f"expects {_fmt(want)}; re-export the data or pass --input_shape")
+                                f"expects {_fmt(want)}; "
+                                + ("the same sizes in another order (channels last?): transpose the data to "
+                                   "the model's layout" if turned else "re-export the data or pass --input_shape"))
         # np.ascontiguousarray would turn a 0-d sample (a scalar input) into shape (1,)
         return np.require(arr, requirements="C")
+
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".gif")
+
+
+def _layout_hint(folder: Path, names: list[str]) -> str:
+    """What a folder that misses the expected sample files holds instead, for the error line:
+    images (the data must be the model's input tensors, preprocessed) or sample files named
+    otherwise (img_000.npy)."""
+    images = [k for k in names if k.lower().endswith(IMAGE_SUFFIXES)]
+    if images:
+        return (f"{len(images)} image files such as {images[0]} are in {folder}: the data are the model's "
+                "input tensors after its preprocessing, one .npy (numpy.save) or raw .bin per sample, "
+                "not images")
+    other = [k for k in names if k.endswith((".npy", ".bin")) and not k[:-4].isdigit()]
+    if other:
+        return f"{', '.join(other[:2])}{' ...' if len(other) > 2 else ''} are in {folder}: rename them 0.npy, 1.npy ..."
+    return ""
 
 
 def _npz_arrays(path: Path) -> dict:

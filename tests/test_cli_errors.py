@@ -157,6 +157,47 @@ def inf_in_npy(c):
     return [str(c.data / "x" / "1.npy"), "Inf"]
 
 
+def images_instead_of_samples(c):
+    """Image files where the preprocessed tensors belong: the line says what the data must be."""
+    d = c.tmp / "imgs" / "x"
+    d.mkdir(parents=True)
+    for i in range(2):
+        (d / f"photo{i}.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    c.args["-I"] = str(c.tmp / "imgs")
+    return [str(d), "2 image files", "photo0.jpg", "after its preprocessing", "not images"]
+
+
+def images_in_input_dir(c):
+    d = c.tmp / "imgs_flat"
+    d.mkdir()
+    (d / "a.png").write_bytes(b"png")
+    c.args["-I"] = str(d)
+    return ["no folder for model input 'x'", "1 image files such as a.png", "not images"]
+
+
+def samples_named_otherwise(c):
+    d = c.tmp / "named" / "x"
+    d.mkdir(parents=True)
+    for i in range(2):
+        np.save(d / f"img_{i:03d}.npy", rand((1, 3, 8, 8), i))
+    c.args["-I"] = str(c.tmp / "named")
+    return ["no sample 0.bin or 0.npy", "img_000.npy, img_001.npy", "rename them 0.npy"]
+
+
+def samples_outside_input_folder(c):
+    d = c.tmp / "flat"
+    d.mkdir()
+    for i in range(2):
+        np.save(d / f"{i}.npy", rand((1, 3, 8, 8), i))
+    c.args["-I"] = str(d)
+    return ["no folder for model input 'x'", "2 sample files such as 0.npy", f"move them into {d / 'x'}"]
+
+
+def channels_last_sample(c):
+    np.save(c.data / "x" / "1.npy", rand((1, 8, 8, 3), 1))
+    return [str(c.data / "x" / "1.npy"), "[1,8,8,3]", "[1,3,8,8]", "channels last", "transpose"]
+
+
 def unknown_method(c):
     c.args["-A"] = "kmeans"
     return ["kmeans", "entropy", "minmax", "mse"]
@@ -419,7 +460,8 @@ def reference_update_bn(c):
 
 
 CASES = [missing_model, model_is_a_folder, not_onnx, external_data_missing, custom_op, input_dir_missing, input_folder_missing,
-         too_few_files, bin_wrong_size, nan_in_sample, inf_in_npy, unknown_method, unknown_platform,
+         too_few_files, bin_wrong_size, nan_in_sample, inf_in_npy, images_instead_of_samples,
+         images_in_input_dir, samples_named_otherwise, samples_outside_input_folder, channels_last_sample, unknown_method, unknown_platform,
          output_not_writable, output_is_a_file, nothing_quantizable, already_quantized_qdq,
          already_quantized_integer_ops, skip_layer_unknown, score_output_unknown,
          input_shape_malformed, input_shape_unknown_name, input_shape_static_conflict, input_shape_twice,
