@@ -190,6 +190,11 @@ class DataSource:
         listing = sorted(os.listdir(self.path))
         hint = _layout_hint(self.path, listing)
         loose = [k for k in listing if k.endswith((".npy", ".bin"))]
+        dirs = [k for k in listing if (self.path / k).is_dir()]
+        if dirs and not hint:
+            names = ", ".join(repr(x.name) for x in self.specs)
+            hint = (f"its folders are {', '.join(dirs[:4])}{' ...' if len(dirs) > 4 else ''}: name each after a "
+                    f"model input ({names})")
         if loose and len(self.specs) == 1:
             hint = (f"{len(loose)} sample files such as {loose[0]} sit in {self.path} itself: move them into "
                     f"{self.path / _safe(spec.name)}")

@@ -193,6 +193,11 @@ def samples_outside_input_folder(c):
     return ["no folder for model input 'x'", "2 sample files such as 0.npy", f"move them into {d / 'x'}"]
 
 
+def input_folder_misnamed(c):
+    (c.data / "x").rename(c.data / "images")
+    return ["no folder for model input 'x'", "its folders are images", "name each after a model input ('x')"]
+
+
 def channels_last_sample(c):
     np.save(c.data / "x" / "1.npy", rand((1, 8, 8, 3), 1))
     return [str(c.data / "x" / "1.npy"), "[1,8,8,3]", "[1,3,8,8]", "channels last", "transpose"]
@@ -461,7 +466,8 @@ def reference_update_bn(c):
 
 CASES = [missing_model, model_is_a_folder, not_onnx, external_data_missing, custom_op, input_dir_missing, input_folder_missing,
          too_few_files, bin_wrong_size, nan_in_sample, inf_in_npy, images_instead_of_samples,
-         images_in_input_dir, samples_named_otherwise, samples_outside_input_folder, channels_last_sample, unknown_method, unknown_platform,
+         images_in_input_dir, samples_named_otherwise, samples_outside_input_folder, channels_last_sample,
+         input_folder_misnamed, unknown_method, unknown_platform,
          output_not_writable, output_is_a_file, nothing_quantizable, already_quantized_qdq,
          already_quantized_integer_ops, skip_layer_unknown, score_output_unknown,
          input_shape_malformed, input_shape_unknown_name, input_shape_static_conflict, input_shape_twice,
