@@ -84,6 +84,23 @@ def available() -> list[str]:
     return sorted(p.stem for p in platforms_dir().glob("*.toml"))
 
 
+# what users call the backends, for the suggestion when -D names none of them
+_ALIASES = {"tensorrt": ["trt"], "nvidia": ["trt"], "onnxruntime": ["ort"], "rknn": ["rk", "rv"],
+            "rockchip": ["rk", "rv"], "rv1126": ["rv"], "rk3588": ["rk"], "tidl": ["ti"], "ascend": ["atlas"],
+            "huawei": ["atlas"], "amct": ["atlas"], "cambricon": ["magicmind"], "mlu": ["magicmind"],
+            "qualcomm": ["snpe", "qnn"], "hexagon": ["snpe", "qnn"], "qairt": ["qnn"], "nxp": ["imx"],
+            "eiq": ["imx"], "sensetime": ["stpu"]}
+
+
+def _guess(name: str) -> list[str]:
+    import difflib
+
+    key = name.lower().replace("-", "").replace("_", "")
+    if key in _ALIASES:
+        return _ALIASES[key]
+    return difflib.get_close_matches(name.lower(), available(), n=2, cutoff=0.6)
+
+
 def load(name_or_path: str) -> Platform:
     path = Path(name_or_path)
     if name_or_path.endswith(".toml"):
@@ -92,9 +109,13 @@ def load(name_or_path: str) -> Platform:
                               f"{', '.join(available())} or the path of a .toml spec")
     else:
         path = platforms_dir() / f"{name_or_path}.toml"
+        if not path.is_file() and name_or_path.lower() in available():   # -D TRT
+            path = platforms_dir() / f"{name_or_path.lower()}.toml"
         if not path.is_file():
-            raise ConfigError(f"unknown platform -D {name_or_path!r}; valid: "
-                              f"{', '.join(available())} (or a path to your own .toml spec)")
+            guess = _guess(name_or_path)
+            raise ConfigError(f"unknown platform -D {name_or_path!r}; "
+                              + (f"did you mean {' or '.join(guess)}? " if guess else "")
+                              + f"valid: {', '.join(available())} (or a path to your own .toml spec)")
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:

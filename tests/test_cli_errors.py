@@ -213,6 +213,16 @@ def unknown_platform(c):
     return ["tpu9000", "trt"]
 
 
+def platform_by_vendor_name(c):
+    c.args["-D"] = "tensorrt"
+    return ["'tensorrt'", "did you mean trt?", "valid: atlas"]
+
+
+def platform_misspelt(c):
+    c.args["-D"] = "snep"
+    return ["'snep'", "did you mean snpe?"]
+
+
 def output_not_writable(c):
     (c.tmp / "afile").write_text("x")
     c.out = c.tmp / "afile" / "out"
@@ -467,7 +477,8 @@ def reference_update_bn(c):
 CASES = [missing_model, model_is_a_folder, not_onnx, external_data_missing, custom_op, input_dir_missing, input_folder_missing,
          too_few_files, bin_wrong_size, nan_in_sample, inf_in_npy, images_instead_of_samples,
          images_in_input_dir, samples_named_otherwise, samples_outside_input_folder, channels_last_sample,
-         input_folder_misnamed, unknown_method, unknown_platform,
+         input_folder_misnamed, unknown_method, unknown_platform, platform_by_vendor_name,
+         platform_misspelt,
          output_not_writable, output_is_a_file, nothing_quantizable, already_quantized_qdq,
          already_quantized_integer_ops, skip_layer_unknown, score_output_unknown,
          input_shape_malformed, input_shape_unknown_name, input_shape_static_conflict, input_shape_twice,

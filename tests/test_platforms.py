@@ -462,3 +462,14 @@ def test_qop_keeps_the_float_tensors_an_if_body_reads(tmp_path):
     onnx.checker.check_model(qop)
     for f in feeds:
         assert _cos(ort_run(qop, f)[0], ort_run(qdq, f)[0]) > KERNEL_COS
+
+
+def test_platform_name_is_case_insensitive_but_not_guessed():
+    """-D TRT loads trt; a vendor's name is not taken for a backend (qualcomm: snpe or qnn?), it
+    is suggested in the error."""
+    from dipoorlet.errors import ConfigError
+
+    assert platforms.load("TRT").name == "trt"
+    assert platforms.load("Snpe").name == "snpe"
+    with pytest.raises(ConfigError, match="did you mean snpe or qnn"):
+        platforms.load("qualcomm")
