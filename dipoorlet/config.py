@@ -1,6 +1,7 @@
 """Run configuration: one frozen dataclass, validated on creation."""
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from dataclasses import dataclass, field
@@ -70,8 +71,16 @@ class QuantConfig:
         object.__setattr__(self, "output_dir", out)
         object.__setattr__(self, "skip_layers", tuple(self.skip_layers or ()))
         object.__setattr__(self, "score_outputs", tuple(self.score_outputs or ()))
+        if isinstance(self.act_quant, str) and self.act_quant.lower() in RANGE_METHODS:
+            object.__setattr__(self, "act_quant", self.act_quant.lower())     # -A MSE
         if self.act_quant not in RANGE_METHODS:
-            raise ConfigError(f"unknown -A {self.act_quant!r}; valid: {', '.join(sorted(RANGE_METHODS))}")
+            # other tools' names for the same methods (onnxruntime's CalibrationMethod, TensorRT's calibrators)
+            other = {"kl": "entropy", "kld": "entropy", "max": "minmax", "octav": "mse", "histogram": "hist",
+                     "entropy2": "entropy", "percent": "percentile"}
+            key = str(self.act_quant).lower()
+            guess = other.get(key) or next(iter(difflib.get_close_matches(key, RANGE_METHODS, n=1, cutoff=0.6)), None)
+            raise ConfigError(f"unknown -A {self.act_quant!r}; " + (f"did you mean {guess}? " if guess else "")
+                              + f"valid: {', '.join(sorted(RANGE_METHODS))}")
         if not isinstance(self.data_num, int) or self.data_num < 1:
             raise ConfigError(f"-N must be a positive number of samples, got {self.data_num!r}")
         if not isinstance(self.bins, int) or self.bins < 16:

@@ -208,6 +208,11 @@ def unknown_method(c):
     return ["kmeans", "entropy", "minmax", "mse"]
 
 
+def method_by_other_tools_name(c):
+    c.args["-A"] = "kl"
+    return ["'kl'", "did you mean entropy?"]
+
+
 def unknown_platform(c):
     c.args["-D"] = "tpu9000"
     return ["tpu9000", "trt"]
@@ -477,7 +482,7 @@ def reference_update_bn(c):
 CASES = [missing_model, model_is_a_folder, not_onnx, external_data_missing, custom_op, input_dir_missing, input_folder_missing,
          too_few_files, bin_wrong_size, nan_in_sample, inf_in_npy, images_instead_of_samples,
          images_in_input_dir, samples_named_otherwise, samples_outside_input_folder, channels_last_sample,
-         input_folder_misnamed, unknown_method, unknown_platform, platform_by_vendor_name,
+         input_folder_misnamed, unknown_method, method_by_other_tools_name, unknown_platform, platform_by_vendor_name,
          platform_misspelt,
          output_not_writable, output_is_a_file, nothing_quantizable, already_quantized_qdq,
          already_quantized_integer_ops, skip_layer_unknown, score_output_unknown,
