@@ -219,7 +219,8 @@ class DataSource:
                 hint = _layout_hint(folder, sorted(names))
                 raise DataError(f"{folder} has no sample {i}.bin or {i}.npy (found {have} sample "
                                 f"files, {self.n_flag} is {self.n}); "
-                                + (hint or f"lower {self.n_flag} or add files named 0..N-1"))
+                                + (hint or (f"lower {self.n_flag} to {i} (samples 0..{i - 1} are there)" if i else
+                                            f"lower {self.n_flag}") + " or add files named 0..N-1"))
         return files
 
     def available(self) -> int:

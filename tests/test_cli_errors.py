@@ -126,7 +126,7 @@ def input_folder_missing(c):
 
 def too_few_files(c):
     c.args["-N"] = "5"
-    return ["2.bin or 2.npy", "-N"]
+    return ["2.bin or 2.npy", "lower -N to 2 (samples 0..1 are there)"]
 
 
 def bin_wrong_size(c):
