@@ -126,7 +126,8 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
              equalized=(), smooth=True, k: int = DIAGNOSE_LAYERS, shifted=(), platform: str = "trt",
              samples: int | None = None, gptq=(), method: str | None = None,
              gptq_ran: bool = False, max_act_bits: int = 8, rounding: str = "--gptq", sparse: dict | None = None,
-             sparse_pattern: str | None = None, promoted=(), deferred: str | None = None) -> list[dict]:
+             sparse_pattern: str | None = None, promoted=(), deferred: str | None = None,
+             held_out: bool = False) -> list[dict]:
     """One row per layer among the ``k`` most sensitive that lose more than ``MIN_LOSS``.
     ``shifted``: dipoorlet.shift's rows; a shifted input is described by its source tensor (its
     channel ranges and its clip on the asymmetric grid), not by the shifted copy."""
@@ -180,6 +181,7 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
                     a["channel_max"] = float(live.max())
                     a["channel_spread"] = float(live.max() / np.median(live))
                     a["channel_samples"] = n_samples
+                    a["channel_held_out"] = held_out
             kind, via = _blocker(g, t)
             node = g.node_by_name[s.node]
             conv_input = node.op_type == "Conv" and node.input[0] == t and g.is_constant(node.input[1])
@@ -290,7 +292,8 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | 
             part = [f"input {a['shifted_from']} clipped to [{lo:.4g}, {hi:.4g}] (asymmetric grid, shifted)"]
         elif a.get("channel_max") and a["amax"] > WIDE_GRID * a["channel_max"]:
             # not clipped: the grid is far wider than what this tensor carries
-            over = f" over {a['channel_samples']} samples" if a.get("channel_samples") else ""
+            over = (f" over {a['channel_samples']} {'held-out ' if a.get('channel_held_out') else ''}samples"
+                    if a.get("channel_samples") else "")
             part = [f"input {a['tensor']} on a grid to {a['amax']:.4g}, {a['amax'] / a['channel_max']:.0f}x its "
                     f"largest value{over} ({a['channel_max']:.4g}), so its values use about "
                     f"{a['channel_max'] / a['step']:.0f} of the grid's {2 ** a['bits'] - 1} steps"]
@@ -302,7 +305,8 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | 
         if "channel_max" in a and "on a grid to" in part[0]:
             part.append(f"channel ranges {a['channel_spread']:.1f}x apart under one per-tensor scale")
         elif "channel_max" in a:
-            over = f" over {a['channel_samples']} samples" if a.get("channel_samples") else ""
+            over = (f" over {a['channel_samples']} {'held-out ' if a.get('channel_held_out') else ''}samples"
+                    if a.get("channel_samples") else "")
             part.append(f"largest channel max{over} {a['channel_max']:.4g}, channel ranges "
                         f"{a['channel_spread']:.1f}x apart under one per-tensor scale")
         part.append(f"equalization: {a['equalization']}")

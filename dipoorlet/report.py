@@ -112,6 +112,7 @@ def build(rows, places, meta: dict, analysis: dict | None = None, stats=None, pl
     }
     if "sens_samples" in analysis:
         rep["sensitivity_samples"] = analysis["sens_samples"]
+        rep["sensitivity_held_out"] = bool(analysis.get("sens_held_out"))
     if "bias_correction" in analysis:
         rep["bias_correction"] = analysis["bias_correction"]
     for key in ("gptq", "adaround", "sparse", "brecq", "qdrop"):
@@ -194,7 +195,8 @@ def markdown(report: dict) -> str:
             l = sens.get(n, {})
             body.append([n, l.get("op_type"), *_iso(l), _iso(l, "weight_only")[0], _iso(l, "activation_only")[0]])
         out += ["", f"## 10 most sensitive layers (isolated: only this layer quantized, effect at the "
-                f"output, {report.get('sensitivity_samples')} samples)", "",
+                f"output, {report.get('sensitivity_samples')} "
+                f"{'held-out samples from --val_dir' if report.get('sensitivity_held_out') else 'samples'})", "",
                 table(["node", "op", "output cosine", "SQNR dB", "weights only", "activations only"], body)]
     if report.get("diagnosis"):
         out += ["", "## What limits accuracy, and what to do", ""]

@@ -204,3 +204,33 @@ def test_bad_validation_data_is_one_line_and_nothing_is_written(case, args, word
     for w in words:
         assert w in lines[0], lines[0]
     assert not (tmp / "out" / "quant_model.onnx").exists()
+
+
+def test_sensitivity_and_auto_skip_score_on_the_held_out_samples(case):
+    """With --val_dir the isolated analysis and --auto_skip's trials run on held-out samples:
+    --auto_skip's starting score (every layer quantized) is the float-vs-quantized output cosine
+    of the written model on those samples, computed here with onnxruntime; on the calibration
+    samples it is another number."""
+    tmp, model, val = case
+    res = _cli(tmp, "-O", str(tmp / "out"), "--val_dir", str(tmp / "val"), "--no_bc", "--sens_samples", "5",
+               "--auto_skip", "cosine:0.01")
+    assert res.returncode == 0, res.stderr
+    rep = json.loads((tmp / "out" / "report.json").read_text())
+    assert rep["sensitivity_samples"] == 5 and rep["sensitivity_held_out"] is True
+    assert rep["auto_skip"]["float_layers"] == []          # met before any trial: the model as written
+    qmodel = onnx.load(str(tmp / "out" / "quant_model.onnx"))
+    held_out = np.mean([_cosine(ort_run(model, f)[0], ort_run(qmodel, f)[0]) for f in val])
+    calib = np.mean([_cosine(ort_run(model, f)[0], ort_run(qmodel, f)[0])
+                     for f in input_feeds(model, 6, seed=1)[:5]])
+    assert abs(held_out - calib) > 1e-3                    # the two sets tell apart
+    assert rep["auto_skip"]["before"]["cosine"] == pytest.approx(held_out, abs=1e-5)
+    assert "5 held-out samples from --val_dir" in (tmp / "out" / "report.md").read_text()
+
+    # without --val_dir: the calibration samples, and the report says so
+    res = _cli(tmp, "-O", str(tmp / "cal"), "--no_bc", "--sens_samples", "6", "--auto_skip", "cosine:0.01")
+    assert res.returncode == 0, res.stderr
+    rep = json.loads((tmp / "cal" / "report.json").read_text())
+    assert rep["sensitivity_held_out"] is False
+    qmodel = onnx.load(str(tmp / "cal" / "quant_model.onnx"))
+    calib = np.mean([_cosine(ort_run(model, f)[0], ort_run(qmodel, f)[0]) for f in input_feeds(model, 6, seed=1)])
+    assert rep["auto_skip"]["before"]["cosine"] == pytest.approx(calib, abs=1e-5)
