@@ -188,16 +188,18 @@ class DataSource:
                             f"model input {spec.name!r}; put every input's [N, ...] array into one .npz "
                             "(numpy.savez), or use one folder per input")
         listing = sorted(os.listdir(self.path))
-        hint = _layout_hint(self.path, listing)
-        loose = [k for k in listing if k.endswith((".npy", ".bin"))]
+        files = [k for k in listing if (self.path / k).is_file()]
+        hint = _layout_hint(self.path, files)
+        loose = [k for k in files if k.endswith((".npy", ".bin"))]
         dirs = [k for k in listing if (self.path / k).is_dir()]
         if dirs and not hint:
             names = ", ".join(repr(x.name) for x in self.specs)
             hint = (f"its folders are {', '.join(dirs[:4])}{' ...' if len(dirs) > 4 else ''}: name each after a "
                     f"model input ({names})")
         if loose and len(self.specs) == 1:
-            hint = (f"{len(loose)} sample files such as {loose[0]} sit in {self.path} itself: move them into "
-                    f"{self.path / _safe(spec.name)}")
+            hint = (f"{len(loose)} sample file{'s' if len(loose) > 1 else ''} such as {loose[0]} in {self.path} "
+                    f"itself: move them into {self.path / _safe(spec.name)}"
+                    + (" and name them 0.npy, 1.npy ..." if not all(k[:-4].isdigit() for k in loose) else ""))
         raise DataError(f"no folder for model input {spec.name!r} in {self.path}; expected "
                         f"{self.path / _safe(spec.name)}/0.bin (or .npy) ... one file per sample"
                         + (f" ({hint})" if hint else ""))
@@ -216,7 +218,9 @@ class DataSource:
                     break
             else:
                 have = sum(1 for k in names if k.endswith((".bin", ".npy")))
-                hint = _layout_hint(folder, sorted(names))
+                # what the folder holds instead, where it holds none of the samples (with samples
+                # 0..i-1 there, a stray preview.png or mean.npy is not the problem)
+                hint = _layout_hint(folder, sorted(k for k in names if (folder / k).is_file())) if i == 0 else ""
                 raise DataError(f"{folder} has no sample {i}.bin or {i}.npy (found {have} sample "
                                 f"files, {self.n_flag} is {self.n}); "
                                 + (hint or (f"lower {self.n_flag} to {i} (samples 0..{i - 1} are there)" if i else
@@ -356,8 +360,9 @@ class DataSource:
         if spec.shape is not None:
             want = self.input_shapes.get(spec.name, spec.shape)
             if len(want) != arr.ndim or any(w is not None and w != a for w, a in zip(want, arr.shape)):
-                turned = (len(want) == arr.ndim and None not in want and sorted(want) == sorted(arr.shape)
-                          and list(want) != list(arr.shape))
+                fits = lambda shape: all(w is None or w == a for w, a in zip(want, shape))
+                turned = len(want) == arr.ndim >= 3 and (fits(arr.shape[:1] + arr.shape[-1:] + arr.shape[1:-1])
+                                                         or fits(arr.shape[:1] + arr.shape[2:] + arr.shape[1:2]))
                 raise DataError(f"{where} has shape {_fmt(arr.shape)} but input {spec.name!r} "
                                 f"expects {_fmt(want)}; "
                                 + ("the same sizes in another order (channels last?): transpose the data to "
@@ -375,12 +380,16 @@ def _layout_hint(folder: Path, names: list[str]) -> str:
     otherwise (img_000.npy)."""
     images = [k for k in names if k.lower().endswith(IMAGE_SUFFIXES)]
     if images:
-        return (f"{len(images)} image files such as {images[0]} are in {folder}: the data are the model's "
-                "input tensors after its preprocessing, one .npy (numpy.save) or raw .bin per sample, "
-                "not images")
-    other = [k for k in names if k.endswith((".npy", ".bin")) and not k[:-4].isdigit()]
-    if other:
-        return f"{', '.join(other[:2])}{' ...' if len(other) > 2 else ''} are in {folder}: rename them 0.npy, 1.npy ..."
+        return (f"{len(images)} image file{'s' if len(images) > 1 else ''} such as {images[0]} in {folder}: "
+                "the data are the model's input tensors after its preprocessing, one .npy (numpy.save) or "
+                "raw .bin per sample, not images")
+    samples = [k for k in names if k.endswith((".npy", ".bin"))]
+    if samples and all(k[:-4].isdigit() for k in samples):   # 0001.npy ... or 1.npy ...: numbered otherwise
+        return (f"its samples are numbered {samples[0]} ... {samples[-1]}: name them 0.npy ... "
+                f"{len(samples) - 1}.npy, without leading zeros, from 0")
+    if samples:
+        return (f"{', '.join(samples[:2])}{' ...' if len(samples) > 2 else ''} in {folder}: name the samples "
+                "0.npy, 1.npy ... (or 0.bin ...)")
     return ""
 
 

@@ -172,7 +172,7 @@ def images_in_input_dir(c):
     d.mkdir()
     (d / "a.png").write_bytes(b"png")
     c.args["-I"] = str(d)
-    return ["no folder for model input 'x'", "1 image files such as a.png", "not images"]
+    return ["no folder for model input 'x'", "1 image file such as a.png", "not images"]
 
 
 def samples_named_otherwise(c):
@@ -181,7 +181,24 @@ def samples_named_otherwise(c):
     for i in range(2):
         np.save(d / f"img_{i:03d}.npy", rand((1, 3, 8, 8), i))
     c.args["-I"] = str(c.tmp / "named")
-    return ["no sample 0.bin or 0.npy", "img_000.npy, img_001.npy", "rename them 0.npy"]
+    return ["no sample 0.bin or 0.npy", "img_000.npy, img_001.npy", "name the samples 0.npy, 1.npy"]
+
+
+def samples_zero_padded(c):
+    d = c.tmp / "padded" / "x"
+    d.mkdir(parents=True)
+    for i in range(2):
+        np.save(d / f"{i + 1:04d}.npy", rand((1, 3, 8, 8), i))
+    c.args["-I"] = str(c.tmp / "padded")
+    return ["no sample 0.bin or 0.npy", "numbered 0001.npy ... 0002.npy", "without leading zeros, from 0"]
+
+
+def too_few_files_beside_a_stray_file(c):
+    """Samples 0..1 are there: a stray preview image is not what the line blames."""
+    (c.data / "x" / "preview.png").write_bytes(b"png")
+    np.save(c.data / "x" / "mean.npy", rand((1, 3, 8, 8), 9))
+    c.args["-N"] = "3"
+    return ["no sample 2.bin or 2.npy", "lower -N to 2 (samples 0..1 are there)"]
 
 
 def samples_outside_input_folder(c):
@@ -201,6 +218,16 @@ def input_folder_misnamed(c):
 def channels_last_sample(c):
     np.save(c.data / "x" / "1.npy", rand((1, 8, 8, 3), 1))
     return [str(c.data / "x" / "1.npy"), "[1,8,8,3]", "[1,3,8,8]", "channels last", "transpose"]
+
+
+def channels_last_sample_dynamic_batch(c):
+    """Most exported models have a dynamic batch: the hint still applies."""
+    model = conv_model()
+    for v in (*model.graph.input, *model.graph.output):
+        v.type.tensor_type.shape.dim[0].dim_param = "N"
+    c.args["-M"] = str(save(model, c.tmp / "dyn_batch.onnx"))
+    np.save(c.data / "x" / "1.npy", rand((1, 8, 8, 3), 1))
+    return [str(c.data / "x" / "1.npy"), "[1,8,8,3]", "channels last", "transpose"]
 
 
 def unknown_method(c):
@@ -482,6 +509,7 @@ def reference_update_bn(c):
 CASES = [missing_model, model_is_a_folder, not_onnx, external_data_missing, custom_op, input_dir_missing, input_folder_missing,
          too_few_files, bin_wrong_size, nan_in_sample, inf_in_npy, images_instead_of_samples,
          images_in_input_dir, samples_named_otherwise, samples_outside_input_folder, channels_last_sample,
+         channels_last_sample_dynamic_batch, samples_zero_padded, too_few_files_beside_a_stray_file,
          input_folder_misnamed, unknown_method, method_by_other_tools_name, unknown_platform, platform_by_vendor_name,
          platform_misspelt,
          output_not_writable, output_is_a_file, nothing_quantizable, already_quantized_qdq,
