@@ -64,37 +64,56 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     return model
 
 
-# Ops of an already quantized model (ONNX's and onnxruntime's contrib ops), besides any QLinear*
-QUANTIZED_OPS = {"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "ConvInteger", "MatMulInteger",
-                 "QGemm", "QAttention", "QEmbedLayerNormalization", "DynamicQuantizeLSTM", "DynamicQuantizeMatMul",
-                 "MatMulIntegerToFloat", "MatMulNBits", "DequantizeBFP", "QuantizeBFP", "QOrderedMatMul",
-                 "QOrderedAttention", "QOrderedLayerNormalization", "QOrderedGelu", "QOrderedLongformerAttention"}
+# Ops of an already quantized model: ONNX's (any QLinear* too) and onnxruntime's contrib ops
+QUANTIZED_OPS = {"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "ConvInteger", "MatMulInteger"}
+ORT_QUANTIZED_OPS = {"QGemm", "QAttention", "QEmbedLayerNormalization", "DynamicQuantizeLSTM",
+                     "DynamicQuantizeMatMul", "MatMulIntegerToFloat", "MatMulNBits", "MatMulBnb4",
+                     "GatherBlockQuantized", "QMoE", "QuantizeWithOrder", "DequantizeWithOrder", "DequantizeBFP",
+                     "QuantizeBFP", "QOrderedMatMul", "QOrderedAttention", "QOrderedLayerNormalization",
+                     "QOrderedGelu", "QOrderedLongformerAttention"}
 
 
-def _all_nodes(graph: onnx.GraphProto):
-    """Every node of ``graph`` and of the subgraphs its If/Loop/Scan nodes hold."""
-    for node in graph.node:
-        yield node
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                yield from _all_nodes(sub)
+def _all_nodes(model: onnx.ModelProto):
+    """Every node of the graph, of the subgraphs its If/Loop/Scan nodes hold, and of the model's
+    local functions."""
+    def walk(nodes):
+        for node in nodes:
+            yield node
+            for attr in node.attribute:
+                for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                    yield from walk(sub.node)
+    yield from walk(model.graph.node)
+    for fn in model.functions:
+        yield from walk(fn.node)
+
+
+def _quantized_op(node) -> bool:
+    domain = node.domain or "ai.onnx"
+    if domain in ("ai.onnx", "com.microsoft") and (node.op_type in QUANTIZED_OPS
+                                                     or node.op_type.startswith("QLinear")):
+        return True
+    return domain == "com.microsoft" and node.op_type in ORT_QUANTIZED_OPS
 
 
 def check_float(model: onnx.ModelProto, path) -> None:
     """A ModelError naming the quantized ops when ``model`` is already quantized (a QDQ or QOp
-    model, e.g. a quant_model.onnx passed back as -M, or one from another quantizer): quantizing
-    it again would put a second grid over the first one and calibrate on values the first one
-    already rounded."""
+    model, e.g. a quant_model.onnx passed back as -M, one from another quantizer or a QAT
+    export): quantizing it again would put a second grid over the first one and calibrate on
+    values the first one already rounded. A DequantizeLinear that reads a graph input (an
+    integer image turned into float at the model's entrance) is not quantization of the model."""
+    inputs = {i.name for i in model.graph.input} - {t.name for t in model.graph.initializer}
     found: dict[str, int] = {}
     first = None
-    for node in _all_nodes(model.graph):
-        if node.op_type in QUANTIZED_OPS or node.op_type.startswith("QLinear"):
-            found[node.op_type] = found.get(node.op_type, 0) + 1
-            first = first or (node.name or node.output[0])
+    for node in _all_nodes(model):
+        if not _quantized_op(node) or (node.op_type == "DequantizeLinear" and node.input[0] in inputs):
+            continue
+        found[node.op_type] = found.get(node.op_type, 0) + 1
+        first = first or node.name or next((o for o in node.output if o), node.op_type)
     if found:
         ops = ", ".join(f"{n} {op}" for op, n in sorted(found.items(), key=lambda kv: -kv[1]))
         raise ModelError(f"{path} is already quantized ({ops}; first: {first}); dipoorlet quantizes float "
-                         "models: pass the float model it was made from with -M")
+                         "models: pass the float model it was made from with -M (a quantization-aware-"
+                         "training export carries its own scales: give it to the backend's tools as it is)")
 
 
 def opset_of(model: onnx.ModelProto) -> int:

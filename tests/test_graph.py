@@ -236,3 +236,59 @@ def test_models_past_the_protobuf_limit_go_through_external_data(tmp_path, monke
     feed = input_feeds(model, 1)[0]
     assert np.abs(ort_run(qm, feed)[0] - ort_run(model, feed)[0]).max() < 0.1
     assert result.report["outputs"][0]["cosine"] > 0.99
+
+
+# ---- an already quantized model as -M ---------------------------------------------------------
+def _qdq_conv(domain=""):
+    """x -> Q -> DQ -> Conv: what a quant_model.onnx looks like."""
+    w = {t.name: numpy_helper.to_array(t) for t in conv_model().graph.initializer}
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"], name="q", domain=domain),
+             helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"], name="dq", domain=domain),
+             helper.make_node("Conv", ["xd", "w", "b"], ["y"], name="conv", pads=[1] * 4)]
+    return nodes, {**w, "s": np.float32(0.02), "z": np.int8(0)}
+
+
+def test_a_model_already_quantized_is_refused_also_inside_subgraphs_and_functions():
+    from dipoorlet.graph import check_float
+
+    nodes, inits = _qdq_conv()
+    with pytest.raises(ModelError, match=r"already quantized \(1 QuantizeLinear, 1 DequantizeLinear; first: q\)"):
+        check_float(make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("y", [1, 4, 8, 8])], inits), "m.onnx")
+    # the same Q/DQ inside an If branch
+    branch = helper.make_graph(nodes, "then", [], [vi("y", [1, 4, 8, 8])])
+    cond = helper.make_node("If", ["c"], ["y"], name="if", then_branch=branch, else_branch=branch)
+    model = make_model([cond], [vi("x", [1, 3, 8, 8]), vi("c", [], onnx.TensorProto.BOOL)],
+                       [vi("y", [1, 4, 8, 8])], inits, check=False)
+    with pytest.raises(ModelError, match="already quantized"):
+        check_float(model, "m.onnx")
+    # and inside a model-local function
+    fn = helper.make_function("local", "qdq", ["a"], ["b"],
+                              [helper.make_node("DynamicQuantizeLinear", ["a"], ["aq", "s", "z"]),
+                               helper.make_node("DequantizeLinear", ["aq", "s", "z"], ["b"])],
+                              [helper.make_opsetid("", 13)])
+    model = make_model([helper.make_node("qdq", ["x"], ["y"], domain="local")], [vi("x", [1, 3, 8, 8])],
+                       [vi("y", [1, 3, 8, 8])], extra_opsets=[("local", 1)], check=False)
+    model.functions.append(fn)
+    with pytest.raises(ModelError, match="1 DynamicQuantizeLinear, 1 DequantizeLinear"):
+        check_float(model, "m.onnx")
+
+
+def test_an_integer_input_dequantized_at_the_entrance_or_a_custom_op_named_like_a_quantized_one_is_float(
+        tmp_path):
+    from dipoorlet.graph import check_float
+
+    # a custom op of the user's own domain that happens to be called QGemm: not onnxruntime's
+    model = make_model([helper.make_node("QGemm", ["x"], ["y"], name="mine", domain="my.ops")],
+                       [vi("x", [1, 4])], [vi("y", [1, 4])], extra_opsets=[("my.ops", 1)], check=False)
+    check_float(model, "m.onnx")
+    # uint8 image -> DequantizeLinear -> float Conv: the model quantizes as a float one
+    w = {t.name: numpy_helper.to_array(t) for t in conv_model().graph.initializer}
+    nodes = [helper.make_node("DequantizeLinear", ["img", "s", "z"], ["x"], name="dq_in"),
+             helper.make_node("Conv", ["x", "w", "b"], ["y"], name="conv", pads=[1] * 4)]
+    model = make_model(nodes, [vi("img", [1, 3, 8, 8], onnx.TensorProto.UINT8)], [vi("y", [1, 4, 8, 8])],
+                       {**w, "s": np.float32(1 / 255), "z": np.uint8(0)})
+    feeds = [{"img": np.random.default_rng(i).integers(0, 256, (1, 3, 8, 8)).astype(np.uint8)} for i in range(3)]
+    _, q = quantize_model(tmp_path, model, feeds=feeds)
+    assert [n.input[0] for n in q.graph.node if n.op_type == "QuantizeLinear"] == ["x"]   # the Conv's input
+    ref, got = ort_run(model, feeds[0])[0], ort_run(q, feeds[0])[0]
+    assert np.corrcoef(ref.ravel(), got.ravel())[0, 1] > 0.999
