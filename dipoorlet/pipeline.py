@@ -758,8 +758,8 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, pl
             val=None) -> dict:
     """Isolated sensitivity, weight range spread and auto_skip, as the config asks.
 
-    With --val_dir (``val``) every score is taken on --sens_samples of its held-out samples,
-    spread over them, as the error profile's are: the layers --auto_skip/--auto_a16/--auto_w8
+    With --val_dir (``val``) every score is taken on --sens_samples of the held-out samples the
+    error profile reads (--val_num, spread over them), as the profile's are: the layers --auto_skip/--auto_a16/--auto_w8
     choose and the targets they meet are then judged on data calibration did not see (scored
     on calibration samples, a choice can fit those few samples: on the PP-OCR classifier
     --auto_skip gained 11 dB on its 8 sensitivity samples and 0.5 dB on evaluation crops)."""
@@ -767,9 +767,15 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, pl
     auto = cfg.auto_skip or cfg.auto_a16 or cfg.auto_w8
     if cfg.skip_prof_layer and not auto:
         return out
-    source, total = (val[0], val[0].n) if val is not None else (data, cfg.data_num)
-    n = min(cfg.sens_samples, total)
-    indices = spread(n, total, comm.rank, comm.world)
+    if val is not None:
+        # among the K held-out samples the profile reads (and open_validation checked up front)
+        source, k = val[0], val[1]
+        picks = spread(k, val[0].n, 0, 1)
+        n = min(cfg.sens_samples, k)
+        indices = [picks[j] for j in spread(n, k, comm.rank, comm.world)]
+    else:
+        source, n = data, min(cfg.sens_samples, cfg.data_num)
+        indices = spread(n, cfg.data_num, comm.rank, comm.world)
     crit = sensitivity.parse_target(auto)[0] if auto else (
         "cosine" if cfg.criterion == "maxabs" else cfg.criterion)
     scorer = sensitivity.Scorer(g, source, indices, comm, cfg.device, crit, outputs=cfg.score_outputs)

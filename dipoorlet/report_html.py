@@ -169,7 +169,8 @@ def html(rep: dict) -> str:
             iso, wo, ao = l.get("isolated") or {}, l.get("weight_only") or {}, l.get("activation_only") or {}
             rows.append([esc(n), esc(l.get("op_type")), _cos_cell(iso.get("cosine")), _fmt(iso.get("sqnr_db"), 2),
                          _fmt(wo.get("cosine"), 6), _fmt(ao.get("cosine"), 6)])
-        out += [f"<h2>Most sensitive layers (isolated, {esc(rep.get('sensitivity_samples'))} samples)</h2>",
+        held = " held-out samples from --val_dir" if rep.get("sensitivity_held_out") else " samples"
+        out += [f"<h2>Most sensitive layers (isolated, {esc(rep.get('sensitivity_samples'))}{held})</h2>",
                 _table(["node", "op", "output cosine", "SQNR dB", "weights only", "activations only"], rows)]
     if rep.get("worst_layers"):
         out += ["<h2>Worst layers (cumulative)</h2>",

@@ -225,6 +225,16 @@ def test_sensitivity_and_auto_skip_score_on_the_held_out_samples(case):
     assert abs(held_out - calib) > 1e-3                    # the two sets tell apart
     assert rep["auto_skip"]["before"]["cosine"] == pytest.approx(held_out, abs=1e-5)
     assert "5 held-out samples from --val_dir" in (tmp / "out" / "report.md").read_text()
+    assert "5 held-out samples from --val_dir" in (tmp / "out" / "report.html").read_text()
+
+    # --val_num 3: the sensitivity reads 3 of the profile's 3 samples (0, 1, 3 of the 5), not 5
+    res = _cli(tmp, "-O", str(tmp / "three"), "--val_dir", str(tmp / "val"), "--val_num", "3", "--no_bc",
+               "--sens_samples", "8", "--auto_skip", "cosine:0.01")
+    assert res.returncode == 0, res.stderr
+    rep = json.loads((tmp / "three" / "report.json").read_text())
+    assert rep["sensitivity_samples"] == 3 and rep["profile_samples"] == 3
+    three = np.mean([_cosine(ort_run(model, val[i])[0], ort_run(qmodel, val[i])[0]) for i in (0, 1, 3)])
+    assert rep["auto_skip"]["before"]["cosine"] == pytest.approx(three, abs=1e-5)
 
     # without --val_dir: the calibration samples, and the report says so
     res = _cli(tmp, "-O", str(tmp / "cal"), "--no_bc", "--sens_samples", "6", "--auto_skip", "cosine:0.01")
