@@ -175,21 +175,21 @@ def images_in_input_dir(c):
     return ["no folder for model input 'x'", "1 image file such as a.png", "not images"]
 
 
-def samples_named_otherwise(c):
-    d = c.tmp / "named" / "x"
+def _samples_named(c, folder: str, names: list[str]) -> None:
+    d = c.tmp / folder / "x"
     d.mkdir(parents=True)
-    for i in range(2):
-        np.save(d / f"img_{i:03d}.npy", rand((1, 3, 8, 8), i))
-    c.args["-I"] = str(c.tmp / "named")
+    for i, name in enumerate(names):
+        np.save(d / name, rand((1, 3, 8, 8), i))
+    c.args["-I"] = str(c.tmp / folder)
+
+
+def samples_named_otherwise(c):
+    _samples_named(c, "named", ["img_000.npy", "img_001.npy"])
     return ["no sample 0.bin or 0.npy", "img_000.npy, img_001.npy", "name the samples 0.npy, 1.npy"]
 
 
 def samples_zero_padded(c):
-    d = c.tmp / "padded" / "x"
-    d.mkdir(parents=True)
-    for i in range(2):
-        np.save(d / f"{i + 1:04d}.npy", rand((1, 3, 8, 8), i))
-    c.args["-I"] = str(c.tmp / "padded")
+    _samples_named(c, "padded", ["0001.npy", "0002.npy"])
     return ["no sample 0.bin or 0.npy", "numbered 0001.npy ... 0002.npy", "without leading zeros, from 0"]
 
 
