@@ -105,7 +105,7 @@ def check_float(model: onnx.ModelProto, path) -> None:
     found: dict[str, int] = {}
     first = None
     for node in _all_nodes(model):
-        if not _quantized_op(node) or (node.op_type == "DequantizeLinear" and node.input[0] in inputs):
+        if not _quantized_op(node) or (node.op_type == "DequantizeLinear" and node.input and node.input[0] in inputs):
             continue
         found[node.op_type] = found.get(node.op_type, 0) + 1
         first = first or node.name or next((o for o in node.output if o), node.op_type)

@@ -759,10 +759,11 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, pl
     """Isolated sensitivity, weight range spread and auto_skip, as the config asks.
 
     With --val_dir (``val``) every score is taken on --sens_samples of the held-out samples the
-    error profile reads (--val_num, spread over them), as the profile's are: the layers --auto_skip/--auto_a16/--auto_w8
-    choose and the targets they meet are then judged on data calibration did not see (scored
-    on calibration samples, a choice can fit those few samples: on the PP-OCR classifier
-    --auto_skip gained 11 dB on its 8 sensitivity samples and 0.5 dB on evaluation crops)."""
+    error profile reads (--val_num, spread over them), as the profile's are: the layers that
+    --auto_skip/--auto_a16/--auto_w8 choose and the targets they meet are then judged on data
+    calibration did not see (scored on calibration samples, a choice can fit those few
+    samples: on the PP-OCR classifier --auto_skip gained 11 dB on its 8 sensitivity samples
+    and 0.5 dB on evaluation crops)."""
     out: dict = {"weight_spread": sensitivity.weight_spread(g, places)}
     auto = cfg.auto_skip or cfg.auto_a16 or cfg.auto_w8
     if cfg.skip_prof_layer and not auto:
