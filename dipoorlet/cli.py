@@ -216,7 +216,7 @@ def name_run_log(out_dir: Path | None, ok: bool) -> None:
 
 
 def summary(result, cfg) -> str:
-    from dipoorlet.report import profile_source, table
+    from dipoorlet.report import lowest_cosine_notes, profile_source, table
 
     rep = result.report
     lines = ["", f"dipoorlet {__version__}: {rep['platform']} / -A {rep['method']} / {rep['samples']} samples"]
@@ -224,6 +224,7 @@ def summary(result, cfg) -> str:
     if rep.get("profile_data"):
         lines.append(f"error profile over {profile_source(rep)}:")
     lines.append(table(["network output", "mean cos", "min cos", "SQNR dB"], rows))
+    lines += lowest_cosine_notes(rep)
     c = rep.get("clipped")
     if c and c["tensors_clipped"] and rep.get("profile_data"):
         w = c["worst"][0]

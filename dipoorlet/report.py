@@ -53,7 +53,7 @@ def _histograms(nodes, places, stats, plan, bins: int = 64, shifted=()) -> dict:
 def _output_distribution(cosines: dict, outputs: list[str], bins: int = 20) -> dict:
     dist = {}
     for t in outputs:
-        cos = np.array(cosines.get(t, []), dtype=np.float64)
+        cos = np.array([c for _, c, _ in cosines.get(t, [])], dtype=np.float64)
         cos = cos[np.isfinite(cos)]  # a model whose own output is NaN for a sample
         if cos.size == 0:
             continue
@@ -62,6 +62,42 @@ def _output_distribution(cosines: dict, outputs: list[str], bins: int = 20) -> d
         dist[t] = {"edges": [_num(e) for e in edges], "counts": counts.astype(int).tolist(),
                    "samples": int(cos.size)}
     return dist
+
+
+def _lowest_sample(per_sample: list) -> dict:
+    """The sample with the lowest output cosine and its float output's energy over the average
+    sample's: a nearly empty output (a detector's map of a window without text) has a cosine that
+    weighs the noise on near-zero values, which its SQNR, pooled by energy, does not."""
+    rows = [(c, i, e) for i, c, e in per_sample if c == c and e == e]
+    if not rows:
+        return {}
+    c, i, e = min(rows)
+    mean = sum(r[2] for r in rows) / len(rows)
+    if not mean > 0:
+        return {"min_cosine_sample": int(i)}
+    full = [r[0] for r in rows if r[2] >= NEARLY_EMPTY * mean]
+    return {"min_cosine_sample": int(i), "min_cosine_energy_ratio": float(f"{e / mean:.3g}"),
+            "nearly_empty_samples": len(rows) - len(full),
+            "cosine_without_nearly_empty": _num(sum(full) / len(full)) if full else None}
+
+
+NEARLY_EMPTY = 0.01   # a sample whose float output carries under 1% of the average sample's energy
+
+
+def lowest_cosine_notes(report: dict) -> list[str]:
+    """One line per network output whose lowest per-sample cosine comes from a nearly empty
+    output, so that a min cos of 0.02 is read for what it is."""
+    notes = []
+    for o in report["outputs"]:
+        r = o.get("min_cosine_energy_ratio")
+        if r is not None and r < NEARLY_EMPTY:
+            rest = o.get("cosine_without_nearly_empty")
+            notes.append(f"{o['tensor']}: its min cos is sample {o['min_cosine_sample']}'s, whose float output "
+                         f"carries {r:.2g}x the average sample's energy: nearly empty, so that cosine measures "
+                         "the noise on near-zero values (the SQNR pools the samples by their energy)"
+                         + (f"; without the {o['nearly_empty_samples']} nearly empty sample"
+                            f"{'s' if o['nearly_empty_samples'] > 1 else ''}, mean cos {rest}" if rest is not None else ""))
+    return notes
 
 
 def clipped_summary(clipped: dict, k: int = 10) -> dict:
@@ -146,6 +182,9 @@ def build(rows, places, meta: dict, analysis: dict | None = None, stats=None, pl
     if clipped is not None:
         rep["clipped"] = clipped_summary(clipped)
     if output_cosines is not None:
+        for o in rep["outputs"]:
+            if not o.get("cosine_over_samples"):
+                o.update(_lowest_sample(output_cosines.get(o["tensor"], [])))
         # a single-value output's per-sample cosines are all +-1: no distribution to show
         rep["output_distribution"] = _output_distribution(
             output_cosines, [o["tensor"] for o in rep["outputs"] if not o.get("cosine_over_samples")])
@@ -180,6 +219,9 @@ def markdown(report: dict) -> str:
     if any(o.get("cosine_over_samples") for o in report["outputs"]):
         out += ["", "\\* fewer than 8 values per sample: one cosine over all samples' values together "
                 "(a single value's own cosine is always 1, two logits' nearly a sign check)"]
+    notes = lowest_cosine_notes(report)
+    if notes:
+        out += [""] + [f"- {n}" for n in notes]
     out += _clipped_section(report)
     out += _transforms(report)
     layers = {l["node"]: l for l in report["layers"]}

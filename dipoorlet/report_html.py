@@ -125,6 +125,9 @@ def html(rep: dict) -> str:
     if any(o.get("cosine_over_samples") for o in rep.get("outputs", [])):
         out.append("<p>* fewer than 8 values per sample: one cosine over all samples' values together (a "
                    "single value's own cosine is always 1, two logits' nearly a sign check).</p>")
+    from dipoorlet.report import lowest_cosine_notes
+
+    out += [f"<p>{esc(n)}</p>" for n in lowest_cosine_notes({"outputs": rep.get("outputs", [])})]
     for name, d in rep.get("output_distribution", {}).items():
         e = d["edges"]
         out.append(bar_plot(d["counts"], e[0], e[-1], f"per-sample output cosine: {name} ({d['samples']} samples)",

@@ -418,3 +418,28 @@ def test_python_api_calls_from_two_threads_run_one_after_the_other(tmp_path):
     assert (logger.level, list(logger.handlers), logger.propagate) == state
     for k in range(2):
         assert "INFO dipoorlet.pipeline" in (tmp_path / f"t{k}" / "dipoorlet.log").read_text()
+
+
+def test_a_nearly_empty_output_is_named_as_the_reason_for_a_low_min_cosine(tmp_path):
+    """A detector's map of a window without text is nearly zero: its cosine measures noise. The
+    report names that sample, its energy against the average sample's and the mean cosine
+    without it, all checked here against onnxruntime and numpy."""
+    from conftest import conv_model, input_feeds, quantize_model
+
+    model = conv_model(bias=False)
+    feeds = input_feeds(model, 6, seed=3)
+    feeds[4] = {"x": feeds[4]["x"] * np.float32(0.03)}        # sample 4: a nearly empty output
+    res, q = quantize_model(tmp_path, model, feeds=feeds, act_quant="minmax", bias_correction=False)
+    (entry,) = res.report["outputs"]
+    fp, qs = ort_session(model), ort_session(tmp_path / "out" / "quant_model.onnx")
+    f = [fp.run(None, x)[0].astype(np.float64) for x in feeds]
+    cos = [_cosine(a, qs.run(None, x)[0]) for a, x in zip(f, feeds)]
+    energy = [float((a * a).sum()) for a in f]
+    assert np.all(np.isfinite(cos)) and int(np.argmin(cos)) == 4 == entry["min_cosine_sample"]
+    assert cos[4] < min(cos[:4] + cos[5:]) - 0.01
+    assert entry["min_cosine_energy_ratio"] == pytest.approx(energy[4] / np.mean(energy), rel=1e-2)
+    assert entry["nearly_empty_samples"] == 1
+    assert entry["cosine_without_nearly_empty"] == pytest.approx(np.mean(cos[:4] + cos[5:]), abs=1e-6)
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "its min cos is sample 4's" in md and "without the 1 nearly empty sample, mean cos" in md
+    assert "its min cos is sample 4&#x27;s" in (tmp_path / "out" / "report.html").read_text()
