@@ -286,8 +286,8 @@ class Clipped:
 
 
 def collect_errors(graph, qmodel, data, indices, targets: dict, comm, device="cpu", on_float=None, grids=None):
-    """({tensor: ErrorStats} merged over every process, {network output: (sample, cosine, energy
-    of the float output) in sample order}, {quantized activation: Clipped}); all complete on rank 0. ``grids``
+    """({tensor: ErrorStats} merged over every process, {network output: (sample, cosine, mean
+    square of the float output) in sample order}, {quantized activation: Clipped}); all complete on rank 0. ``grids``
     (:func:`grid_bounds`): the activations whose values beyond their grid are counted, as the
     quantized model computes them just before their Q."""
     names = list(targets)
@@ -314,7 +314,8 @@ def collect_errors(graph, qmodel, data, indices, targets: dict, comm, device="cp
             m = sample_sums(f_out[t], q_out[t])
             stats[t].add(*m, size=f_out[t].size)
             if t in out_cos:
-                out_cos[t].append((i, m[0], m[2]))     # sample, cosine, float output energy
+                # sample, cosine, float output energy per value (windows of other sizes compare)
+                out_cos[t].append((i, m[0], m[2] / max(f_out[t].size, 1)))
         for t, c in clipped.items():
             src = before_q[t]
             c.add(np.asarray(feed[src] if src in inputs else q_out[src]), grids[t])

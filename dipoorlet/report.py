@@ -65,23 +65,25 @@ def _output_distribution(cosines: dict, outputs: list[str], bins: int = 20) -> d
 
 
 def _lowest_sample(per_sample: list) -> dict:
-    """The sample with the lowest output cosine and its float output's energy over the average
-    sample's: a nearly empty output (a detector's map of a window without text) has a cosine that
-    weighs the noise on near-zero values, which its SQNR, pooled by energy, does not."""
-    rows = [(c, i, e) for i, c, e in per_sample if c == c and e == e]
+    """The sample with the lowest output cosine and its float output's energy per value over the
+    median sample's: a nearly empty output (a detector's map of a window without text) has a
+    cosine that weighs the noise on near-zero values, which its SQNR, pooled by energy, does
+    not. ``per_sample``: (sample, cosine, mean square of the float output)."""
+    rows = [(c, i, e) for i, c, e in per_sample if math.isfinite(c) and math.isfinite(e)]
     if not rows:
         return {}
     c, i, e = min(rows)
-    mean = sum(r[2] for r in rows) / len(rows)
-    if not mean > 0:
+    typical = float(np.median([r[2] for r in rows]))
+    if not typical > 0:
         return {"min_cosine_sample": int(i)}
-    full = [r[0] for r in rows if r[2] >= NEARLY_EMPTY * mean]
-    return {"min_cosine_sample": int(i), "min_cosine_energy_ratio": float(f"{e / mean:.3g}"),
+    full = [r[0] for r in rows if r[2] >= NEARLY_EMPTY * typical]
+    return {"min_cosine_sample": int(i), "min_cosine_energy_ratio": float(f"{e / typical:.3g}"),
+            "min_cosine_nearly_empty": bool(e < NEARLY_EMPTY * typical),
             "nearly_empty_samples": len(rows) - len(full),
             "cosine_without_nearly_empty": _num(sum(full) / len(full)) if full else None}
 
 
-NEARLY_EMPTY = 0.01   # a sample whose float output carries under 1% of the average sample's energy
+NEARLY_EMPTY = 0.01   # a sample whose float output's energy per value is under 1% of the median sample's
 
 
 def lowest_cosine_notes(report: dict) -> list[str]:
@@ -89,14 +91,16 @@ def lowest_cosine_notes(report: dict) -> list[str]:
     output, so that a min cos of 0.02 is read for what it is."""
     notes = []
     for o in report["outputs"]:
-        r = o.get("min_cosine_energy_ratio")
-        if r is not None and r < NEARLY_EMPTY:
+        if o.get("min_cosine_nearly_empty"):
             rest = o.get("cosine_without_nearly_empty")
+            k = o["nearly_empty_samples"]
             notes.append(f"{o['tensor']}: its min cos is sample {o['min_cosine_sample']}'s, whose float output "
-                         f"carries {r:.2g}x the average sample's energy: nearly empty, so that cosine measures "
-                         "the noise on near-zero values (the SQNR pools the samples by their energy)"
-                         + (f"; without the {o['nearly_empty_samples']} nearly empty sample"
-                            f"{'s' if o['nearly_empty_samples'] > 1 else ''}, mean cos {rest}" if rest is not None else ""))
+                         f"carries {o['min_cosine_energy_ratio']:.2g}x the median sample's energy per value: nearly "
+                         "empty, so that cosine measures the noise on near-zero values (the SQNR pools the "
+                         "samples by their energy)"
+                         + (f"; without the {k} nearly empty sample{'s' if k > 1 else ''}, mean cos {rest}"
+                            if rest is not None else "")
+                         + " (the table's mean and --fail_below count every sample)")
     return notes
 
 

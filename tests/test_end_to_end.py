@@ -422,8 +422,8 @@ def test_python_api_calls_from_two_threads_run_one_after_the_other(tmp_path):
 
 def test_a_nearly_empty_output_is_named_as_the_reason_for_a_low_min_cosine(tmp_path):
     """A detector's map of a window without text is nearly zero: its cosine measures noise. The
-    report names that sample, its energy against the average sample's and the mean cosine
-    without it, all checked here against onnxruntime and numpy."""
+    report names that sample, its energy per value against the median sample's and the mean
+    cosine without it, all checked here against onnxruntime and numpy."""
     from conftest import conv_model, input_feeds, quantize_model
 
     model = conv_model(bias=False)
@@ -434,12 +434,24 @@ def test_a_nearly_empty_output_is_named_as_the_reason_for_a_low_min_cosine(tmp_p
     fp, qs = ort_session(model), ort_session(tmp_path / "out" / "quant_model.onnx")
     f = [fp.run(None, x)[0].astype(np.float64) for x in feeds]
     cos = [_cosine(a, qs.run(None, x)[0]) for a, x in zip(f, feeds)]
-    energy = [float((a * a).sum()) for a in f]
+    energy = [float((a * a).mean()) for a in f]
     assert np.all(np.isfinite(cos)) and int(np.argmin(cos)) == 4 == entry["min_cosine_sample"]
     assert cos[4] < min(cos[:4] + cos[5:]) - 0.01
-    assert entry["min_cosine_energy_ratio"] == pytest.approx(energy[4] / np.mean(energy), rel=1e-2)
-    assert entry["nearly_empty_samples"] == 1
+    assert entry["min_cosine_energy_ratio"] == pytest.approx(energy[4] / np.median(energy), rel=1e-2)
+    assert entry["min_cosine_nearly_empty"] is True and entry["nearly_empty_samples"] == 1
     assert entry["cosine_without_nearly_empty"] == pytest.approx(np.mean(cos[:4] + cos[5:]), abs=1e-6)
     md = (tmp_path / "out" / "report.md").read_text()
     assert "its min cos is sample 4's" in md and "without the 1 nearly empty sample, mean cos" in md
     assert "its min cos is sample 4&#x27;s" in (tmp_path / "out" / "report.html").read_text()
+
+
+def test_lowest_sample_ignores_nan_and_infinite_samples():
+    """An NMS output of another size (NaN cosine) or a float output holding inf (infinite energy)
+    is left out, and the JSON fields stay finite."""
+    from dipoorlet.report import _lowest_sample
+
+    got = _lowest_sample([(0, 0.99, 1.0), (1, float("nan"), 1.0), (2, 0.0, float("inf")), (3, 0.5, 1e-6),
+                          (4, 0.98, 2.0)])
+    assert got == {"min_cosine_sample": 3, "min_cosine_energy_ratio": 1e-6, "min_cosine_nearly_empty": True,
+                   "nearly_empty_samples": 1, "cosine_without_nearly_empty": 0.985}
+    assert json.loads(json.dumps(got, allow_nan=False)) == got
