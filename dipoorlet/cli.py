@@ -281,7 +281,14 @@ def below_bar(report: dict, bar: float | None) -> str:
     if bar is None:
         return ""
     judged = set(report.get("score_outputs") or [o["tensor"] for o in report.get("outputs", [])])
-    low = [f"{o['tensor']} cosine {o['cosine']}" for o in report.get("outputs", [])
+    def why(o) -> str:
+        rest = o.get("cosine_without_nearly_empty")
+        if not o.get("nearly_empty_samples") or rest is None:
+            return ""
+        k = o["nearly_empty_samples"]
+        return (f" ({rest} without its {k} nearly empty sample{'s' if k > 1 else ''}, outputs near zero whose "
+                "cosine measures noise: see report.md)")
+    low = [f"{o['tensor']} cosine {o['cosine']}{why(o)}" for o in report.get("outputs", [])
            if o["tensor"] in judged and (o["cosine"] is None or o["cosine"] < bar)]
     return ("; ".join(low) + f" below {bar} (outputs were written)") if low else ""
 

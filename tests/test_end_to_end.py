@@ -443,6 +443,13 @@ def test_a_nearly_empty_output_is_named_as_the_reason_for_a_low_min_cosine(tmp_p
     md = (tmp_path / "out" / "report.md").read_text()
     assert "its min cos is sample 4's" in md and "without the 1 nearly empty sample, mean cos" in md
     assert "its min cos is sample 4&#x27;s" in (tmp_path / "out" / "report.html").read_text()
+    # a --fail_below gate still fails on the mean over every sample, and says what pulled it down
+    from dipoorlet.cli import below_bar
+
+    bar = (entry["cosine"] + entry["cosine_without_nearly_empty"]) / 2
+    msg = below_bar(res.report, bar)
+    assert f"y cosine {entry['cosine']} ({entry['cosine_without_nearly_empty']} without its 1 nearly empty " \
+           "sample" in msg and f"below {bar}" in msg
 
 
 def test_lowest_sample_ignores_nan_and_infinite_samples():
