@@ -1,7 +1,6 @@
 """Run configuration: one frozen dataclass, validated on creation."""
 from __future__ import annotations
 
-import difflib
 import os
 import re
 from dataclasses import dataclass, field
@@ -9,6 +8,7 @@ from pathlib import Path
 
 from dipoorlet.errors import ConfigError
 from dipoorlet.ranges import RANGE_METHODS
+from dipoorlet.util import did_you_mean
 
 
 @dataclass(frozen=True)
@@ -75,11 +75,10 @@ class QuantConfig:
             object.__setattr__(self, "act_quant", self.act_quant.lower())     # -A MSE
         if self.act_quant not in RANGE_METHODS:
             # other tools' names for the same methods (onnxruntime's CalibrationMethod, TensorRT's calibrators)
-            other = {"kl": "entropy", "kld": "entropy", "max": "minmax", "octav": "mse", "histogram": "hist",
-                     "entropy2": "entropy", "percent": "percentile"}
-            key = str(self.act_quant).lower()
-            guess = other.get(key) or next(iter(difflib.get_close_matches(key, RANGE_METHODS, n=1, cutoff=0.6)), None)
-            raise ConfigError(f"unknown -A {self.act_quant!r}; " + (f"did you mean {guess}? " if guess else "")
+            other = {"kl": ["entropy"], "kld": ["entropy"], "max": ["minmax"], "octav": ["mse"],
+                     "histogram": ["hist"], "entropy2": ["entropy"], "percent": ["percentile"]}
+            guess = did_you_mean(self.act_quant, RANGE_METHODS, other)[:1]
+            raise ConfigError(f"unknown -A {self.act_quant!r}; " + (f"did you mean {guess[0]}? " if guess else "")
                               + f"valid: {', '.join(sorted(RANGE_METHODS))}")
         if not isinstance(self.data_num, int) or self.data_num < 1:
             raise ConfigError(f"-N must be a positive number of samples, got {self.data_num!r}")

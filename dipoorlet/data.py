@@ -189,17 +189,17 @@ class DataSource:
                             "(numpy.savez), or use one folder per input")
         listing = sorted(os.listdir(self.path))
         files = [k for k in listing if (self.path / k).is_file()]
-        hint = _layout_hint(self.path, files)
         loose = [k for k in files if k.endswith((".npy", ".bin"))]
         dirs = [k for k in listing if (self.path / k).is_dir()]
-        if dirs and not hint:
-            names = ", ".join(repr(x.name) for x in self.specs)
-            hint = (f"its folders are {', '.join(dirs[:4])}{' ...' if len(dirs) > 4 else ''}: name each after a "
-                    f"model input ({names})")
         if loose and len(self.specs) == 1:
             hint = (f"{len(loose)} sample file{'s' if len(loose) > 1 else ''} such as {loose[0]} in {self.path} "
                     f"itself: move them into {self.path / _safe(spec.name)}"
                     + (" and name them 0.npy, 1.npy ..." if not all(k[:-4].isdigit() for k in loose) else ""))
+        else:
+            hint = _layout_hint(self.path, files)
+        if dirs and not hint:
+            hint = (f"its folders are {', '.join(dirs[:4])}{' ...' if len(dirs) > 4 else ''}: name each after a "
+                    f"model input ({', '.join(repr(x.name) for x in self.specs)})")
         raise DataError(f"no folder for model input {spec.name!r} in {self.path}; expected "
                         f"{self.path / _safe(spec.name)}/0.bin (or .npy) ... one file per sample"
                         + (f" ({hint})" if hint else ""))

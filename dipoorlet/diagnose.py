@@ -287,13 +287,13 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | 
                 f"(one extra pass){wider}, or {keep}")
     facts = []
     for a in row.get("activations", []):
+        over = (f" over {a['channel_samples']} {'held-out ' if a.get('channel_held_out') else ''}samples"
+                if a.get("channel_samples") else "")
         if "shifted_from" in a:
             lo, hi = a["clip"]
             part = [f"input {a['shifted_from']} clipped to [{lo:.4g}, {hi:.4g}] (asymmetric grid, shifted)"]
         elif a.get("channel_max") and a["amax"] > WIDE_GRID * a["channel_max"]:
             # not clipped: the grid is far wider than what this tensor carries
-            over = (f" over {a['channel_samples']} {'held-out ' if a.get('channel_held_out') else ''}samples"
-                    if a.get("channel_samples") else "")
             part = [f"input {a['tensor']} on a grid to {a['amax']:.4g}, {a['amax'] / a['channel_max']:.0f}x its "
                     f"largest value{over} ({a['channel_max']:.4g}), so its values use about "
                     f"{a['channel_max'] / a['step']:.0f} of the grid's {2 ** a['bits'] - 1} steps"]
@@ -305,8 +305,6 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | 
         if "channel_max" in a and "on a grid to" in part[0]:
             part.append(f"channel ranges {a['channel_spread']:.1f}x apart under one per-tensor scale")
         elif "channel_max" in a:
-            over = (f" over {a['channel_samples']} {'held-out ' if a.get('channel_held_out') else ''}samples"
-                    if a.get("channel_samples") else "")
             part.append(f"largest channel max{over} {a['channel_max']:.4g}, channel ranges "
                         f"{a['channel_spread']:.1f}x apart under one per-tensor scale")
         part.append(f"equalization: {a['equalization']}")

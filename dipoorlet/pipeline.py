@@ -35,7 +35,7 @@ from dipoorlet.errors import ConfigError, DataError, ModelError, OutputError
 from dipoorlet.graph import Graph, check_float, save_model
 from dipoorlet.qdq import insert_qdq
 from dipoorlet.qparams import QuantPlan, bias_qparams, levels, make_qparams, share_scales
-from dipoorlet.ranges import NEEDS_HISTOGRAM, RANGE_METHODS, RangeParams, power_of_two_clip
+from dipoorlet.ranges import NEEDS_HISTOGRAM, RANGE_METHODS, RangeParams, clip_range, power_of_two_clip
 from dipoorlet.util import write_json
 
 log = logging.getLogger(__name__)
@@ -254,7 +254,7 @@ def plan_activations(stats, cfg: QuantConfig, plat, places=None) -> QuantPlan:
             # -A mse on a power-of-two grid: the best power-of-two step, not mse's step rounded up
             clip = power_of_two_clip(st, steps)
             if clip is not None:
-                lo, hi = min(max(st.minmax.lo, -clip), 0.0), max(min(st.minmax.hi, clip), 0.0)
+                lo, hi = clip_range(st, clip)
         plan.activations[t] = make_qparams(lo, hi, rule)
         plan.rules[t] = rule
         if bits:
@@ -549,7 +549,6 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
 
     t = time.perf_counter()
     analysis = analyse(cfg, g, places, plan, data, comm, stats=stats, plat=plat, shifted=shifted, val=val)
-    sens_data, sens_indices = analysis.pop("_sens_data", (data, []))
     if corrections is not None:
         analysis["bias_correction"] = corrections
     if reconstructed is not None:
@@ -624,8 +623,9 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
     if analysis.get("isolated"):
         from dipoorlet import diagnose
 
+        sens_source, _, sens_indices = sensitivity_samples(cfg, data, val, comm)
         analysis["diagnosis"] = diagnose.diagnose(
-            g, places, plan, analysis["isolated"], sens_data, sens_indices,
+            g, places, plan, analysis["isolated"], sens_source, sens_indices,
             comm, cfg.device, equalize_on=eq_on, equalized=equalized, smooth="Mul" not in plat.quantize_ops,
             shifted=shifted, platform=plat.name, samples=analysis["sens_samples"], method=cfg.act_quant,
             gptq=set(reconstructed.get("changed", ())) if reconstructed and rounding in ("brecq", "qdrop")
@@ -754,6 +754,19 @@ def _write_staging(cfg, g, plan, places, plat, data, indices, qmodel, staging: P
     return files, rep
 
 
+def sensitivity_samples(cfg: QuantConfig, data, val, comm) -> tuple:
+    """(source, n, this process's share of the n indices) the sensitivity analysis and its
+    diagnosis read: --sens_samples spread over the calibration samples, or with --val_dir over
+    the K held-out samples the profile reads (which open_validation checked up front)."""
+    if val is None:
+        n = min(cfg.sens_samples, cfg.data_num)
+        return data, n, spread(n, cfg.data_num, comm.rank, comm.world)
+    source, k, _ = val
+    picks = spread(k, source.n, 0, 1)
+    n = min(cfg.sens_samples, k)
+    return source, n, [picks[j] for j in spread(n, k, comm.rank, comm.world)]
+
+
 def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, plat=None, shifted=(),
             val=None) -> dict:
     """Isolated sensitivity, weight range spread and auto_skip, as the config asks.
@@ -768,21 +781,12 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, pl
     auto = cfg.auto_skip or cfg.auto_a16 or cfg.auto_w8
     if cfg.skip_prof_layer and not auto:
         return out
-    if val is not None:
-        # among the K held-out samples the profile reads (and open_validation checked up front)
-        source, k = val[0], val[1]
-        picks = spread(k, val[0].n, 0, 1)
-        n = min(cfg.sens_samples, k)
-        indices = [picks[j] for j in spread(n, k, comm.rank, comm.world)]
-    else:
-        source, n = data, min(cfg.sens_samples, cfg.data_num)
-        indices = spread(n, cfg.data_num, comm.rank, comm.world)
+    source, n, indices = sensitivity_samples(cfg, data, val, comm)
     crit = sensitivity.parse_target(auto)[0] if auto else (
         "cosine" if cfg.criterion == "maxabs" else cfg.criterion)
     scorer = sensitivity.Scorer(g, source, indices, comm, cfg.device, crit, outputs=cfg.score_outputs)
     out["sens_samples"] = n
     out["sens_held_out"] = val is not None
-    out["_sens_data"] = (source, indices)
     out["isolated"] = sensitivity.isolated(g, places, plan, scorer, cfg.criterion)
     if cfg.auto_skip:
         crit, target = sensitivity.parse_target(cfg.auto_skip)

@@ -14,6 +14,7 @@ from importlib import resources
 from pathlib import Path
 
 from dipoorlet.errors import ConfigError
+from dipoorlet.util import did_you_mean
 
 
 @dataclass(frozen=True)
@@ -92,15 +93,6 @@ _ALIASES = {"tensorrt": ["trt"], "nvidia": ["trt"], "onnxruntime": ["ort"], "rkn
             "eiq": ["imx"], "sensetime": ["stpu"]}
 
 
-def _guess(name: str) -> list[str]:
-    import difflib
-
-    key = name.lower().replace("-", "").replace("_", "")
-    if key in _ALIASES:
-        return _ALIASES[key]
-    return difflib.get_close_matches(name.lower(), available(), n=2, cutoff=0.6)
-
-
 def load(name_or_path: str) -> Platform:
     path = Path(name_or_path)
     if name_or_path.endswith(".toml"):
@@ -112,7 +104,7 @@ def load(name_or_path: str) -> Platform:
         if not path.is_file() and name_or_path.lower() in available():   # -D TRT
             path = platforms_dir() / f"{name_or_path.lower()}.toml"
         if not path.is_file():
-            guess = _guess(name_or_path)
+            guess = did_you_mean(name_or_path, available(), _ALIASES)
             raise ConfigError(f"unknown platform -D {name_or_path!r}; "
                               + (f"did you mean {' or '.join(guess)}? " if guess else "")
                               + f"valid: {', '.join(available())} (or a path to your own .toml spec)")

@@ -36,7 +36,7 @@ def register(name: str, histogram: bool):
     return deco
 
 
-def _clip(st: TensorStats, c: float) -> tuple[float, float]:
+def clip_range(st: TensorStats, c: float) -> tuple[float, float]:
     """Symmetric clip ``c`` intersected with the data range; always lo <= 0 <= hi."""
     return min(max(st.minmax.lo, -c), 0.0), max(min(st.minmax.hi, c), 0.0)
 
@@ -64,7 +64,7 @@ def hist(st: TensorStats, p: RangeParams) -> tuple[float, float]:
     i = int(np.searchsorted(cdf, p.threshold, side="left"))
     if i >= counts.size:
         return minmax(st, p)
-    return _clip(st, (i + 0.5) * st.hist.width)
+    return clip_range(st, (i + 0.5) * st.hist.width)
 
 
 @register("percentile", histogram=True)
@@ -146,7 +146,7 @@ def mse(st: TensorStats, p: RangeParams) -> tuple[float, float]:
     fine = edges[max(0, k - 9):min(n, k + 8)]
     cands = np.concatenate([fine, [best]])
     err = quant_error(counts, centres, cands, p.qmax)
-    return _clip(st, float(min(cands[int(np.argmin(err))], st.hist.amax)))
+    return clip_range(st, float(min(cands[int(np.argmin(err))], st.hist.amax)))
 
 
 def power_of_two_clip(st: TensorStats, qmax: int) -> float | None:
@@ -174,12 +174,7 @@ def power_of_two_clip(st: TensorStats, qmax: int) -> float | None:
     weight = np.repeat(counts[nz] / 8, 8)
     top = int(np.ceil(np.log2(amax / qmax)))
     clips = qmax * 2.0 ** np.arange(top - 4, top + 1, dtype=np.float64)
-    err = []
-    for c in clips:
-        step = c / qmax
-        q = np.minimum(np.round(x / step), qmax) * step
-        err.append(float(((x - q) ** 2) @ weight))
-    return float(clips[int(np.argmin(err))])
+    return float(clips[int(np.argmin(quant_error(weight, x, clips, qmax)))])
 
 
 def _kl_at(counts: np.ndarray, i: int, nq: int) -> float:
@@ -230,4 +225,4 @@ def entropy(st: TensorStats, p: RangeParams) -> tuple[float, float]:
     fine = range(max(nq, best - 8), min(n, best + 8) + 1)
     kl_fine = [_kl_at(counts, i, nq) for i in fine]
     i = fine[int(np.argmin(kl_fine))]
-    return _clip(st, i * st.hist.width)
+    return clip_range(st, i * st.hist.width)

@@ -49,3 +49,14 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
 
 def write_json(path: str | os.PathLike, obj) -> Path:
     return write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def did_you_mean(name: str, choices, aliases: dict) -> list[str]:
+    """What an unknown name probably meant: the choices another tool's or vendor's name for it
+    stands for (``aliases``, keys lower case without - or _), else up to two close spellings."""
+    import difflib
+
+    key = str(name).lower().replace("-", "").replace("_", "")
+    if key in aliases:
+        return list(aliases[key])
+    return difflib.get_close_matches(str(name).lower(), list(choices), n=2, cutoff=0.6)
