@@ -187,7 +187,10 @@ class DataSource:
             raise DataError(f"{self.path} holds {len(npz)} .npz files ({', '.join(npz[:3])}) and no folder for "
                             f"model input {spec.name!r}; put every input's [N, ...] array into one .npz "
                             "(numpy.savez), or use one folder per input")
-        listing = sorted(os.listdir(self.path))
+        try:
+            listing = sorted(os.listdir(self.path))
+        except OSError:       # unreadable: the error below stands without a hint
+            listing = []
         files = [k for k in listing if (self.path / k).is_file()]
         loose = [k for k in files if k.endswith((".npy", ".bin"))]
         dirs = [k for k in listing if (self.path / k).is_dir()]
