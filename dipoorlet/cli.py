@@ -123,8 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "weights until the output meets TARGET (mixed W4/W8)")
     p.add_argument("--max_w8_layers", type=int, default=None,
                    help="at most this many layers for --auto_w8 (default: as many as the target needs)")
-    p.add_argument("--fail_below", type=float, default=None, metavar="COSINE",
-                   help="exit with code 3 when the network output cosine is below COSINE (for CI)")
+    p.add_argument("--fail_below", default=None, metavar="TARGET",
+                   help="exit with code 3 (for CI) when a network output is below TARGET: its mean cosine over the "
+                        "profile's samples (0.99 or cosine:0.99) or its SQNR in dB (sqnr:30; pooled over the "
+                        "samples, so outputs near zero on some samples do not pull it down)")
     p.add_argument("--score_outputs", nargs="+", default=[], metavar="OUTPUT",
                    help="network outputs that --auto_skip/--auto_a16/--auto_w8 targets, the sensitivity ranking and "
                         "--fail_below judge (default: every output; e.g. a recurrent model's prediction, not its state)")
@@ -276,21 +278,36 @@ def parse_layer_bits(items) -> dict:
     return out
 
 
-def below_bar(report: dict, bar: float | None) -> str:
-    """A message when an output's mean cosine is below ``bar`` (--fail_below), else ''."""
+def below_bar(report: dict, bar) -> str:
+    """A message when a judged output is below ``bar`` (--fail_below: a cosine, or "cosine:X" /
+    "sqnr:DB"), else ''."""
     if bar is None:
         return ""
+    from dipoorlet.sensitivity import parse_target
+
+    crit, value = parse_target(bar, flag="--fail_below", any_cosine=True)
+    key = "cosine" if crit == "cosine" else "sqnr_db"
     judged = set(report.get("score_outputs") or [o["tensor"] for o in report.get("outputs", [])])
+
     def why(o) -> str:
         rest = o.get("cosine_without_nearly_empty")
-        if not o.get("nearly_empty_samples") or rest is None:
+        if crit != "cosine" or not o.get("nearly_empty_samples") or rest is None:
             return ""
         k = o["nearly_empty_samples"]
         return (f" ({rest} without its {k} nearly empty sample{'s' if k > 1 else ''}, outputs near zero whose "
-                "cosine measures noise: see report.md)")
-    low = [f"{o['tensor']} cosine {o['cosine']}{why(o)}" for o in report.get("outputs", [])
-           if o["tensor"] in judged and (o["cosine"] is None or o["cosine"] < bar)]
-    return ("; ".join(low) + f" below {bar} (outputs were written)") if low else ""
+                "cosine measures noise: see report.md; sqnr:DB judges the pooled error instead)")
+
+    def low(o) -> bool:
+        v = o.get(key)
+        if v is None:   # report.json holds no inf: an SQNR of None with no error at all is infinite
+            return not (key == "sqnr_db" and o.get("max_abs_err") == 0)
+        return v < value
+
+    name = "cosine" if crit == "cosine" else "SQNR"
+    unit = "" if crit == "cosine" else " dB"
+    rows = [f"{o['tensor']} {name} {o.get(key)}{unit}{why(o)}" for o in report.get("outputs", [])
+            if o["tensor"] in judged and low(o)]
+    return ("; ".join(rows) + f" below {value}{unit} (outputs were written)") if rows else ""
 
 
 def _log_to_file(message: str) -> None:

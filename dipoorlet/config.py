@@ -39,7 +39,7 @@ class QuantConfig:
     max_a16_layers: int | None = None   # None: as many as the target needs
     auto_w8: str | None = None          # raise sensitive layers' narrow weights to 8 bits until the target
     max_w8_layers: int | None = None    # None: as many as the target needs
-    fail_below: float | None = None
+    fail_below: str | float | None = None   # --fail_below: a mean cosine (0.99, cosine:0.99) or sqnr:DB
     score_outputs: tuple[str, ...] = ()   # --score_outputs: the outputs targets and --fail_below judge (default all)
     w_bits: int | None = None          # override the platform's weight bits
     a_bits: int | None = None          # override the platform's activation bits
@@ -161,8 +161,9 @@ class QuantConfig:
                                   "the search; run --auto_w8 first, then again with --layer_bits NODE=w8 for the layers "
                                   "it chose (report.json: auto_w8.w8_layers) and --sparse/--bc (--gptq and --adaround "
                                   "combine with --auto_w8: they are fitted after the search)")
-        if self.fail_below is not None and not -1.0 <= self.fail_below <= 1.0:
-            raise ConfigError(f"--fail_below is an output cosine in [-1, 1], got {self.fail_below}")
+        if self.fail_below is not None:
+            from dipoorlet.sensitivity import parse_target
+            parse_target(self.fail_below, flag="--fail_below", any_cosine=True)
         if self.w_bits is not None and not (isinstance(self.w_bits, int) and 2 <= self.w_bits <= 8):
             raise ConfigError(f"--w_bits must be an integer in 2..8, got {self.w_bits!r}")
         if self.a_bits is not None and not (isinstance(self.a_bits, int) and (2 <= self.a_bits <= 8 or self.a_bits == 16)):

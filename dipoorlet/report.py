@@ -100,7 +100,8 @@ def lowest_cosine_notes(report: dict) -> list[str]:
                          "samples by their energy)"
                          + (f"; without the {k} nearly empty sample{'s' if k > 1 else ''}, mean cos {rest}"
                             if rest is not None else "")
-                         + " (the table's mean and --fail_below count every sample)")
+                         + " (the table's mean and a --fail_below cosine count every sample; --fail_below sqnr:DB "
+                           "gates on the pooled SQNR)")
     return notes
 
 

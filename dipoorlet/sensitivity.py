@@ -204,12 +204,15 @@ class AutoSkipResult:
     measured: OutputScore | None = None    # --auto_a16: the promoted model as written
 
 
-def parse_target(text: str, flag: str = "--auto_skip") -> tuple[str, float]:
-    """``"0.999"`` or ``"cosine:0.999"`` / ``"sqnr:30"`` → (criterion, value)."""
+def parse_target(text: str, flag: str = "--auto_skip", any_cosine: bool = False) -> tuple[str, float]:
+    """``"0.999"`` or ``"cosine:0.999"`` / ``"sqnr:30"`` → (criterion, value).
+
+    ``any_cosine``: a cosine bar anywhere in [-1, 1] (--fail_below: -1 never fails), not a target
+    in (0, 1] that a search must reach."""
     from dipoorlet.errors import ConfigError
 
-    crit, _, val = text.rpartition(":")
-    crit = crit or "cosine"
+    crit, _, val = str(text).rpartition(":")
+    crit = crit.strip().lower() or "cosine"
     try:
         value = float(val)
     except ValueError:
@@ -219,7 +222,9 @@ def parse_target(text: str, flag: str = "--auto_skip") -> tuple[str, float]:
         raise ConfigError(f"{flag} criterion {crit!r}: use cosine or sqnr")
     if not math.isfinite(value):
         raise ConfigError(f"{flag} {text!r}: the target must be a finite number")
-    if crit == "cosine" and not 0 < value <= 1:
+    if crit == "cosine" and any_cosine and not -1 <= value <= 1:
+        raise ConfigError(f"{flag} cosine bar must be in [-1, 1], got {value}")
+    if crit == "cosine" and not any_cosine and not 0 < value <= 1:
         raise ConfigError(f"{flag} cosine target must be in (0, 1], got {value}")
     return crit, value
 

@@ -501,6 +501,21 @@ def lsq_with_adaround(c):
     return ["--brecq/--drop/--lsq with --gptq/--adaround", "use one"]
 
 
+def fail_below_unknown_criterion(c):
+    c.extra = ["--fail_below", "psnr:30"]
+    return ["--fail_below criterion 'psnr'", "cosine or sqnr"]
+
+
+def fail_below_cosine_above_1(c):
+    c.extra = ["--fail_below", "1.5"]
+    return ["--fail_below cosine bar must be in [-1, 1]", "1.5"]
+
+
+def fail_below_not_a_number(c):
+    c.extra = ["--fail_below", "sqnr:high"]
+    return ["--fail_below 'sqnr:high'", "sqnr:30"]
+
+
 def reference_update_bn(c):
     c.extra = ["--update_bn"]
     return ["--update_bn", "folded", "--bc"]
@@ -522,7 +537,8 @@ CASES = [missing_model, model_is_a_folder, not_onnx, external_data_missing, cust
          two_npz_files, prof_samples_zero, gptq_and_adaround, ada_iters_zero,
          sparse_malformed, sparse_n_not_below_m, sparse_with_adaround, auto_w8_malformed,
          brecq_with_gptq, drop_with_sparse, ada_bs_zero, brecq_without_torch,
-         lsq_without_torch, lsq_with_adaround, reference_update_bn]
+         lsq_without_torch, lsq_with_adaround, fail_below_unknown_criterion, fail_below_cosine_above_1,
+         fail_below_not_a_number, reference_update_bn]
 
 
 @pytest.mark.parametrize("breaker", CASES, ids=[f.__name__ for f in CASES])

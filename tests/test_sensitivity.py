@@ -132,6 +132,48 @@ def test_fail_below_exits_3_after_writing_outputs(tmp_path, capsys):
     assert main(argv + ["--fail_below", "-1"]) == 0
 
 
+def test_fail_below_sqnr_gates_on_the_pooled_output_sqnr(tmp_path, capsys):
+    """sqnr:DB judges the output's SQNR pooled over the profile's samples, computed here with
+    onnxruntime from the float and the written model."""
+    from conftest import save, write_samples
+    from dipoorlet.cli import main
+
+    model = tiny_cnn()
+    feeds = input_feeds(model, 3)
+    path = save(model, tmp_path / "m.onnx")
+    data = write_samples(tmp_path / "d", feeds)
+    argv = ["-M", str(path), "-I", str(data), "-N", "3", "-D", "trt", "-A", "minmax",
+            "-O", str(tmp_path / "o"), "--skip_prof_layer", "--no_equalize"]
+    assert main(argv) == 0
+    quant = onnx.load(str(tmp_path / "o" / "quant_model.onnx"))
+    sig = err = 0.0
+    for feed in feeds:
+        y = ort_run(model, feed)[0].astype(np.float64)
+        yq = ort_run(quant, feed)[0].astype(np.float64)
+        sig, err = sig + (y ** 2).sum(), err + ((y - yq) ** 2).sum()
+    oracle = 10 * np.log10(sig / err)
+    out = json.loads((tmp_path / "o" / "report.json").read_text())["outputs"][0]
+    assert out["sqnr_db"] == pytest.approx(oracle, abs=0.01)
+    assert 20 < oracle < 60    # int8 noise, not a broken model
+    capsys.readouterr()
+    bar = round(oracle + 0.5, 3)
+    assert main(argv + ["--fail_below", f"sqnr:{bar}"]) == 3
+    assert f"SQNR {out['sqnr_db']} dB below {bar} dB (outputs were written)" in capsys.readouterr().err
+    assert main(argv + ["--fail_below", f"SQNR:{oracle - 0.5:.3f}"]) == 0
+    assert main(argv + ["--fail_below", f"cosine:{out['cosine'] - 1e-4}"]) == 0
+
+
+def test_fail_below_sqnr_passes_an_output_without_error():
+    """report.json holds no inf: an SQNR of None with zero error is infinite, not a failure;
+    with an error it is NaN and fails."""
+    from dipoorlet.cli import below_bar
+
+    rep = {"outputs": [{"tensor": "y", "cosine": 1.0, "sqnr_db": None, "max_abs_err": 0.0}]}
+    assert below_bar(rep, "sqnr:90") == ""
+    rep["outputs"][0]["max_abs_err"] = None
+    assert "y SQNR None dB below 90.0 dB" in below_bar(rep, "sqnr:90")
+
+
 @pytest.mark.parametrize("text,want", [("conv1=w4a8", {"conv1": (4, 8)}), ("fc=w4", {"fc": (4, None)}),
                                        ("a/b=a6", {"a/b": (None, 6)})])
 def test_layer_bits_parse(text, want):
