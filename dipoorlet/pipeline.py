@@ -34,7 +34,7 @@ from dipoorlet.dist import SingleProcess
 from dipoorlet.errors import ConfigError, DataError, ModelError, OutputError
 from dipoorlet.graph import Graph, check_float, save_model
 from dipoorlet.qdq import insert_qdq
-from dipoorlet.qparams import QuantPlan, bias_qparams, levels, make_qparams, share_scales
+from dipoorlet.qparams import MIN_SCALE, QuantPlan, bias_qparams, levels, make_qparams, share_scales
 from dipoorlet.ranges import NEEDS_HISTOGRAM, RANGE_METHODS, RangeParams, clip_range, power_of_two_clip
 from dipoorlet.util import write_json
 
@@ -217,12 +217,38 @@ def rule_for(base, bits: int | None):
     return base if bits is None or bits == base.bits else dataclasses.replace(base, bits=bits)
 
 
+def warn_degenerate(stats) -> None:
+    """Say which activations calibration could not size, and so stay float (plan_activations):
+    empty in every sample, or exactly 0 in every sample. A grid sized on 0 is the narrowest there
+    is (about +-1e-8): any other value at deployment would be clipped to about 0, e.g. an attention
+    mask term that unpadded calibration sentences leave at 0 (MiniLM's (1 - mask) * min: padding
+    would be attended to) or an all-zero recurrent state."""
+    def names(ts):
+        return ", ".join(ts[:4]) + (f" and {len(ts) - 4} more" if len(ts) > 4 else "")
+
+    def verb(ts, one, many):
+        return one if len(ts) == 1 else many
+
+    empty = [t for t, st in stats.items() if st.minmax.count and st.minmax.lo > st.minmax.hi]
+    zero = [t for t, st in stats.items() if st.minmax.count and st.minmax.lo == 0.0 == st.minmax.hi]
+    if empty:
+        log.warning("%s %s empty in every calibration sample (a zero-length dimension): %s float; calibrate "
+                    "with samples of the lengths deployment sees", names(empty), verb(empty, "is", "are"),
+                    verb(empty, "it stays", "they stay"))
+    if zero:
+        log.warning("%s %s 0 in every calibration sample, which sizes no grid: %s float (a grid of +-%g "
+                    "would clip any other value at deployment); calibrate with samples in which %s (a "
+                    "recurrent state past the first frame, a padded batch's mask) to quantize %s",
+                    names(zero), verb(zero, "is", "are"), verb(zero, "it stays", "they stay"), MIN_SCALE,
+                    verb(zero, "it varies", "they vary"), verb(zero, "it", "them"))
+
+
 def plan_activations(stats, cfg: QuantConfig, plat, places=None) -> QuantPlan:
     method = RANGE_METHODS[cfg.act_quant]
     plan = QuantPlan()
     for t, st in stats.items():
-        if st.minmax.count == 0:
-            continue
+        if st.minmax.count == 0 or st.minmax.lo > st.minmax.hi or st.minmax.lo == 0.0 == st.minmax.hi:
+            continue   # never seen, empty or 0 in every sample: no range to size a grid from (warn_degenerate)
         if not math.isfinite(st.minmax.amax):
             log.warning("tensor %s reaches %s/%s on the calibration data; it stays float", t,
                         st.minmax.lo, st.minmax.hi)
@@ -262,15 +288,17 @@ def plan_activations(stats, cfg: QuantConfig, plat, places=None) -> QuantPlan:
     return plan
 
 
-def plan_biases(g: Graph, places, plan: QuantPlan) -> None:
-    """int32 biases for Conv/ConvTranspose/Gemm whose input and weight are both quantized."""
+def _bias_sites(g: Graph, places, plan: QuantPlan):
+    """(node, weight point, bias tensor, bias values, input grid) of every Conv/ConvTranspose/Gemm
+    whose input and weight are both quantized and whose bias is a constant vector per output
+    channel."""
     act_of_use = {use: t for t, point in places.activations.items() for use in point.uses}
     for (node_name, index), wp in list(places.weights.items()):
         node = g.node_by_name[node_name]
         if node.op_type not in ("Conv", "ConvTranspose", "Gemm") or len(node.input) < 3:
             continue
         bias = node.input[2]
-        if not bias or not g.is_constant(bias) or bias in plan.weights:
+        if not bias or not g.is_constant(bias):
             continue
         src = act_of_use.get((node_name, 0))
         prod = g.producer.get(node.input[0])
@@ -284,18 +312,39 @@ def plan_biases(g: Graph, places, plan: QuantPlan) -> None:
         shape = g.weight(bias).shape
         if len(shape) != 1 or (s_w.scale.size > 1 and shape[0] != s_w.scale.size):
             continue  # e.g. a Gemm bias of shape (1, N) broadcast by the op: left float
-        bqp = bias_qparams(plan.activations[src], s_w)
         value = np.asarray(plan.values.get(bias, g.weight(bias)), np.float64)
-        if np.any(np.abs(value) / bqp.scale.astype(np.float64) > bqp.qmax) \
-                and _widen_dead_channels(g, plan, wp.tensor, plan.activations[src], value, node_name):
-            s_w = plan.weights[wp.tensor]
-            bqp = bias_qparams(plan.activations[src], s_w)
-        if np.any(np.abs(value) / bqp.scale.astype(np.float64) > bqp.qmax):
-            # a near-constant input (an all-zero state, a mask) gives a tiny input scale: the
-            # bias does not fit int32 on s_in * s_w, and saturating it would change the layer
-            log.info("bias %s of %s stays float: it exceeds the int32 range on scale s_in * s_w",
-                     bias, node_name)
+        yield node_name, wp, bias, value, plan.activations[src]
+
+
+def fit_biases(g: Graph, places, plan: QuantPlan) -> None:
+    """Widen the weight grids under which a layer's bias would not fit int32 on s_in * s_w.
+
+    Integer kernels add the bias to the int32 accumulator on that scale, also where the model
+    carries it as float: TFLite's converter (imx, ti) quantizes a float bias itself, and so do
+    onnxruntime's default graph optimizations (its BiasQuantization transformer), whose value
+    overflows to the far end of int32. Measured on a Gemm reading a state that was 0 in every
+    calibration sample (before such tensors stayed float): output cosine 0.59 in a default session
+    where the Q/DQ-as-float simulation read 0.9999. So the weight scale is raised until the bias
+    fits, as TFLite's and onnxruntime's quantizers do (per channel where the weights have
+    per-channel grids): the layer's output is then all but its bias, and its weights' products
+    lose nothing at the output's own scale."""
+    for node_name, wp, bias, value, s_in in _bias_sites(g, places, plan):
+        if bias in plan.weights:
             continue
+        if np.any(np.abs(value) / bias_qparams(s_in, plan.weights[wp.tensor]).scale.astype(np.float64)
+                  > 2 ** 31 - 1):
+            _widen_for_bias(g, plan, wp.tensor, s_in, value, node_name)
+
+
+def plan_biases(g: Graph, places, plan: QuantPlan) -> None:
+    """int32 biases for Conv/ConvTranspose/Gemm whose input and weight are both quantized."""
+    for node_name, wp, bias, value, s_in in _bias_sites(g, places, plan):
+        if bias in plan.weights:
+            continue
+        bqp = bias_qparams(s_in, plan.weights[wp.tensor])
+        if np.any(np.abs(value) / bqp.scale.astype(np.float64) > bqp.qmax):
+            _widen_for_bias(g, plan, wp.tensor, s_in, value, node_name)
+            bqp = bias_qparams(s_in, plan.weights[wp.tensor])
         plan.weights[bias] = bqp
         places.weights[(node_name, 2)] = placement_mod.WeightPoint(bias, node_name, 2, plan.weights[bias].axis)
 
@@ -303,38 +352,40 @@ def plan_biases(g: Graph, places, plan: QuantPlan) -> None:
 DEAD_CHANNEL = 1e-4   # a channel whose largest |w| is below this fraction of the layer's is dead
 
 
-def _widen_dead_channels(g: Graph, plan: QuantPlan, weight: str, s_in, bias: np.ndarray, node_name: str) -> bool:
-    """Where a bias does not fit int32 on s_in * s_w only in output channels whose weights are
-    all but zero beside the layer's others (a pruned or dead channel: its per-channel scale is
-    tiny), widen those channels' weight scales until it fits, as onnxruntime's quantizer does:
-    their weights keep a grid far finer than any live channel's, and the bias (all but the
-    channel's whole output) goes to the backend as int32 like the others. Returns whether it
-    widened; a live channel is never touched."""
+def _widen_for_bias(g: Graph, plan: QuantPlan, weight: str, s_in, bias: np.ndarray, node_name: str) -> None:
+    """Widen ``weight``'s grid until ``bias`` fits int32 on s_in * s_w: only the output channels
+    that overflow where the grid is per channel, the whole tensor where it is per tensor; a
+    power-of-two grid stays on powers of two. Typical causes: a pruned or dead output channel
+    (its per-channel scale is tiny; its weights keep a grid far finer than any live channel's) or
+    an input that calibration saw constant (an all-zero state: a tiny input scale)."""
     s_w = plan.weights[weight]
-    if s_w.axis is None or not np.ndim(s_w.scale):
-        return False
-    w = np.asarray(plan.values.get(weight, g.weight(weight)), np.float64)
-    wmax = np.abs(np.moveaxis(w, s_w.axis, 0)).reshape(w.shape[s_w.axis], -1).max(axis=1)
-    scale = s_w.scale.astype(np.float64)
+    scale = np.asarray(s_w.scale, np.float64)
     s_x = float(np.max(s_in.scale))
     lim = 2 ** 31 - 1
-    over = np.abs(bias) / (s_x * scale) > lim
+    per_channel = s_w.axis is not None and scale.ndim > 0 and scale.size == bias.size
     need = np.abs(bias) / (s_x * lim) * (1 + 1e-6)
-    # dead: negligible beside the layer's other channels (a tiny input scale, e.g. an all-zero
-    # state, would make every channel overflow: nothing is dead then, and the bias stays float)
-    if wmax.shape != over.shape or not np.all(wmax[over] <= DEAD_CHANNEL * wmax.max()):
-        return False
+    if not per_channel:
+        need = np.full_like(scale, need.max())
+    over = need > scale
+    if not np.any(over):
+        return
     wide = np.maximum(scale, need)
     if np.all(np.log2(scale) == np.round(np.log2(scale))):     # a power-of-two backend stays on its grids
         wide = 2.0 ** np.ceil(np.log2(wide))
     new = np.where(over, wide, scale).astype(np.float32)
-    zp = s_w.zero_point.astype(np.float64)
+    zp = np.asarray(s_w.zero_point, np.float64)
     lo = np.where(over, (s_w.qmin - zp) * new, s_w.lo).astype(np.float32)
     hi = np.where(over, (s_w.qmax - zp) * new, s_w.hi).astype(np.float32)
     plan.weights[weight] = dataclasses.replace(s_w, scale=new, lo=lo, hi=hi)
-    log.info("bias of %s: %d dead output channel(s) (largest |w| under %g of the layer's) get a wider "
-             "weight grid so that the bias fits int32 on s_in * s_w", node_name, int(over.sum()), DEAD_CHANNEL)
-    return True
+    dead = ""
+    if per_channel:
+        w = np.asarray(plan.values.get(weight, g.weight(weight)), np.float64)
+        wmax = np.abs(np.moveaxis(w, s_w.axis, 0)).reshape(w.shape[s_w.axis], -1).max(axis=1)
+        if wmax.shape == over.shape and np.all(wmax[over] <= DEAD_CHANNEL * wmax.max()):
+            dead = f" (dead: largest |w| under {DEAD_CHANNEL:g} of the layer's)"
+    log.info("bias of %s: %s widened up to %.3gx so that the bias fits int32 on s_in * s_w (input grid step "
+             "%.3g)", node_name, f"the weight grids of {int(over.sum())} output channel(s){dead}" if per_channel
+             else "its per-tensor weight grid", float(np.max(new / scale)), s_x)
 
 
 def is_bias(g: Graph, node_name: str, index: int) -> bool:
@@ -488,6 +539,7 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
         stats = calibrate.collect(g, data, indices, targets, comm, cfg.act_quant in NEEDS_HISTOGRAM,
                                   cfg.bins, cfg.device)
     timings["calibration_s"] = time.perf_counter() - t
+    warn_degenerate(stats)
     plan = plan_activations(stats, cfg, plat, places)
     if plat.share_scale:
         share_scales(g, plan, plat.share_scale)
@@ -498,6 +550,7 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
                                   cfg.percentile)
         if shifted:   # same weights, new tensor names: the weight grids stay as planned
             places = placement_mod.place(g, plat, cfg.skip_layers)
+    fit_biases(g, places, plan)    # before the steps that fit weights or biases to these grids
     corrections = None
     if cfg.bias_correction:
         from dipoorlet import bias_correction
@@ -546,6 +599,8 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
         reconstructed = fit_rounding(places, plan)
     if plat.quantize_bias:
         plan_biases(g, places, plan)
+    else:
+        fit_biases(g, places, plan)    # biases the steps above moved
 
     t = time.perf_counter()
     analysis = analyse(cfg, g, places, plan, data, comm, stats=stats, plat=plat, shifted=shifted, val=val)
@@ -589,6 +644,8 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
         reconstructed = fit_rounding(places, plan)
         if plat.quantize_bias:
             plan_biases(g, places, plan)
+        else:
+            fit_biases(g, places, plan)
         analysis[rounding] = reconstructed
     if w8 is not None and (w8.float_layers or defer):
         # the written model (promoted grids, and the rounding fitted on them) decides
@@ -921,6 +978,8 @@ def promote_w8(g: Graph, places, plan: QuantPlan, cfg: QuantConfig, plat, layers
     if plat.quantize_bias and changed:
         drop_bias_grids(g, places, plan, chosen)
         plan_biases(g, places, plan)
+    elif changed:
+        fit_biases(g, places, plan)
     return changed
 
 

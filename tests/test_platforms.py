@@ -375,7 +375,7 @@ def test_a_dead_channels_bias_fits_int32_on_a_widened_weight_grid(tmp_path, plat
     s_in * s_w the bias would need far more than int32. That channel's weight grid is widened
     (still far finer than any live channel's) and the bias goes int32 like the others; the
     other channels keep their grids, and the model still computes the float output. (An
-    all-zero input, where every channel overflows, keeps the bias float: test_qparams.)"""
+    all-zero input, where every channel overflows: test_qparams.)"""
     from conftest import make_model, rand, vi
     from onnx import helper
 

@@ -158,10 +158,15 @@ def test_qparams_amax():
     assert qp.amax == 3.0
 
 
-def test_a_bias_too_large_for_int32_on_a_tiny_input_scale_stays_float(tmp_path):
-    """An all-zero state input gives the smallest input scale; s_in * s_w then puts the bias far
-    outside int32. It must stay float, not saturate (or wrap to -2^31 through float32)."""
-    from onnx import helper as oh
+@pytest.mark.parametrize("deploy", ["qnn", "snpe", "trt", "imx"])
+def test_a_bias_too_large_for_int32_on_a_tiny_input_scale_widens_the_weight_grid(tmp_path, deploy):
+    """A near-constant state input (values around 1e-7) gives a tiny input scale; s_in * s_w then
+    puts the bias far outside int32. Left float, onnxruntime's default optimizations quantize it
+    themselves and it wraps to -2^31 (output cosine 0.59 on a Gemm like this one); saturated, it
+    would change the layer. The weight grid is widened until the bias fits (per channel or per tensor), on every
+    backend, whether the bias is written int32 (qnn, snpe) or float (trt, imx): the model then
+    matches the float one in a default onnxruntime session as in the simulation."""
+    from onnx import helper as oh, numpy_helper
 
     from conftest import make_model, ort_run, quantize_model, rand, vi
 
@@ -170,12 +175,21 @@ def test_a_bias_too_large_for_int32_on_a_tiny_input_scale_stays_float(tmp_path):
     b = np.array([0.35, 0.82, 0.33, -1.3], np.float32)
     model = make_model(nodes, [vi("x", [1, 4]), vi("h", [1, 4])], [vi("y", [1, 4])],
                        {"w": rand((4, 4), 1), "b": b})
-    feeds = [{"x": rand((1, 4), i), "h": np.zeros((1, 4), np.float32)} for i in range(3)]
-    _, qm = quantize_model(tmp_path, model, feeds=feeds, deploy="qnn", skip_prof_layer=True)
+    feeds = [{"x": rand((1, 4), i), "h": rand((1, 4), 10 + i, 1e-7)} for i in range(3)]
+    _, qm = quantize_model(tmp_path, model, feeds=feeds, deploy=deploy, skip_prof_layer=True)
+    inits = {t.name: numpy_helper.to_array(t) for t in qm.graph.initializer}
+    dq = {n.output[0]: n for n in qm.graph.node if n.op_type == "DequantizeLinear"}
     gemm = next(n for n in qm.graph.node if n.name == "gemm")
-    assert gemm.input[2] == "b"  # read as the float initializer
+    s_x = inits[dq[gemm.input[0]].input[1]].astype(np.float64)
+    s_w = inits[dq[gemm.input[1]].input[1]].astype(np.float64)
+    assert np.all(np.abs(b) / (s_x * s_w) <= 2 ** 31 - 1)
+    if gemm.input[2] in dq:     # written int32: the values themselves, not saturated
+        ints = inits[dq[gemm.input[2]].input[0]]
+        assert ints.dtype == np.int32 and np.all(np.abs(ints) < 2 ** 31 - 1)
     for f in feeds:
-        np.testing.assert_allclose(ort_run(qm, f)[0], ort_run(model, f)[0], atol=0.05)
+        want = ort_run(model, f)[0]
+        np.testing.assert_allclose(ort_run(qm, f)[0], want, atol=0.05)
+        np.testing.assert_allclose(ort_run(qm, f, optimize=True)[0], want, atol=0.05)
 
 
 def test_quantize_array_saturates_int32_without_wrapping():
@@ -185,3 +199,55 @@ def test_quantize_array_saturates_int32_without_wrapping():
                  qmin=-2**31, qmax=2**31 - 1)
     q = quantize_array(np.array([5.0, -5.0, 1e-9], np.float32), qp)
     assert q.tolist() == [2**31 - 1, -2**31, 1]
+
+
+@pytest.mark.parametrize("deploy", ["trt", "snpe"])
+def test_an_activation_that_calibration_saw_all_zero_stays_float(tmp_path, caplog, deploy):
+    """A state input that is 0 in every calibration sample sizes no grid: on one of +-1e-8 every
+    other value at deployment would be clipped to about 0. It stays float (no Q/DQ), the log says
+    why, and the written model follows a non-zero state as the float model does."""
+    import logging
+
+    from onnx import helper as oh
+
+    from conftest import make_model, ort_run, quantize_model, rand, vi
+
+    nodes = [oh.make_node("Gemm", ["x", "w1", "b1"], ["a"], name="fc_x"),
+             oh.make_node("Gemm", ["state", "w2", "b2"], ["s"], name="fc_state"),
+             oh.make_node("Add", ["a", "s"], ["y"], name="add")]
+    model = make_model(nodes, [vi("x", [1, 8]), vi("state", [1, 8])], [vi("y", [1, 8])],
+                       {"w1": rand((8, 8), 1, 0.3), "b1": rand((8,), 2, 0.3), "w2": rand((8, 8), 3, 0.3),
+                        "b2": rand((8,), 4, 0.3) + 1})
+    feeds = [{"x": rand((1, 8), i), "state": np.zeros((1, 8), np.float32)} for i in range(4)]
+    with caplog.at_level(logging.WARNING, logger="dipoorlet"):
+        _, qm = quantize_model(tmp_path, model, feeds=feeds, deploy=deploy, skip_prof_layer=True)
+    assert "state is 0 in every calibration sample, which sizes no grid: it stays float" in caplog.text
+    assert not any(n.op_type == "QuantizeLinear" and n.input[0] == "state" for n in qm.graph.node)
+    assert any(n.op_type == "QuantizeLinear" and n.input[0] == "x" for n in qm.graph.node)
+    live = {"x": rand((1, 8), 9), "state": rand((1, 8), 10)}
+    want = ort_run(model, live)[0]
+    for optimize in (False, True):
+        np.testing.assert_allclose(ort_run(qm, live, optimize=optimize)[0], want, atol=0.1)
+
+
+def test_an_activation_empty_in_every_sample_is_named_as_empty(tmp_path, caplog):
+    """Samples whose sequence length is 0 leave the tensors along it empty: the log says so (it
+    said they reach inf), they stay float, and the model still runs."""
+    import logging
+
+    from onnx import TensorProto, helper as oh
+
+    from conftest import make_model, ort_run, quantize_model, rand
+
+    nodes = [oh.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+             oh.make_node("Relu", ["h"], ["y"], name="relu")]
+    model = make_model(nodes, [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, "T", 4])],
+                       [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, "T", 3])], {"w": rand((4, 3), 1)})
+    feeds = [{"x": np.zeros((1, 0, 4), np.float32)} for _ in range(3)]
+    with caplog.at_level(logging.WARNING, logger="dipoorlet"):
+        _, qm = quantize_model(tmp_path, model, feeds=feeds, skip_prof_layer=True)
+    assert "x is empty in every calibration sample (a zero-length dimension): it stays float" in caplog.text
+    assert "inf" not in caplog.text
+    assert not any(n.op_type == "QuantizeLinear" and n.input[0] == "x" for n in qm.graph.node)
+    x = rand((1, 5, 4), 2)     # only the weight's int8 rounding is left
+    np.testing.assert_allclose(ort_run(qm, {"x": x})[0], ort_run(model, {"x": x})[0], atol=0.05)
