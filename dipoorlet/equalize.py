@@ -59,6 +59,7 @@ from dipoorlet.runtime import Runner
 log = logging.getLogger(__name__)
 
 MAX_GAIN = 100.0
+DEAD = 1e-4     # equalize_weights: a channel whose weight range is below this share of the layer's is left alone
 MAX_SAMPLES = 64         # the statistics pass reads at most this many samples by default
 
 
@@ -674,14 +675,20 @@ def equalize_weights(g, skip=()) -> list[dict]:
             if id(ch) not in spread0:
                 prod = r1 * r2
                 spread0[id(ch)] = float(prod.max() / prod[prod > 0].min()) if (prod > 0).any() else 1.0
+            b = g.weight(a.input[2]).astype(np.float64)
             s = np.ones_like(r1)
-            ok = (r1 > 0) & (r2 > 0)
+            # a dead or pruned channel (weights all but 0 beside the layer's others) is left alone:
+            # sqrt(r1 / r2) would multiply its bias, all the channel carries, by up to MAX_GAIN each
+            # sweep into the one activation grid (1e-8 weights: output cosine 0 on snpe)
+            ok = (r1 > DEAD * r1.max()) & (r2 > DEAD * r2.max())
             s[ok] = np.sqrt(r1[ok] / r2[ok])
-            s = np.clip(s, 1.0 / MAX_GAIN, MAX_GAIN)
+            # the gain over all sweeps stays within [1/MAX_GAIN, MAX_GAIN] (each sweep's alone did:
+            # 20 sweeps could take a channel 100^20 away)
+            done = np.ones_like(r1) if total[id(ch)] is None else total[id(ch)]
+            s = np.clip(s * done, 1.0 / MAX_GAIN, MAX_GAIN) / done
             if np.allclose(s, 1.0, rtol=1e-4):
                 continue
             moved = max(moved, float(np.abs(np.log(s)).max()))
-            b = g.weight(a.input[2]).astype(np.float64)
             _set(g, a.input[1], wa / s.reshape((-1,) + (1,) * (wa.ndim - 1)))
             _set(g, a.input[2], b / s)
             for name in ch.absorbers:

@@ -127,6 +127,15 @@ def load_graph(cfg: QuantConfig, plat=None) -> Graph:
     if unknown:
         raise ConfigError(f"--score_outputs names {unknown}, which are not outputs of the model; its outputs "
                           f"are {list(g.output_names)[:8]}")
+    floats = [o for o in g.output_names if g.is_float(o)]
+    if not cfg.score_outputs and floats and len(floats) < len(g.output_names):
+        # class ids, indices, counts: a cosine of them is not a measure of the quantization, and it
+        # decided --fail_below and the --auto_* searches (a 0.994 "cosine" of ArgMax ids failed a
+        # 0.999 gate whose float output read 0.99996)
+        ints = [o for o in g.output_names if o not in floats]
+        log.info("scoring the float outputs %s; %s not compared by cosine (--score_outputs to choose)",
+                 ", ".join(floats[:6]), ", ".join(ints[:6]) + (" are" if len(ints) > 1 else " is"))
+        cfg = dataclasses.replace(cfg, score_outputs=tuple(floats))
     missing = (set(cfg.skip_layers) | set(cfg.layer_bits)) - set(g.node_by_name)
     if missing:
         sample = ", ".join(sorted(g.node_by_name)[:5])
@@ -523,6 +532,12 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
     log.info("%d nodes quantized, %d activation tensors and %d weights get Q/DQ on %s",
              len(places.quantized_nodes), len(targets), len(places.weights), plat.name)
     if not targets and not places.weights:
+        double = sorted({n.op_type for n in g.graph.node if n.op_type in plat.quantize_ops
+                         and any(x and g.elem_type(x) == onnx.TensorProto.DOUBLE for x in n.input)})
+        if double:
+            raise ModelError(f"nothing in {cfg.model.name} is quantizable on {plat.name}: its "
+                             f"{', '.join(double[:6])} ops compute in float64 (double), and dipoorlet quantizes "
+                             "float32 models (float16 ones are widened); export or convert the model to float32")
         raise ModelError(f"nothing in {cfg.model.name} is quantizable on {plat.name} "
                          f"(its ops: {sorted({n.op_type for n in g.graph.node})[:12]}); "
                          "check the platform or the --skip_layers list")

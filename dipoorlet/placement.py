@@ -8,10 +8,13 @@ edge there. Every node of the graph gets a :class:`Decision` whose reason the re
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from dipoorlet.graph import Graph, node_attr
 from dipoorlet.platform import Platform
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -155,6 +158,22 @@ def _fused_activation_input(g: Graph, node, index: int, platform: Platform) -> b
             and len(g.consumers[tensor]) == 1 and tensor not in g.output_names)
 
 
+def _one_axis_per_weight(plan: Placement) -> None:
+    """A weight tensor gets one grid: where the layers that share it read their output channels
+    along different axes (MatMul(x, W) on axis 1, Gemm(a, W, transB=1) on axis 0), that grid is
+    per tensor, or one of them would get per-channel scales along its reduction axis."""
+    axes: dict[str, set] = {}
+    for wp in plan.weights.values():
+        axes.setdefault(wp.tensor, set()).add(wp.axis)
+    mixed = sorted(t for t, a in axes.items() if len(a) > 1)
+    for key, wp in plan.weights.items():
+        if wp.tensor in axes and len(axes[wp.tensor]) > 1:
+            plan.weights[key] = WeightPoint(wp.tensor, wp.node, wp.index, None)
+    if mixed:
+        log.debug("weight %s: shared by layers whose output channels lie on different axes; one per-tensor "
+                 "grid serves them", ", ".join(mixed[:4]) + (" ..." if len(mixed) > 4 else ""))
+
+
 def place(g: Graph, platform: Platform, skip_layers=(), weight_only=()) -> Placement:
     plan = Placement()
     skip = set(skip_layers)
@@ -208,6 +227,7 @@ def place(g: Graph, platform: Platform, skip_layers=(), weight_only=()) -> Place
         if fused is not None:
             reason += f"; input {node.input[fused]!r} fused into its producer, kept float"
         plan.decisions.append(Decision(node.name, op, True, reason))
+    _one_axis_per_weight(plan)
     if platform.quantize_network_output:
         quantized = set(plan.quantized_nodes)
         for name in g.output_names:

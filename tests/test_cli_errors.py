@@ -276,6 +276,22 @@ def nothing_quantizable(c):
     return ["relu.onnx", "quantizable"]
 
 
+def float64_model(c):
+    """A model that computes in double: nothing to quantize, and the line says why."""
+    from onnx import TensorProto, numpy_helper
+
+    w, b = conv_model().graph.initializer[:2]
+    inits = [numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float64), t.name) for t in (w, b)]
+    graph = helper.make_graph([helper.make_node("Conv", ["x", w.name, b.name], ["y"], name="conv", pads=[1] * 4)], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [1, 3, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.DOUBLE, [1, 4, 8, 8])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    c.args["-M"] = str(save(model, c.tmp / "double.onnx"))
+    c.args["-I"] = str(write_samples(c.tmp / "d64", [{"x": np.ones((1, 3, 8, 8))} for _ in range(2)]))
+    return ["double.onnx", "float64 (double)", "convert the model to float32"]
+
+
 def already_quantized_qdq(c):
     """A QDQ model passed as -M (e.g. a quant_model.onnx given back): refused, not quantized twice."""
     w = conv_model().graph.initializer
@@ -527,7 +543,7 @@ CASES = [missing_model, model_is_a_folder, not_onnx, external_data_missing, cust
          channels_last_sample_dynamic_batch, samples_zero_padded, too_few_files_beside_a_stray_file,
          input_folder_misnamed, unknown_method, method_by_other_tools_name, unknown_platform, platform_by_vendor_name,
          platform_misspelt,
-         output_not_writable, output_is_a_file, nothing_quantizable, already_quantized_qdq,
+         output_not_writable, output_is_a_file, nothing_quantizable, float64_model, already_quantized_qdq,
          already_quantized_integer_ops, skip_layer_unknown, score_output_unknown,
          input_shape_malformed, input_shape_unknown_name, input_shape_static_conflict, input_shape_twice,
          input_shape_zero, sample_beyond_float32, platform_op_typo, model_without_inputs, inputs_all_initializers,

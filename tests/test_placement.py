@@ -433,3 +433,29 @@ def test_inserted_names_never_collide_with_the_models_own(tmp_path):
     names = [t.name for t in qm.graph.initializer]
     assert len(names) == len(set(names)) and "w_1_dq" in {o for n in qm.graph.node for o in n.output}
     np.testing.assert_allclose(ort_run(qm, feeds[0])[0], ort_run(model, feeds[0])[0], atol=0.1)
+
+
+@pytest.mark.parametrize("deploy", ["ort", "trt", "qnn"])
+def test_a_weight_shared_along_different_output_axes_gets_one_per_tensor_grid(tmp_path, deploy):
+    """MatMul(x, W) has its output channels on W's axis 1, Gemm(a, W, transB=1) on axis 0: one
+    DequantizeLinear serves both, so its grid is per tensor (per-channel scales along axis 1 were
+    the Gemm's reduction axis: 0.949 output cosine in onnxruntime's integer kernels). The
+    integer kernels then agree with the float model."""
+    from onnx import numpy_helper
+
+    from conftest import KERNEL_COS, input_feeds, ort_run, quantize_model
+
+    w = rand((16, 16), 1, 0.3) * np.linspace(0.05, 3, 16, dtype=np.float32)   # columns of unequal range
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"], name="mm"),
+             helper.make_node("Gemm", ["a", "w"], ["g"], name="gemm", transB=1),
+             helper.make_node("Add", ["m", "g"], ["y"], name="add")]
+    model = make_model(nodes, [vi("x", [1, 16]), vi("a", [1, 16])], [vi("y", [1, 16])], {"w": w})
+    _, qm = quantize_model(tmp_path, model, feeds=input_feeds(model, 8), deploy=deploy, skip_prof_layer=True)
+    dqs = [n for n in qm.graph.node if n.op_type == "DequantizeLinear" and n.input[0].startswith("w")]
+    assert len(dqs) == 1
+    inits = {t.name: numpy_helper.to_array(t) for t in qm.graph.initializer}
+    assert inits[dqs[0].input[1]].size == 1     # one scale: per tensor
+    for feed in input_feeds(model, 3, seed=7):
+        want = ort_run(model, feed)[0].ravel().astype(np.float64)
+        got = ort_run(qm, feed, optimize=True)[0].ravel().astype(np.float64)
+        assert want @ got / np.linalg.norm(want) / np.linalg.norm(got) > KERNEL_COS

@@ -163,6 +163,24 @@ def test_fail_below_sqnr_gates_on_the_pooled_output_sqnr(tmp_path, capsys):
     assert main(argv + ["--fail_below", f"cosine:{out['cosine'] - 1e-4}"]) == 0
 
 
+def test_integer_outputs_are_not_scored_by_default(tmp_path):
+    """An ArgMax output (class ids) is not a signal to compare by cosine: by default the float
+    outputs alone are scored (report.json's score_outputs), so --fail_below judges y, not cls."""
+    from dipoorlet.cli import below_bar
+
+    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], name="conv", pads=[1] * 4),
+             helper.make_node("ArgMax", ["y"], ["cls"], name="am", axis=1)]
+    model = make_model(nodes, [vi("x", [1, 3, 8, 8])],
+                       [vi("y", [1, 4, 8, 8]), helper.make_tensor_value_info("cls", onnx.TensorProto.INT64,
+                                                                               [1, 1, 8, 8])],
+                       {"w": rand((4, 3, 3, 3), 1, 0.3)})
+    result, _ = quantize_model(tmp_path, model, skip_prof_layer=True)
+    rep = result.report
+    assert rep["score_outputs"] == ["y"]
+    msg = below_bar(rep, 1.0)
+    assert msg.startswith("y cosine") and "cls" not in msg
+
+
 def test_fail_below_sqnr_passes_an_output_without_error():
     """report.json holds no inf: an SQNR of None with zero error is infinite, not a failure;
     with an error it is NaN and fails."""

@@ -544,6 +544,31 @@ def test_weight_equalization_lowers_the_error_on_per_tensor_platforms(tmp_path):
         assert sq[True] > sq[False] + 3.0, (deploy, sq)
 
 
+@pytest.mark.parametrize("deploy", ["snpe", "ti"])
+@pytest.mark.parametrize("tiny", [1e-8, 1e-40])
+def test_weight_equalization_leaves_a_dead_channel_alone(tmp_path, deploy, tiny):
+    """One output channel of the first Conv has weights of 1e-8 (or a denormal 1e-40) and a bias:
+    sqrt(r1 / r2) would scale that channel's bias up by 100 per sweep, over 20 sweeps, into the
+    one activation grid (output SQNR 0 dB). It is left alone, the other pair channels are
+    equalized, and the output keeps what it has without equalization."""
+    from onnx import helper
+
+    w1 = rand((8, 3, 3, 3), 1, 0.3)
+    w1[3] = np.float32(tiny) * np.sign(w1[3])
+    b1 = rand((8,), 2, 0.3)
+    b1[3] = 0.3            # the ReLU passes it: the channel carries its bias alone
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1] * 4),
+             helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+             helper.make_node("Conv", ["r1", "w2"], ["y"], name="conv2")]
+    model = make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("y", [1, 4, 8, 8])],
+                       {"w1": w1, "b1": b1, "w2": rand((4, 8, 1, 1), 3, 0.3)})
+    feeds = [{"x": rand((1, 3, 8, 8), 10 + i)} for i in range(6)]
+    off = _sqnr_on(tmp_path, model, feeds, deploy, False)[0]
+    on, res, _ = _sqnr_on(tmp_path, model, feeds, deploy, True)
+    assert res.report["equalization"]          # the live channels were still equalized
+    assert on > off - 1.0 and on > 25, (on, off)
+
+
 @pytest.mark.parametrize("deploy", ["qnn", "imx"])
 def test_per_channel_platforms_keep_the_data_driven_equalization(tmp_path, deploy):
     """Per-channel weights, power-of-two grids (imx) included: the data-driven equalization runs
