@@ -6,17 +6,18 @@ def quantize(**kwargs):
     """Quantize a model: ``dipoorlet.quantize(model=..., input_dir=..., data_num=..., deploy="trt",
     output_dir=..., act_quant="mse", ...)``.
 
-    Takes the fields of :class:`dipoorlet.config.QuantConfig` (the CLI's flags by their long
-    names); returns a :class:`dipoorlet.pipeline.Result` whose ``report`` is the dict written to
+    Takes the fields of :class:`dipoorlet.config.QuantConfig` or the CLI's long flag names
+    (``eq_samples=4``, ``input_shape=["x:1,3,224,224"]``, ``layer_bits=["conv1=w4"]``,
+    ``no_bc=True``); returns a :class:`dipoorlet.pipeline.Result` whose ``report`` is the dict written to
     ``report.json``. Raises :class:`dipoorlet.errors.DipoorletError` on bad input.
     """
     from pathlib import Path
 
     from dipoorlet.cli import RUN_LOG, name_run_log
-    from dipoorlet.config import QuantConfig
+    from dipoorlet.config import config_from_kwargs
     from dipoorlet.pipeline import check_output_dir, quantize as _quantize
 
-    cfg = QuantConfig(**kwargs)
+    cfg = config_from_kwargs(**kwargs)
     # the run's log goes into the output folder as from the CLI (dipoorlet.log; a failed run's beside
     # an earlier run's outputs is dipoorlet.failed.log); the caller sees what it saw before
     out = Path(cfg.output_dir)

@@ -263,19 +263,10 @@ def summary(result, cfg) -> str:
 
 
 def parse_layer_bits(items) -> dict:
-    """``["conv1=w4a8", "fc=w4"]`` -> {"conv1": (4, 8), "fc": (4, None)}."""
-    import re
+    """``["conv1=w4a8", "fc=w4"]`` -> {"conv1": (4, 8), "fc": (4, None)} (config.parse_layer_bits)."""
+    from dipoorlet.config import parse_layer_bits as parse
 
-    from dipoorlet.errors import ConfigError
-
-    out = {}
-    for item in items:
-        node, sep, spec = item.rpartition("=")
-        m = re.fullmatch(r"(?:w(\d+))?(?:a(\d+))?", spec.lower())
-        if not sep or not node or not m or not spec:
-            raise ConfigError(f"--layer_bits {item!r} is not NODE=wNaM; write e.g. conv1=w4a8 or fc=w4")
-        out[node] = (int(m.group(1)) if m.group(1) else None, int(m.group(2)) if m.group(2) else None)
-    return out
+    return parse(items)
 
 
 def below_bar(report: dict, bar) -> str:

@@ -11,6 +11,53 @@ from dipoorlet.ranges import RANGE_METHODS
 from dipoorlet.util import did_you_mean
 
 
+def parse_layer_bits(items) -> dict:
+    """``["conv1=w4a8", "fc=w4"]`` -> {"conv1": (4, 8), "fc": (4, None)}."""
+    out = {}
+    for item in items:
+        node, sep, spec = str(item).rpartition("=")
+        m = re.fullmatch(r"(?:w(\d+))?(?:a(\d+))?", spec.lower())
+        if not sep or not node or not m or not spec:
+            raise ConfigError(f"--layer_bits {item!r} is not NODE=wNaM; write e.g. conv1=w4a8 or fc=w4")
+        out[node] = (int(m.group(1)) if m.group(1) else None, int(m.group(2)) if m.group(2) else None)
+    return out
+
+
+# the Python API's keywords by the CLI's long flag names, where the field is named otherwise
+FLAG_FIELDS = {"eq_samples": "equalize_samples", "input_shape": "input_shapes", "custom_op_lib": "custom_op_libs"}
+NEGATED_FLAGS = {"no_equalize": "equalize", "no_shift": "shift", "no_bc": "bias_correction"}
+
+
+def config_from_kwargs(**kwargs) -> "QuantConfig":
+    """QuantConfig from the Python API's keywords: its field names, or the CLI's long flag names
+    (``eq_samples=4``, ``input_shape=["x:1,3,224,224"]``, ``no_bc=True``, ``bc=True``); an unknown
+    keyword is a ConfigError that names the closest ones."""
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(QuantConfig)}
+    out = {}
+    for key, value in kwargs.items():
+        if key in fields:
+            out[key] = value
+        elif key in FLAG_FIELDS:
+            out[FLAG_FIELDS[key]] = value
+        elif key in NEGATED_FLAGS:
+            if value:
+                out[NEGATED_FLAGS[key]] = False
+        elif key == "bc":
+            if value:
+                out["bias_correction"] = True
+        else:
+            names = sorted(fields | set(FLAG_FIELDS) | set(NEGATED_FLAGS) | {"bc"})
+            guess = did_you_mean(key, names, {})
+            raise ConfigError(f"dipoorlet.quantize() got an unknown keyword {key!r}"
+                              + (f"; did you mean {' or '.join(guess)}?" if guess else "")
+                              + " (the fields of dipoorlet.config.QuantConfig, or the CLI's long flag names)")
+    if kwargs.get("no_bc") and kwargs.get("bc"):
+        raise ConfigError("--bc and --no_bc: give one")
+    return QuantConfig(**out)
+
+
 @dataclass(frozen=True)
 class QuantConfig:
     model: Path
@@ -69,8 +116,20 @@ class QuantConfig:
         object.__setattr__(self, "input_dir", Path(self.input_dir))
         out = Path(self.output_dir) if self.output_dir else self.model.parent / "results"
         object.__setattr__(self, "output_dir", out)
-        object.__setattr__(self, "skip_layers", tuple(self.skip_layers or ()))
-        object.__setattr__(self, "score_outputs", tuple(self.score_outputs or ()))
+        for name in ("skip_layers", "score_outputs", "custom_op_libs"):   # a single name is one name
+            value = getattr(self, name) or ()
+            object.__setattr__(self, name, (value,) if isinstance(value, (str, Path)) else tuple(value))
+        if isinstance(self.layer_bits, (str, list, tuple)):        # the CLI's form: "conv1=w4a8", ...
+            items = [self.layer_bits] if isinstance(self.layer_bits, str) else self.layer_bits
+            object.__setattr__(self, "layer_bits", parse_layer_bits(items))
+        elif isinstance(self.layer_bits, dict) and any(isinstance(v, str) for v in self.layer_bits.values()):
+            object.__setattr__(self, "layer_bits", {**self.layer_bits, **parse_layer_bits(
+                f"{k}={v}" for k, v in self.layer_bits.items() if isinstance(v, str))})
+        if isinstance(self.input_shapes, (str, list, tuple)):      # the CLI's form: "x:1,3,224,224", ...
+            from dipoorlet.data import parse_input_shapes
+
+            items = [self.input_shapes] if isinstance(self.input_shapes, str) else list(self.input_shapes)
+            object.__setattr__(self, "input_shapes", parse_input_shapes(items))
         if isinstance(self.act_quant, str) and self.act_quant.lower() in RANGE_METHODS:
             object.__setattr__(self, "act_quant", self.act_quant.lower())     # -A MSE
         if self.act_quant not in RANGE_METHODS:
@@ -99,6 +158,9 @@ class QuantConfig:
         if self.val_dir is not None and self.prof_samples is not None:
             raise ConfigError("--prof_samples counts the calibration samples the profile reads; with --val_dir "
                               "it reads --val_num held-out samples instead: drop --prof_samples")
+        if self.savefp and self.prof_samples is not None:
+            raise ConfigError("--prof_samples with --savefp: --savefp saves the float outputs of all N samples, so "
+                              "the profile reads all N; drop one of the two")
         if self.val_dir is not None and self.savefp:
             raise ConfigError("--savefp saves the float outputs of the calibration samples, which the profile "
                               "does not read with --val_dir; run --savefp without --val_dir")

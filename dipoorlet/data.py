@@ -366,10 +366,13 @@ class DataSource:
                 fits = lambda shape: all(w is None or w == a for w, a in zip(want, shape))
                 turned = len(want) == arr.ndim >= 3 and (fits(arr.shape[:1] + arr.shape[-1:] + arr.shape[1:-1])
                                                          or fits(arr.shape[:1] + arr.shape[2:] + arr.shape[1:2]))
+                given = spec.name in self.input_shapes
                 raise DataError(f"{where} has shape {_fmt(arr.shape)} but input {spec.name!r} "
-                                f"expects {_fmt(want)}; "
+                                f"expects {_fmt(want)}" + (" (from --input_shape)" if given else "") + "; "
                                 + ("the same sizes in another order (channels last?): transpose the data to "
-                                   "the model's layout" if turned else "re-export the data or pass --input_shape"))
+                                   "the model's layout" if turned else
+                                   "give --input_shape the data's shape, or re-export the data" if given else
+                                   "re-export the data or pass --input_shape"))
         # np.ascontiguousarray would turn a 0-d sample (a scalar input) into shape (1,)
         return np.require(arr, requirements="C")
 

@@ -460,6 +460,10 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
         log.warning("--max_a16_layers applies with --auto_a16 only; ignored")
     if cfg.max_w8_layers is not None and not cfg.auto_w8:
         log.warning("--max_w8_layers applies with --auto_w8 only; ignored")
+    if cfg.equalize_samples is not None and not (cfg.equalize and plat.weight.per_channel):
+        log.warning("--eq_samples applies where activation equalization reads samples (backends with per-channel "
+                    "weights, without --no_equalize); ignored %s", "with --no_equalize" if not cfg.equalize
+                    else f"on {plat.name}, whose per-tensor weights are equalized from the weights alone")
     if cfg.stpu_wg and plat.name != "stpu":
         log.warning("--stpu_wg applies to -D stpu only; ignored on %s", plat.name)
     if cfg.max_float_layers != 10 and not cfg.auto_skip:

@@ -336,6 +336,14 @@ def input_shape_static_conflict(c):
     return ["x:1,3,4,4", "does not fit", "[1,3,8,8]"]
 
 
+def input_shape_not_the_datas(c):
+    """.npy samples of another shape than --input_shape gives a dynamic input: the line says the
+    shape came from --input_shape (it said "pass --input_shape")."""
+    c.args["-M"] = str(save(conv_model(dynamic_hw=True), c.tmp / "dyn.onnx"))
+    c.extra = ["--input_shape", "x:1,3,16,16"]
+    return ["[1,3,8,8]", "expects [1,3,16,16] (from --input_shape)", "give --input_shape the data's shape"]
+
+
 def input_shape_twice(c):
     c.extra = ["--input_shape", "x:1,3,8,8", "x:1,3,8,8"]
     return ["'x'", "twice"]
@@ -532,6 +540,11 @@ def fail_below_not_a_number(c):
     return ["--fail_below 'sqnr:high'", "sqnr:30"]
 
 
+def prof_samples_with_savefp(c):
+    c.extra = ["--savefp", "--prof_samples", "1"]
+    return ["--prof_samples with --savefp", "all N", "drop one"]
+
+
 def reference_update_bn(c):
     c.extra = ["--update_bn"]
     return ["--update_bn", "folded", "--bc"]
@@ -545,7 +558,8 @@ CASES = [missing_model, model_is_a_folder, not_onnx, external_data_missing, cust
          platform_misspelt,
          output_not_writable, output_is_a_file, nothing_quantizable, float64_model, already_quantized_qdq,
          already_quantized_integer_ops, skip_layer_unknown, score_output_unknown,
-         input_shape_malformed, input_shape_unknown_name, input_shape_static_conflict, input_shape_twice,
+         input_shape_malformed, input_shape_unknown_name, input_shape_static_conflict, input_shape_not_the_datas,
+         input_shape_twice,
          input_shape_zero, sample_beyond_float32, platform_op_typo, model_without_inputs, inputs_all_initializers,
          zero_samples,
          weight_bits_above_8, activation_bits_12, activation_bits_16_on_trt, layer_bits_a16_on_trt, npz_scalar,
@@ -554,7 +568,7 @@ CASES = [missing_model, model_is_a_folder, not_onnx, external_data_missing, cust
          sparse_malformed, sparse_n_not_below_m, sparse_with_adaround, auto_w8_malformed,
          brecq_with_gptq, drop_with_sparse, ada_bs_zero, brecq_without_torch,
          lsq_without_torch, lsq_with_adaround, fail_below_unknown_criterion, fail_below_cosine_above_1,
-         fail_below_not_a_number, reference_update_bn]
+         fail_below_not_a_number, prof_samples_with_savefp, reference_update_bn]
 
 
 @pytest.mark.parametrize("breaker", CASES, ids=[f.__name__ for f in CASES])

@@ -284,7 +284,8 @@ def test_a_failed_rerun_keeps_the_log_of_the_outputs_in_the_folder(tmp_path):
 
 def test_profile_reads_prof_samples_spread_over_n_and_savefp_all(tmp_path):
     """--prof_samples 2 of N: the report's output cosine is the mean over samples 0 and N // 2
-    (onnxruntime oracle) and says how many it read; --savefp still saves every sample."""
+    (onnxruntime oracle) and says how many it read. (With --savefp, which saves every sample's
+    float outputs, it is refused: test_cli_errors.)"""
     model, feeds, out = run_cli(tmp_path / "a", extra=["--prof_samples", "2"])
     report = json.loads((out / "report.json").read_text())
     assert report["profile_samples"] == 2 and report["samples"] == len(feeds)
@@ -292,9 +293,6 @@ def test_profile_reads_prof_samples_spread_over_n_and_savefp_all(tmp_path):
     cosines = [_cosine(fp.run(None, f)[0], qs.run(None, f)[0]) for f in (feeds[0], feeds[len(feeds) // 2])]
     assert report["outputs"][0]["cosine"] == pytest.approx(np.mean(cosines), abs=1e-6)
     assert "error profile over 2 of them, spread evenly" in (out / "report.md").read_text()
-    _, _, out2 = run_cli(tmp_path / "b", extra=["--prof_samples", "2", "--savefp"])
-    report2 = json.loads((out2 / "report.json").read_text())
-    assert report2["profile_samples"] == len(feeds)
 
 
 def test_python_api_profile_and_quantize_can_be_called_again(tmp_path):
@@ -318,6 +316,31 @@ def test_python_api_profile_and_quantize_can_be_called_again(tmp_path):
     assert callable(dipoorlet.profile)
     assert "INFO dipoorlet.pipeline: model" in (res.output_dir / "dipoorlet.log").read_text()
     assert not (res.output_dir / ".dipoorlet-run.log").exists()
+
+
+def test_python_api_takes_the_clis_long_flag_names(tmp_path):
+    """dipoorlet.quantize takes the CLI's long names and forms as documented (eq_samples, no_bc,
+    layer_bits as NODE=wN strings, a single --skip_layers name) and gives the run the CLI gives;
+    an unknown keyword is a DipoorletError naming the close ones, not a TypeError."""
+    import dipoorlet
+    from dipoorlet.cli import main
+    from dipoorlet.errors import DipoorletError
+
+    model = tiny_cnn()
+    model_path = save(model, tmp_path / "model.onnx")
+    data = write_samples(tmp_path / "data", input_feeds(model, N, seed=3))
+    api = dipoorlet.quantize(model=model_path, input_dir=data, data_num=N, output_dir=tmp_path / "api",
+                             eq_samples=2, no_bc=True, skip_layers="conv1", layer_bits=["fc=w4"],
+                             skip_prof_layer=True).report
+    assert main(["-M", str(model_path), "-I", str(data), "-N", str(N), "-D", "trt", "-O", str(tmp_path / "cli"),
+                 "--eq_samples", "2", "--no_bc", "--skip_layers", "conv1", "--layer_bits", "fc=w4", "--skip_prof_layer"]) == 0
+    cli = json.loads((tmp_path / "cli" / "report.json").read_text())
+    assert "bias_correction" not in api and api["outputs"] == cli["outputs"]
+    assert (tmp_path / "api" / "weight_clip_val.json").read_text() == (tmp_path / "cli" / "weight_clip_val.json").read_text()
+    for bad, words in (({"eq_sample": 2}, ["'eq_sample'", "eq_samples"]), ({"layer_bits": {"fc": "w99"}}, ["w99"])):
+        with pytest.raises(DipoorletError) as err:
+            dipoorlet.quantize(model=model_path, input_dir=data, data_num=N, output_dir=tmp_path / "bad", **bad)
+        assert all(w in str(err.value) for w in words)
 
 
 def test_python_api_log_file_gets_info_while_the_callers_handlers_get_what_they_did(tmp_path):

@@ -1479,3 +1479,21 @@ def test_fusions_write_the_float_model_the_side_files_describe(tmp_path):
         written = onnx.load(str(tmp_path / name / "out" / "transformed_model.onnx"))
         ops = {n.op_type for n in written.graph.node}
         assert ("LayerNormalization" if name == "ln" else "HardSwish") in ops
+
+
+@pytest.mark.parametrize("extra", [["-D", "trt", "--no_equalize"], ["-D", "snpe"]])
+def test_eq_samples_where_no_equalization_reads_samples_is_a_warning(tmp_path, extra):
+    """--no_equalize, or a per-tensor-weight backend (weights equalized from the weights alone):
+    no pass reads --eq_samples; the log says it is ignored, as for the other such flags."""
+    import onnx
+    from conftest import input_feeds, write_samples
+    from dipoorlet.cli import main
+
+    model = _mobilenet_block()
+    onnx.save(model, tmp_path / "m.onnx")
+    data = write_samples(tmp_path / "d", input_feeds(model, 2))
+    assert main(["-M", str(tmp_path / "m.onnx"), "-I", str(data), "-N", "2", "-O", str(tmp_path / "o"),
+                 "--skip_prof_layer", "--eq_samples", "1", *extra]) == 0
+    log = (tmp_path / "o" / "dipoorlet.log").read_text()
+    assert "--eq_samples applies where activation equalization reads samples" in log
+    assert ("with --no_equalize" in log) == ("--no_equalize" in extra)
