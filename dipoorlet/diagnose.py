@@ -127,14 +127,16 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
              samples: int | None = None, gptq=(), method: str | None = None,
              gptq_ran: bool = False, max_act_bits: int = 8, rounding: str = "--gptq", sparse: dict | None = None,
              sparse_pattern: str | None = None, promoted=(), deferred: str | None = None,
-             held_out: bool = False) -> list[dict]:
-    """One row per layer among the ``k`` most sensitive that lose more than ``MIN_LOSS``.
+             held_out: bool = False, floated=(), unfit=None) -> list[dict]:
+    """One row per layer among the ``k`` most sensitive that lose more than ``MIN_LOSS``, leaving
+    out ``floated`` (the layers --auto_skip kept float: they limit nothing in the written model).
     ``shifted``: dipoorlet.shift's rows; a shifted input is described by its source tensor (its
     channel ranges and its clip on the asymmetric grid), not by the shifted copy."""
     source = {r["shifted"]: r for r in shifted}
     from dipoorlet.equalize import channel_stats
 
-    worst = [s for s in sorted(isolated, key=lambda s: s.isolated.cosine)[:k]
+    floated = set(floated)
+    worst = [s for s in sorted((s for s in isolated if s.node not in floated), key=lambda s: s.isolated.cosine)[:k]
              if s.isolated.cosine < 1 - MIN_LOSS]
     if not worst:
         return []
@@ -222,7 +224,8 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
             row["weight_channel_spread"] = spread
         row["advice"] = _advice(row, platform, row["node"] in set(gptq), method,
                                 gptq_hint=not gptq_ran and wsq is not None and _gptq_could_fit(g, s.node),
-                                max_act_bits=max_act_bits, rounding=rounding)
+                                max_act_bits=max_act_bits, rounding=rounding,
+                                unfit=(unfit or {}).get(row["node"]) if gptq_ran else None)
         if sparse is not None and row["node"] in sparse and row.get("cause") == "weights":
             db = sparse[row["node"]]
             added = f", {-db:.1f} dB of layer output error against dense rounding" if db is not None else \
@@ -255,12 +258,13 @@ def _gptq_could_fit(g, name: str) -> bool:
 
 
 def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | None = None,
-            gptq_hint: bool = False, max_act_bits: int = 8, rounding: str = "--gptq") -> str:
+            gptq_hint: bool = False, max_act_bits: int = 8, rounding: str = "--gptq",
+            unfit: str | None = None) -> str:
     """``gptq_hint``: the layer has a constant weight and --gptq did not run, so it could re-round
     that weight to compensate the rounding of the layer's input. ``max_act_bits``: the widest
     activation grid the platform runs (16: name --layer_bits NODE=a16 for activation losses).
     ``rounding``: the flag that chose the weights' rounding where ``gptq`` is set (--gptq or
-    --adaround)."""
+    --adaround). ``unfit``: why the rounding that ran left this layer alone."""
     node = row["node"]
     runs = "TensorRT runs it in FP16" if platform == "trt" else f"if {platform} can run it in float or FP16"
     keep = f"keep it float with --skip_layers {node} ({runs})"
@@ -283,6 +287,9 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | 
         bits = row.get("weight_bits")
         wider = (f", 8-bit weights for it (--layer_bits {node}=w8; they are {bits}-bit now)"
                  if bits is not None and bits < 8 else "")
+        if unfit:
+            return (f"weight rounding dominates{at}: {rounding} left this layer alone: {unfit}"
+                    f"{wider.replace(', ', '; ', 1)}, or {keep}")
         return (f"weight rounding dominates{at}: --gptq chooses the rounding by this layer's output error "
                 f"(one extra pass){wider}, or {keep}")
     facts = []

@@ -713,7 +713,9 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
                 n: None for n in reconstructed.get("magnitude", [])} if rounding == "sparse" else None,
             sparse_pattern=reconstructed.get("pattern") if rounding == "sparse" else None,
             promoted=w8.float_layers if w8 is not None else (),
-            deferred=_flag(rounding) if defer else None, held_out=bool(analysis.get("sens_held_out")))
+            deferred=_flag(rounding) if defer else None, held_out=bool(analysis.get("sens_held_out")),
+            floated=analysis["auto_skip"].float_layers if analysis.get("auto_skip") is not None else (),
+            unfit=reconstructed.get("skipped") if reconstructed and rounding != "sparse" else None)
     if analysis.get("auto_skip") is not None:
         places = places.restrict([n for n in places.quantized_nodes
                                   if n not in analysis["auto_skip"].float_layers])

@@ -358,11 +358,12 @@ def _transforms(report: dict) -> list[str]:
     gq = report.get(key) or {}
     if gq.get("candidates"):
         best = [r for r in gq.get("gain_db") or [] if r.get("db") is not None]
-        lines.append(f"- {key}: {gq['layers']} of {gq['candidates']} layers re-rounded over {gq.get('samples', '?')} "
+        lines.append(f"- {key}: {gq['layers']} of {gq['candidates']} candidate layers re-rounded over {gq.get('samples', '?')} "
                      "samples (layer output error on the calibration data"
                      + (": " + ", ".join(f"{r['node']} −{r['db']:.1f} dB" for r in best[:5]) if best else "")
                      + (" …" if len(best) > 5 else "") + ")"
-                     + (f"; {len(gq['skipped'])} left alone" if gq.get("skipped") else ""))
+                     + (f"; {len(gq['skipped'])} other layers left alone (not candidates: report.json says why)"
+                        if gq.get("skipped") else ""))
     if not lines:
         return []
     return ["", "## Transforms applied (their float graph: transformed_model.onnx)", "", *lines]

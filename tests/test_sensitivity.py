@@ -102,6 +102,10 @@ def test_auto_skip_keeps_the_layer_made_sensitive_by_construction_float(tmp_path
     assert {line.rsplit(":", 1)[0] for line in cache} == quantized
     weights = json.loads((tmp_path / "out" / "weight_clip_val.json").read_text())
     assert "w2" not in weights
+    # what limits the written model is not the layer it keeps float (the diagnosis advised
+    # "--skip_layers conv2" for it)
+    assert "conv2" not in {d["node"] for d in rep.get("diagnosis", [])}
+    assert "--skip_layers conv2" not in (tmp_path / "out" / "report.md").read_text()
 
 
 def test_auto_skip_reports_not_met_when_capped(tmp_path):
@@ -565,3 +569,16 @@ def test_a_few_logits_are_scored_by_one_cosine_over_the_samples(tmp_path):
     per_sample = np.mean([a @ b / np.sqrt((a @ a) * (b @ b)) for a, b in zip(f.reshape(-1, 2), q.reshape(-1, 2))])
     assert before["cosine"] == pytest.approx(pooled, abs=1e-5)
     assert abs(pooled - per_sample) > 1e-4          # the two differ here: the test tells them apart
+
+
+def test_advice_for_a_layer_the_rounding_left_alone_says_so():
+    """--gptq ran but could not fit this layer (a 16-bit input): the advice says why instead of
+    recommending --gptq."""
+    from dipoorlet.diagnose import _advice
+
+    row = {"node": "c7", "cause": "weights", "weight_sqnr_db": 22.3, "weight_bits": 4}
+    why = "its input is on a 16-bit grid (gptq fits layers with inputs of 8 bits or fewer)"
+    got = _advice(row, "qnn", gptq=False, unfit=why)
+    assert f"--gptq left this layer alone: {why}" in got and "chooses the rounding" not in got
+    assert "--layer_bits c7=w8" in got and "--skip_layers c7" in got
+    assert "--gptq chooses the rounding" in _advice(row, "qnn", gptq=False)
