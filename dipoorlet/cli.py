@@ -129,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "samples, so outputs near zero on some samples do not pull it down)")
     p.add_argument("--score_outputs", nargs="+", default=[], metavar="OUTPUT",
                    help="network outputs that --auto_skip/--auto_a16/--auto_w8 targets, the sensitivity ranking and "
-                        "--fail_below judge (default: every output; e.g. a recurrent model's prediction, not its state)")
+                        "--fail_below judge, e.g. a recurrent model's prediction, not its state (default: every "
+                        "output but integer ones such as class ids)")
     p.add_argument("--w_bits", type=int, default=None, help="weight bits for every layer (default: the platform's)")
     p.add_argument("--a_bits", type=int, default=None, help="activation bits for every layer (2..8; 16 where the backend has 16-bit activations: qnn, snpe, ort)")
     p.add_argument("--layer_bits", nargs="+", default=[], metavar="NODE=wNaM",

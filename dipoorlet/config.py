@@ -87,7 +87,7 @@ class QuantConfig:
     auto_w8: str | None = None          # raise sensitive layers' narrow weights to 8 bits until the target
     max_w8_layers: int | None = None    # None: as many as the target needs
     fail_below: str | float | None = None   # --fail_below: a mean cosine (0.99, cosine:0.99) or sqnr:DB
-    score_outputs: tuple[str, ...] = ()   # --score_outputs: the outputs targets and --fail_below judge (default all)
+    score_outputs: tuple[str, ...] = ()   # --score_outputs: the outputs targets and --fail_below judge (default: all but integer outputs)
     w_bits: int | None = None          # override the platform's weight bits
     a_bits: int | None = None          # override the platform's activation bits
     layer_bits: dict = field(default_factory=dict)  # node -> (weight bits | None, act bits | None)

@@ -40,6 +40,11 @@ from dipoorlet.util import write_json
 
 log = logging.getLogger(__name__)
 
+# integer and bool element types: outputs of these (class ids, indices, masks) are not scored by default
+INTEGER_TYPES = {onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT16, onnx.TensorProto.UINT16,
+                 onnx.TensorProto.INT32, onnx.TensorProto.UINT32, onnx.TensorProto.INT64, onnx.TensorProto.UINT64,
+                 onnx.TensorProto.BOOL}
+
 
 @dataclass
 class Result:
@@ -127,15 +132,15 @@ def load_graph(cfg: QuantConfig, plat=None) -> Graph:
     if unknown:
         raise ConfigError(f"--score_outputs names {unknown}, which are not outputs of the model; its outputs "
                           f"are {list(g.output_names)[:8]}")
-    floats = [o for o in g.output_names if g.is_float(o)]
-    if not cfg.score_outputs and floats and len(floats) < len(g.output_names):
-        # class ids, indices, counts: a cosine of them is not a measure of the quantization, and it
-        # decided --fail_below and the --auto_* searches (a 0.994 "cosine" of ArgMax ids failed a
-        # 0.999 gate whose float output read 0.99996)
-        ints = [o for o in g.output_names if o not in floats]
-        log.info("scoring the float outputs %s; %s not compared by cosine (--score_outputs to choose)",
-                 ", ".join(floats[:6]), ", ".join(ints[:6]) + (" are" if len(ints) > 1 else " is"))
-        cfg = dataclasses.replace(cfg, score_outputs=tuple(floats))
+    ints = [o for o in g.output_names if g.elem_type(o) in INTEGER_TYPES]
+    if not cfg.score_outputs and ints and len(ints) < len(g.output_names):
+        # class ids, indices, counts, masks: a cosine of them is not a measure of the quantization,
+        # and it decided --fail_below and the --auto_* searches (a 0.994 "cosine" of ArgMax ids
+        # failed a 0.999 gate whose float output read 0.99996)
+        rest = [o for o in g.output_names if o not in ints]
+        log.info("scoring the outputs %s; %s integer, not compared by cosine (--score_outputs to choose)",
+                 ", ".join(rest[:6]), ", ".join(ints[:6]) + (" are" if len(ints) > 1 else " is"))
+        cfg = dataclasses.replace(cfg, score_outputs=tuple(rest))
     missing = (set(cfg.skip_layers) | set(cfg.layer_bits)) - set(g.node_by_name)
     if missing:
         sample = ", ".join(sorted(g.node_by_name)[:5])
@@ -226,12 +231,12 @@ def rule_for(base, bits: int | None):
     return base if bits is None or bits == base.bits else dataclasses.replace(base, bits=bits)
 
 
-def warn_degenerate(stats) -> None:
-    """Say which activations calibration could not size, and so stay float (plan_activations):
-    empty in every sample, or exactly 0 in every sample. A grid sized on 0 is the narrowest there
-    is (about +-1e-8): any other value at deployment would be clipped to about 0, e.g. an attention
-    mask term that unpadded calibration sentences leave at 0 (MiniLM's (1 - mask) * min: padding
-    would be attended to) or an all-zero recurrent state."""
+def warn_degenerate(stats, plan: QuantPlan) -> None:
+    """Say which activations calibration could not size, and so stay float (plan_grids): empty in
+    every sample, or exactly 0 in every sample outside a group that shares a grid. A grid sized on
+    0 is the narrowest there is (about +-1e-8): any other value at deployment would be clipped to
+    about 0, e.g. an attention mask term that unpadded calibration sentences leave at 0 (MiniLM's
+    (1 - mask) * min: padding would be attended to) or an all-zero recurrent state."""
     def names(ts):
         return ", ".join(ts[:4]) + (f" and {len(ts) - 4} more" if len(ts) > 4 else "")
 
@@ -239,7 +244,7 @@ def warn_degenerate(stats) -> None:
         return one if len(ts) == 1 else many
 
     empty = [t for t, st in stats.items() if st.minmax.count and st.minmax.lo > st.minmax.hi]
-    zero = [t for t, st in stats.items() if st.minmax.count and st.minmax.lo == 0.0 == st.minmax.hi]
+    zero = [t for t, st in stats.items() if _zero(st) and t not in plan.activations]
     if empty:
         log.warning("%s %s empty in every calibration sample (a zero-length dimension): %s float; calibrate "
                     "with samples of the lengths deployment sees", names(empty), verb(empty, "is", "are"),
@@ -252,12 +257,33 @@ def warn_degenerate(stats) -> None:
                     verb(zero, "it varies", "they vary"), verb(zero, "it", "them"))
 
 
+def _zero(st) -> bool:
+    return bool(st.minmax.count) and st.minmax.lo == 0.0 == st.minmax.hi
+
+
+def plan_grids(g: Graph, stats, cfg: QuantConfig, plat, places) -> QuantPlan:
+    """Activation grids (plan_activations), tied into one per group of pass-through ops on
+    backends that share them (share_scales), without the activations that were 0 in every
+    calibration sample and belong to no such group: a grid sized on 0 is the narrowest there is
+    (+-MIN_SCALE), so they stay float (warn_degenerate says so). One that shares a group's grid
+    keeps it (a Concat input that is 0 next to ones that are not)."""
+    plan = plan_activations(stats, cfg, plat, places)
+    if plat.share_scale:
+        share_scales(g, plan, plat.share_scale)
+    for t in [t for t, qp in plan.activations.items() if t in stats and _zero(stats[t])
+              and float(np.max(qp.amax)) <= MIN_SCALE * 4]:     # (x4: a power-of-two grid rounds up)
+        del plan.activations[t]
+        plan.rules.pop(t, None)
+        plan.asked_bits.pop(t, None)
+    return plan
+
+
 def plan_activations(stats, cfg: QuantConfig, plat, places=None) -> QuantPlan:
     method = RANGE_METHODS[cfg.act_quant]
     plan = QuantPlan()
     for t, st in stats.items():
-        if st.minmax.count == 0 or st.minmax.lo > st.minmax.hi or st.minmax.lo == 0.0 == st.minmax.hi:
-            continue   # never seen, empty or 0 in every sample: no range to size a grid from (warn_degenerate)
+        if st.minmax.count == 0 or st.minmax.lo > st.minmax.hi:
+            continue   # never seen, or empty in every sample: no range to size a grid from (warn_degenerate)
         if not math.isfinite(st.minmax.amax):
             log.warning("tensor %s reaches %s/%s on the calibration data; it stays float", t,
                         st.minmax.lo, st.minmax.hi)
@@ -325,8 +351,27 @@ def _bias_sites(g: Graph, places, plan: QuantPlan):
         yield node_name, wp, bias, value, plan.activations[src]
 
 
-def fit_biases(g: Graph, places, plan: QuantPlan) -> None:
-    """Widen the weight grids under which a layer's bias would not fit int32 on s_in * s_w.
+def _bias_limit(g: Graph, wp, s_in, s_w, channels: int) -> float:
+    """The largest |int32 bias| that leaves the accumulator room for the layer's products: a
+    bias fitted to 2^31 - 1 itself overflows once fan-in x |x_q| x |w_q| is added (measured: a
+    Gemm's output signs flipped in onnxruntime's integer kernels). At least 2^30."""
+    w = g.weight(wp.tensor)
+    fan_in = max(1, w.size // max(1, channels))
+    x_steps = float(s_in.qmax - s_in.qmin)
+    w_steps = float(max(abs(s_w.qmin), abs(s_w.qmax)) if s_w.signed else s_w.qmax - s_w.qmin)
+    return max(2.0 ** 31 - 1 - fan_in * x_steps * w_steps, 2.0 ** 30)
+
+
+def _bias_overflows(g: Graph, wp, value, s_in, plan: QuantPlan) -> bool:
+    s_w = plan.weights[wp.tensor]
+    scale = bias_qparams(s_in, s_w).scale.astype(np.float64)
+    return bool(np.any(np.abs(value) / scale > _bias_limit(g, wp, s_in, s_w, value.size)))
+
+
+def fit_biases(g: Graph, places, plan: QuantPlan) -> set:
+    """Widen the weight grids under which a layer's bias would not fit int32 on s_in * s_w, with
+    room left for the products the accumulator adds (:func:`_bias_limit`); returns the weights
+    widened.
 
     Integer kernels add the bias to the int32 accumulator on that scale, also where the model
     carries it as float: TFLite's converter (imx, ti) quantizes a float bias itself, and so do
@@ -336,48 +381,83 @@ def fit_biases(g: Graph, places, plan: QuantPlan) -> None:
     where the Q/DQ-as-float simulation read 0.9999. So the weight scale is raised until the bias
     fits, as TFLite's and onnxruntime's quantizers do (per channel where the weights have
     per-channel grids): the layer's output is then all but its bias, and its weights' products
-    lose nothing at the output's own scale."""
-    for node_name, wp, bias, value, s_in in _bias_sites(g, places, plan):
-        if bias in plan.weights:
-            continue
-        if np.any(np.abs(value) / bias_qparams(s_in, plan.weights[wp.tensor]).scale.astype(np.float64)
-                  > 2 ** 31 - 1):
-            _widen_for_bias(g, plan, wp.tensor, s_in, value, node_name)
+    lose nothing at the output's own scale. A weight two layers share is widened for both."""
+    widened = set()
+    readers: dict[str, int] = {}
+    for (name, index), wp in places.weights.items():
+        if index == 1:
+            readers[wp.tensor] = readers.get(wp.tensor, 0) + 1
+    for _ in range(2):   # again for a layer that shares a weight widened after it was visited
+        for node_name, wp, bias, value, s_in in _bias_sites(g, places, plan):
+            if bias in plan.weights and wp.tensor not in widened:
+                continue        # planned on the grids it has (an int32 grid is replanned when they change)
+            if _bias_overflows(g, wp, value, s_in, plan) and \
+                    _widen_for_bias(g, plan, wp, s_in, value, node_name, readers.get(wp.tensor, 1) > 1):
+                widened.add(wp.tensor)
+        if not widened:
+            break
+    return widened
 
 
 def plan_biases(g: Graph, places, plan: QuantPlan) -> None:
-    """int32 biases for Conv/ConvTranspose/Gemm whose input and weight are both quantized."""
+    """int32 biases for Conv/ConvTranspose/Gemm whose input and weight are both quantized, on
+    weight grids widened where a bias would not fit (fit_biases); a layer whose weight grid was
+    widened gets its int32 grid planned again (it may share that weight with the layer that
+    needed it)."""
+    widened = fit_biases(g, places, plan)
     for node_name, wp, bias, value, s_in in _bias_sites(g, places, plan):
-        if bias in plan.weights:
+        if bias in plan.weights and wp.tensor not in widened:
             continue
-        bqp = bias_qparams(s_in, plan.weights[wp.tensor])
-        if np.any(np.abs(value) / bqp.scale.astype(np.float64) > bqp.qmax):
-            _widen_for_bias(g, plan, wp.tensor, s_in, value, node_name)
-            bqp = bias_qparams(s_in, plan.weights[wp.tensor])
-        plan.weights[bias] = bqp
+        if _bias_overflows(g, wp, value, s_in, plan):    # a shared weight not widened: stays float
+            plan.weights.pop(bias, None)
+            places.weights.pop((node_name, 2), None)
+            continue
+        plan.weights[bias] = bias_qparams(s_in, plan.weights[wp.tensor])
         places.weights[(node_name, 2)] = placement_mod.WeightPoint(bias, node_name, 2, plan.weights[bias].axis)
 
 
 DEAD_CHANNEL = 1e-4   # a channel whose largest |w| is below this fraction of the layer's is dead
 
 
-def _widen_for_bias(g: Graph, plan: QuantPlan, weight: str, s_in, bias: np.ndarray, node_name: str) -> None:
-    """Widen ``weight``'s grid until ``bias`` fits int32 on s_in * s_w: only the output channels
-    that overflow where the grid is per channel, the whole tensor where it is per tensor; a
-    power-of-two grid stays on powers of two. Typical causes: a pruned or dead output channel
-    (its per-channel scale is tiny; its weights keep a grid far finer than any live channel's) or
-    an input that calibration saw constant (an all-zero state: a tiny input scale)."""
+def _widen_for_bias(g: Graph, plan: QuantPlan, wp, s_in, bias: np.ndarray, node_name: str,
+                    shared: bool = False) -> bool:
+    """Widen ``wp``'s weight grid until ``bias`` fits int32 on s_in * s_w (:func:`_bias_limit`):
+    only the output channels that overflow where the grid is per channel, the whole tensor where
+    it is per tensor; a power-of-two grid stays on powers of two. Typical causes: a pruned or dead
+    output channel (its per-channel scale is tiny; its weights keep a grid far finer than any live
+    channel's) or an input that calibration saw nearly constant (a tiny input scale). The widened
+    channels are recorded in ``plan.widened`` (weight_clip_val.json gives their grids). A weight
+    that other layers read too (``shared``) is widened only in dead channels: on live ones it
+    would coarsen those layers' weights (257x, output cosine 0.9999 -> 0.84, where one of two
+    Gemms sharing a weight read a near-zero input); the bias then stays float and the log says
+    so. Returns whether it widened."""
+    weight = wp.tensor
     s_w = plan.weights[weight]
     scale = np.asarray(s_w.scale, np.float64)
     s_x = float(np.max(s_in.scale))
-    lim = 2 ** 31 - 1
+    lim = _bias_limit(g, wp, s_in, s_w, bias.size)
     per_channel = s_w.axis is not None and scale.ndim > 0 and scale.size == bias.size
     need = np.abs(bias) / (s_x * lim) * (1 + 1e-6)
     if not per_channel:
         need = np.full_like(scale, need.max())
     over = need > scale
     if not np.any(over):
-        return
+        return False
+    w = np.asarray(plan.values.get(weight, g.weight(weight)), np.float64)
+    dead = False
+    if per_channel:
+        wmax = np.abs(np.moveaxis(w, s_w.axis, 0)).reshape(w.shape[s_w.axis], -1).max(axis=1)
+        dead = wmax.shape == over.shape and bool(np.all(wmax[over] <= DEAD_CHANNEL * wmax.max()))
+    if shared and not dead:
+        if node_name in plan.float_biases:
+            return False
+        plan.float_biases.add(node_name)
+        log.warning("bias of %s does not fit int32 on s_in * s_w (input grid step %.3g), and its weight %s is "
+                    "shared with other layers, whose grids a wider one would coarsen: the bias stays float, "
+                    "which an integer kernel that quantizes it itself (onnxruntime's default optimizations, "
+                    "TFLite) can overflow; calibrate with samples in which its input varies, or keep %s float "
+                    "(--skip_layers)", node_name, s_x, weight, node_name)
+        return False
     wide = np.maximum(scale, need)
     if np.all(np.log2(scale) == np.round(np.log2(scale))):     # a power-of-two backend stays on its grids
         wide = 2.0 ** np.ceil(np.log2(wide))
@@ -386,15 +466,12 @@ def _widen_for_bias(g: Graph, plan: QuantPlan, weight: str, s_in, bias: np.ndarr
     lo = np.where(over, (s_w.qmin - zp) * new, s_w.lo).astype(np.float32)
     hi = np.where(over, (s_w.qmax - zp) * new, s_w.hi).astype(np.float32)
     plan.weights[weight] = dataclasses.replace(s_w, scale=new, lo=lo, hi=hi)
-    dead = ""
-    if per_channel:
-        w = np.asarray(plan.values.get(weight, g.weight(weight)), np.float64)
-        wmax = np.abs(np.moveaxis(w, s_w.axis, 0)).reshape(w.shape[s_w.axis], -1).max(axis=1)
-        if wmax.shape == over.shape and np.all(wmax[over] <= DEAD_CHANNEL * wmax.max()):
-            dead = f" (dead: largest |w| under {DEAD_CHANNEL:g} of the layer's)"
+    plan.widened[weight] = over | plan.widened.get(weight, False)
+    note = f" (dead: largest |w| under {DEAD_CHANNEL:g} of the layer's)" if dead else ""
     log.info("bias of %s: %s widened up to %.3gx so that the bias fits int32 on s_in * s_w (input grid step "
-             "%.3g)", node_name, f"the weight grids of {int(over.sum())} output channel(s){dead}" if per_channel
+             "%.3g)", node_name, f"the weight grids of {int(over.sum())} output channel(s){note}" if per_channel
              else "its per-tensor weight grid", float(np.max(new / scale)), s_x)
+    return True
 
 
 def is_bias(g: Graph, node_name: str, index: int) -> bool:
@@ -558,10 +635,8 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
         stats = calibrate.collect(g, data, indices, targets, comm, cfg.act_quant in NEEDS_HISTOGRAM,
                                   cfg.bins, cfg.device)
     timings["calibration_s"] = time.perf_counter() - t
-    warn_degenerate(stats)
-    plan = plan_activations(stats, cfg, plat, places)
-    if plat.share_scale:
-        share_scales(g, plan, plat.share_scale)
+    plan = plan_grids(g, stats, cfg, plat, places)
+    warn_degenerate(stats, plan)
     plan_weights(g, places, plan, plat, cfg)
     shifted = []
     if cfg.shift and shift_mod.applicable(plat):
@@ -879,9 +954,7 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, pl
         if stats is not None and plat is not None:
             # every activation's 16-bit grid, from the same statistics: a trial switches the
             # chosen layers' inputs onto these instead of leaving them float
-            wide = plan_activations(stats, dataclasses.replace(cfg, a_bits=16, layer_bits={}), plat, places)
-            if plat.share_scale:
-                share_scales(g, wide, plat.share_scale)
+            wide = plan_grids(g, stats, dataclasses.replace(cfg, a_bits=16, layer_bits={}), plat, places)
         out["auto_a16"] = sensitivity.auto_a16(g, places, plan, scorer, out["isolated"], crit,
                                                target, cfg.max_a16_layers, fixed=fixed, wide_plan=wide)
         scorer.release()           # the trials' sessions; the promoted model gets its own
@@ -962,9 +1035,7 @@ def promote_a16(g: Graph, places, plan: QuantPlan, stats, cfg: QuantConfig, plat
     for n in layers:
         if bits.get(n, (None, None))[1] is None:     # an explicit --layer_bits NODE=aM stands
             bits[n] = (bits.get(n, (None, None))[0], 16)
-    new = plan_activations(stats, dataclasses.replace(cfg, layer_bits=bits), plat, places)
-    if plat.share_scale:
-        share_scales(g, new, plat.share_scale)
+    new = plan_grids(g, stats, dataclasses.replace(cfg, layer_bits=bits), plat, places)
     changed = [t for t, qp in new.activations.items()
                if t in plan.activations and qp.bits != plan.activations[t].bits]
     for t in changed:

@@ -127,6 +127,11 @@ class QuantPlan:
     # activation -> how many tensors share its grid (pass-through ops on backends that keep their
     # input's grid: share_scales), for the diagnosis
     shared: dict = field(default_factory=dict)
+    # weight -> the channels (bool mask, or one bool per tensor) whose grid was widened so that an
+    # int32 bias fits (pipeline.fit_biases): their grid is wider than their values
+    widened: dict = field(default_factory=dict)
+    # layers whose bias stays float beside a shared weight it would not fit on (logged once)
+    float_biases: set = field(default_factory=set)
 
     def restricted(self, placement) -> "QuantPlan":
         """The grids ``placement`` still uses (after ``--auto_skip`` kept layers float), so side
@@ -138,7 +143,8 @@ class QuantPlan:
         return QuantPlan(activations={t: q for t, q in self.activations.items() if t in placement.activations},
                          weights={t: q for t, q in self.weights.items() if t in kept},
                          rules=dict(self.rules), values=values,
-                         value_owners={k: o for k, o in self.value_owners.items() if k in values})
+                         value_owners={k: o for k, o in self.value_owners.items() if k in values},
+                         widened={t: m for t, m in self.widened.items() if t in kept})
 
 
 def bias_qparams(s_in: QParams, s_w: QParams) -> QParams:

@@ -395,7 +395,10 @@ def test_a_dead_channels_bias_fits_int32_on_a_widened_weight_grid(tmp_path, plat
     ints = inits[bias_dq.input[0]]
     assert ints.dtype == np.int32
     step = inits[bias_dq.input[1]].astype(np.float64)
-    assert np.all(np.abs(ints * step - b) <= step / 2 + 1e-9)
+    # on the grid, rounded as QuantizeLinear does (the division in float32: an int beyond 2^24 is
+    # off by float32's rounding of the quotient), with room left below 2^31 for the products
+    assert np.all(np.abs(ints * step - b) <= step / 2 + np.abs(b) * 2.0 ** -23)
+    assert np.all(np.abs(ints.astype(np.int64)) + 27 * 255 * 127 < 2 ** 31)
     s_w = inits[weight_dq.input[1]]
     live = np.abs(w.reshape(4, -1)).max(1)
     zp = inits[weight_dq.input[2]].astype(np.float64)
@@ -403,6 +406,13 @@ def test_a_dead_channels_bias_fits_int32_on_a_widened_weight_grid(tmp_path, plat
     for c in (0, 1, 3):      # live channels keep the grid their range gives
         assert s_w[c] == pytest.approx(2 * live[c] / span, rel=0.02)
     assert s_w[2] > 1000 * 1e-12 / 127 and s_w[2] < 1e-4 * s_w.max()   # widened, still far finer than the rest
+    # weight_clip_val.json gives the widened channel its grid's range (its values' would rebuild
+    # the narrow grid), the others their values' range as the reference tool writes them
+    lo, hi = (np.array(v) for v in json.loads((out / "weight_clip_val.json").read_text())["w"])
+    assert max(-lo[2], hi[2]) / 127 == pytest.approx(float(s_w[2]), rel=1e-5)   # rebuilds the written scale
+    flat = w.reshape(4, -1)
+    np.testing.assert_allclose(lo[[0, 1, 3]], flat.min(1)[[0, 1, 3]], rtol=1e-6)
+    np.testing.assert_allclose(hi[[0, 1, 3]], flat.max(1)[[0, 1, 3]], rtol=1e-6)
     np.testing.assert_allclose(ort_run(qm, feeds[0])[0], ort_run(model, feeds[0])[0], atol=0.05)
 
 

@@ -1,6 +1,8 @@
 """dipoorlet.qparams: grids from clip ranges, and quantize_array against ONNX QuantizeLinear."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from onnx import TensorProto, helper
@@ -251,3 +253,80 @@ def test_an_activation_empty_in_every_sample_is_named_as_empty(tmp_path, caplog)
     assert not any(n.op_type == "QuantizeLinear" and n.input[0] == "x" for n in qm.graph.node)
     x = rand((1, 5, 4), 2)     # only the weight's int8 rounding is left
     np.testing.assert_allclose(ort_run(qm, {"x": x})[0], ort_run(model, {"x": x})[0], atol=0.05)
+
+
+@pytest.mark.parametrize("deploy", ["qnn", "ort"])
+def test_a_fitted_bias_leaves_the_accumulator_room_for_the_products(tmp_path, deploy):
+    """A bias fitted to 2^31 - 1 itself overflows once the layer's products are added to it: a
+    16-input Gemm on a near-constant input flipped output signs in onnxruntime's integer kernels
+    (worst cosine -0.57 on qnn). The fitted int32 bias leaves fan-in x |x_q| x |w_q| below the
+    limit, and a default session follows the float model."""
+    from onnx import helper as oh, numpy_helper
+
+    from conftest import KERNEL_COS, make_model, ort_run, quantize_model, rand, vi
+
+    model = make_model([oh.make_node("Gemm", ["x", "w", "b"], ["y"], name="gemm", transB=1)],
+                       [vi("x", [1, 16])], [vi("y", [1, 4])], {"w": rand((4, 16), 1), "b": rand((4,), 2, 1.0)})
+    feeds = [{"x": rand((1, 16), 10 + i, 1e-7)} for i in range(4)]
+    _, qm = quantize_model(tmp_path, model, feeds=feeds, deploy=deploy, skip_prof_layer=True)
+    inits = {t.name: numpy_helper.to_array(t) for t in qm.graph.initializer}
+    dq = {n.output[0]: n for n in qm.graph.node if n.op_type == "DequantizeLinear"}
+    gemm = next(n for n in qm.graph.node if n.name == "gemm")
+    ints = inits[dq[gemm.input[2]].input[0]].astype(np.int64)
+    x_steps = 255 if inits[dq[gemm.input[0]].input[2]].dtype == np.uint8 else 256
+    assert np.all(np.abs(ints) + 16 * x_steps * 127 < 2 ** 31)
+    for i in range(10):
+        f = {"x": rand((1, 16), 100 + i, 1e-7)}
+        want = ort_run(model, f)[0].ravel().astype(np.float64)
+        got = ort_run(qm, f, optimize=True)[0].ravel().astype(np.float64)
+        assert want @ got / np.linalg.norm(want) / np.linalg.norm(got) > KERNEL_COS
+
+
+def test_a_shared_weight_is_not_widened_for_one_layers_bias(tmp_path, caplog):
+    """W is read by gA (a normal input) and gB (an input near 1e-6): widening W until gB's bias fits
+    int32 would coarsen gA's weights 257x (output cosine 0.84). W keeps its grid, gA's int32 bias
+    sits on its own s_in * s_w, gB's bias stays float, and the log says why."""
+    import logging
+
+    from onnx import helper as oh, numpy_helper
+
+    from conftest import make_model, ort_run, quantize_model, rand, vi
+
+    nodes = [oh.make_node("Gemm", ["x", "w", "b1"], ["a"], name="gA", transB=1),
+             oh.make_node("Gemm", ["h", "w", "b2"], ["s"], name="gB", transB=1),
+             oh.make_node("Add", ["a", "s"], ["y"], name="add")]
+    model = make_model(nodes, [vi("x", [1, 8]), vi("h", [1, 8])], [vi("y", [1, 8])],
+                       {"w": rand((8, 8), 1, 0.5), "b1": rand((8,), 2, 0.3), "b2": rand((8,), 3, 1.0)})
+    feeds = [{"x": rand((1, 8), i), "h": rand((1, 8), 20 + i, 1e-6)} for i in range(8)]
+    with caplog.at_level(logging.WARNING, logger="dipoorlet"):
+        _, qm = quantize_model(tmp_path, model, feeds=feeds, deploy="qnn", skip_prof_layer=True)
+    assert "bias of gB does not fit int32" in caplog.text and "shared with other layers" in caplog.text
+    inits = {t.name: numpy_helper.to_array(t) for t in qm.graph.initializer}
+    dq = {n.output[0]: n for n in qm.graph.node if n.op_type == "DequantizeLinear"}
+    node = {n.name: n for n in qm.graph.node}
+    s_w = inits[dq[node["gA"].input[1]].input[1]].astype(np.float64)
+    w = rand((8, 8), 1, 0.5)
+    np.testing.assert_allclose(s_w, np.abs(w).max(axis=1) / 127, rtol=1e-5)     # its own range, not widened
+    s_x = inits[dq[node["gA"].input[0]].input[1]].astype(np.float64)
+    np.testing.assert_allclose(inits[dq[node["gA"].input[2]].input[1]], s_x * s_w, rtol=1e-6)
+    assert node["gB"].input[2] == "b2"                                            # float
+    for f in feeds:
+        np.testing.assert_allclose(ort_run(qm, f)[0], ort_run(model, f)[0], atol=0.05)
+
+
+@pytest.mark.parametrize("deploy", ["snpe", "qnn"])
+def test_an_all_zero_concat_input_keeps_the_grid_its_group_shares(tmp_path, deploy):
+    """On backends that run Concat in integers its inputs share one grid: a state input that is 0
+    in every sample still gets the group's grid (and its side-file entry), not float."""
+    from onnx import helper as oh
+
+    from conftest import make_model, quantize_model, rand, vi
+
+    nodes = [oh.make_node("Concat", ["state", "x"], ["c"], name="cat", axis=1),
+             oh.make_node("Gemm", ["c", "w", "b"], ["y"], name="fc", transB=1)]
+    model = make_model(nodes, [vi("x", [1, 8]), vi("state", [1, 8])], [vi("y", [1, 4])],
+                       {"w": rand((4, 16), 1, 0.3), "b": rand((4,), 2, 0.3)})
+    feeds = [{"x": rand((1, 8), i), "state": np.zeros((1, 8), np.float32)} for i in range(4)]
+    quantize_model(tmp_path, model, feeds=feeds, deploy=deploy, skip_prof_layer=True)
+    acts = json.loads((tmp_path / "out" / "act_clip_val.json").read_text())
+    assert acts["state"] == acts["x"] == acts["c"] and acts["x"][1] > 1
