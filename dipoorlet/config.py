@@ -35,26 +35,32 @@ def config_from_kwargs(**kwargs) -> "QuantConfig":
     import dataclasses
 
     fields = {f.name for f in dataclasses.fields(QuantConfig)}
-    out = {}
+    out, given = {}, {}
+
+    def put(field_name, value, key):
+        if field_name in given:
+            raise ConfigError(f"dipoorlet.quantize() got both {given[field_name]!r} and {key!r}, which set the "
+                              f"same thing ({field_name}); give one")
+        given[field_name] = key
+        out[field_name] = value
+
     for key, value in kwargs.items():
         if key in fields:
-            out[key] = value
+            put(key, value, key)
         elif key in FLAG_FIELDS:
-            out[FLAG_FIELDS[key]] = value
+            put(FLAG_FIELDS[key], value, key)
         elif key in NEGATED_FLAGS:
             if value:
-                out[NEGATED_FLAGS[key]] = False
+                put(NEGATED_FLAGS[key], False, key)
         elif key == "bc":
             if value:
-                out["bias_correction"] = True
+                put("bias_correction", True, key)
         else:
             names = sorted(fields | set(FLAG_FIELDS) | set(NEGATED_FLAGS) | {"bc"})
             guess = did_you_mean(key, names, {})
             raise ConfigError(f"dipoorlet.quantize() got an unknown keyword {key!r}"
                               + (f"; did you mean {' or '.join(guess)}?" if guess else "")
                               + " (the fields of dipoorlet.config.QuantConfig, or the CLI's long flag names)")
-    if kwargs.get("no_bc") and kwargs.get("bc"):
-        raise ConfigError("--bc and --no_bc: give one")
     return QuantConfig(**out)
 
 

@@ -358,7 +358,8 @@ def _bias_limit(g: Graph, wp, s_in, s_w, channels: int) -> float:
     w = g.weight(wp.tensor)
     fan_in = max(1, w.size // max(1, channels))
     x_steps = float(s_in.qmax - s_in.qmin)
-    w_steps = float(max(abs(s_w.qmin), abs(s_w.qmax)) if s_w.signed else s_w.qmax - s_w.qmin)
+    symmetric = s_w.signed and not np.any(np.asarray(s_w.zero_point) != 0)
+    w_steps = float(max(abs(s_w.qmin), abs(s_w.qmax)) if symmetric else s_w.qmax - s_w.qmin)
     return max(2.0 ** 31 - 1 - fan_in * x_steps * w_steps, 2.0 ** 30)
 
 
@@ -368,7 +369,7 @@ def _bias_overflows(g: Graph, wp, value, s_in, plan: QuantPlan) -> bool:
     return bool(np.any(np.abs(value) / scale > _bias_limit(g, wp, s_in, s_w, value.size)))
 
 
-def fit_biases(g: Graph, places, plan: QuantPlan) -> set:
+def fit_biases(g: Graph, places, plan: QuantPlan, quiet: bool = False) -> set:
     """Widen the weight grids under which a layer's bias would not fit int32 on s_in * s_w, with
     room left for the products the accumulator adds (:func:`_bias_limit`); returns the weights
     widened.
@@ -392,25 +393,21 @@ def fit_biases(g: Graph, places, plan: QuantPlan) -> set:
             if bias in plan.weights and wp.tensor not in widened:
                 continue        # planned on the grids it has (an int32 grid is replanned when they change)
             if _bias_overflows(g, wp, value, s_in, plan) and \
-                    _widen_for_bias(g, plan, wp, s_in, value, node_name, readers.get(wp.tensor, 1) > 1):
+                    _widen_for_bias(g, plan, wp, s_in, value, node_name, readers.get(wp.tensor, 1) > 1, quiet):
                 widened.add(wp.tensor)
         if not widened:
             break
     return widened
 
 
-def plan_biases(g: Graph, places, plan: QuantPlan) -> None:
+def plan_biases(g: Graph, places, plan: QuantPlan, quiet: bool = False) -> None:
     """int32 biases for Conv/ConvTranspose/Gemm whose input and weight are both quantized, on
     weight grids widened where a bias would not fit (fit_biases); a layer whose weight grid was
     widened gets its int32 grid planned again (it may share that weight with the layer that
     needed it)."""
-    widened = fit_biases(g, places, plan)
+    widened = fit_biases(g, places, plan, quiet)
     for node_name, wp, bias, value, s_in in _bias_sites(g, places, plan):
         if bias in plan.weights and wp.tensor not in widened:
-            continue
-        if _bias_overflows(g, wp, value, s_in, plan):    # a shared weight not widened: stays float
-            plan.weights.pop(bias, None)
-            places.weights.pop((node_name, 2), None)
             continue
         plan.weights[bias] = bias_qparams(s_in, plan.weights[wp.tensor])
         places.weights[(node_name, 2)] = placement_mod.WeightPoint(bias, node_name, 2, plan.weights[bias].axis)
@@ -420,17 +417,18 @@ DEAD_CHANNEL = 1e-4   # a channel whose largest |w| is below this fraction of th
 
 
 def _widen_for_bias(g: Graph, plan: QuantPlan, wp, s_in, bias: np.ndarray, node_name: str,
-                    shared: bool = False) -> bool:
+                    shared: bool = False, quiet: bool = False) -> bool:
     """Widen ``wp``'s weight grid until ``bias`` fits int32 on s_in * s_w (:func:`_bias_limit`):
     only the output channels that overflow where the grid is per channel, the whole tensor where
     it is per tensor; a power-of-two grid stays on powers of two. Typical causes: a pruned or dead
     output channel (its per-channel scale is tiny; its weights keep a grid far finer than any live
     channel's) or an input that calibration saw nearly constant (a tiny input scale). The widened
     channels are recorded in ``plan.widened`` (weight_clip_val.json gives their grids). A weight
-    that other layers read too (``shared``) is widened only in dead channels: on live ones it
-    would coarsen those layers' weights (257x, output cosine 0.9999 -> 0.84, where one of two
-    Gemms sharing a weight read a near-zero input); the bias then stays float and the log says
-    so. Returns whether it widened."""
+    that other layers read too (``shared``) is widened for them as well, with a warning: it
+    coarsens their weights (257x, output cosine 0.9999 -> 0.84, where one of two Gemms sharing a
+    weight read a near-zero input), which the report then measures; leaving that bias float
+    instead broke the model in onnxruntime's default session (0.46-0.85) while the simulation
+    read 0.9999. ``quiet``: a trial plan (--auto_w8's search), no log. Returns whether it widened."""
     weight = wp.tensor
     s_w = plan.weights[weight]
     scale = np.asarray(s_w.scale, np.float64)
@@ -448,16 +446,6 @@ def _widen_for_bias(g: Graph, plan: QuantPlan, wp, s_in, bias: np.ndarray, node_
     if per_channel:
         wmax = np.abs(np.moveaxis(w, s_w.axis, 0)).reshape(w.shape[s_w.axis], -1).max(axis=1)
         dead = wmax.shape == over.shape and bool(np.all(wmax[over] <= DEAD_CHANNEL * wmax.max()))
-    if shared and not dead:
-        if node_name in plan.float_biases:
-            return False
-        plan.float_biases.add(node_name)
-        log.warning("bias of %s does not fit int32 on s_in * s_w (input grid step %.3g), and its weight %s is "
-                    "shared with other layers, whose grids a wider one would coarsen: the bias stays float, "
-                    "which an integer kernel that quantizes it itself (onnxruntime's default optimizations, "
-                    "TFLite) can overflow; calibrate with samples in which its input varies, or keep %s float "
-                    "(--skip_layers)", node_name, s_x, weight, node_name)
-        return False
     wide = np.maximum(scale, need)
     if np.all(np.log2(scale) == np.round(np.log2(scale))):     # a power-of-two backend stays on its grids
         wide = 2.0 ** np.ceil(np.log2(wide))
@@ -467,6 +455,14 @@ def _widen_for_bias(g: Graph, plan: QuantPlan, wp, s_in, bias: np.ndarray, node_
     hi = np.where(over, (s_w.qmax - zp) * new, s_w.hi).astype(np.float32)
     plan.weights[weight] = dataclasses.replace(s_w, scale=new, lo=lo, hi=hi)
     plan.widened[weight] = over | plan.widened.get(weight, False)
+    if quiet:
+        return True
+    if shared and not dead and node_name not in plan.float_biases:
+        plan.float_biases.add(node_name)
+        log.warning("bias of %s does not fit int32 on s_in * s_w (input grid step %.3g): its weight %s, which other "
+                    "layers read too, gets a grid up to %.3gx wider for all of them, which coarsens their weights "
+                    "(the report measures it); calibrate with samples in which %s's input varies, or keep %s float "
+                    "(--skip_layers)", node_name, s_x, weight, float(np.max(new / scale)), node_name, node_name)
     note = f" (dead: largest |w| under {DEAD_CHANNEL:g} of the layer's)" if dead else ""
     log.info("bias of %s: %s widened up to %.3gx so that the bias fits int32 on s_in * s_w (input grid step "
              "%.3g)", node_name, f"the weight grids of {int(over.sum())} output channel(s){note}" if per_channel
@@ -991,7 +987,7 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, pl
                 # int32 biases on s_in * s_w8, planned as the written model's will be
                 full = QuantPlan(activations=dict(plan.activations), weights=dict(wide.weights),
                                  values={**plan.values, **wide.values})
-                plan_biases(g, places.restrict(list(places.quantized_nodes)), full)
+                plan_biases(g, places.restrict(list(places.quantized_nodes)), full, quiet=True)
                 wide.weights = full.weights
             out["auto_w8"] = sensitivity.auto_w8(g, places, plan, scorer, out["isolated"], crit, target,
                                                  cfg.max_w8_layers, narrow, wide)
