@@ -457,8 +457,8 @@ def _widen_for_bias(g: Graph, plan: QuantPlan, wp, s_in, bias: np.ndarray, node_
     plan.widened[weight] = over | plan.widened.get(weight, False)
     if quiet:
         return True
-    if shared and not dead and node_name not in plan.float_biases:
-        plan.float_biases.add(node_name)
+    if shared and not dead and node_name not in plan.shared_widened:
+        plan.shared_widened.add(node_name)
         log.warning("bias of %s does not fit int32 on s_in * s_w (input grid step %.3g): its weight %s, which other "
                     "layers read too, gets a grid up to %.3gx wider for all of them, which coarsens their weights "
                     "(the report measures it); calibrate with samples in which %s's input varies, or keep %s float "

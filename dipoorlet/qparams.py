@@ -130,8 +130,8 @@ class QuantPlan:
     # weight -> the channels (bool mask, or one bool per tensor) whose grid was widened so that an
     # int32 bias fits (pipeline.fit_biases): their grid is wider than their values
     widened: dict = field(default_factory=dict)
-    # layers whose bias stays float beside a shared weight it would not fit on (logged once)
-    float_biases: set = field(default_factory=set)
+    # layers whose bias widened a weight other layers share (warned once)
+    shared_widened: set = field(default_factory=set)
 
     def restricted(self, placement) -> "QuantPlan":
         """The grids ``placement`` still uses (after ``--auto_skip`` kept layers float), so side
