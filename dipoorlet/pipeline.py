@@ -382,22 +382,30 @@ def fit_biases(g: Graph, places, plan: QuantPlan, quiet: bool = False) -> set:
     where the Q/DQ-as-float simulation read 0.9999. So the weight scale is raised until the bias
     fits, as TFLite's and onnxruntime's quantizers do (per channel where the weights have
     per-channel grids): the layer's output is then all but its bias, and its weights' products
-    lose nothing at the output's own scale. A weight two layers share is widened for both."""
+    lose nothing at the output's own scale. A weight two layers share is widened for both (one
+    pass: widening only makes the other layers' biases fit better; plan_biases plans their int32
+    grids again)."""
     widened = set()
     readers: dict[str, int] = {}
     for (name, index), wp in places.weights.items():
         if index == 1:
             readers[wp.tensor] = readers.get(wp.tensor, 0) + 1
-    for _ in range(2):   # again for a layer that shares a weight widened after it was visited
-        for node_name, wp, bias, value, s_in in _bias_sites(g, places, plan):
-            if bias in plan.weights and wp.tensor not in widened:
-                continue        # planned on the grids it has (an int32 grid is replanned when they change)
-            if _bias_overflows(g, wp, value, s_in, plan) and \
-                    _widen_for_bias(g, plan, wp, s_in, value, node_name, readers.get(wp.tensor, 1) > 1, quiet):
-                widened.add(wp.tensor)
-        if not widened:
-            break
+    for node_name, wp, bias, value, s_in in _bias_sites(g, places, plan):
+        if bias in plan.weights:
+            continue        # an int32 grid planned on the grids it has (dropped when they change)
+        if _bias_overflows(g, wp, value, s_in, plan) and \
+                _widen_for_bias(g, plan, wp, s_in, value, node_name, readers.get(wp.tensor, 1) > 1, quiet):
+            widened.add(wp.tensor)
     return widened
+
+
+def settle_biases(g: Graph, places, plan: QuantPlan, plat) -> None:
+    """After a step that moved biases or grids: int32 bias grids where the backend has them
+    (plan_biases), else only the weight grids a float bias needs (fit_biases)."""
+    if plat.quantize_bias:
+        plan_biases(g, places, plan)
+    else:
+        fit_biases(g, places, plan)
 
 
 def plan_biases(g: Graph, places, plan: QuantPlan, quiet: bool = False) -> None:
@@ -687,10 +695,7 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
 
     if rounding and not defer:
         reconstructed = fit_rounding(places, plan)
-    if plat.quantize_bias:
-        plan_biases(g, places, plan)
-    else:
-        fit_biases(g, places, plan)    # biases the steps above moved
+    settle_biases(g, places, plan, plat)    # biases the steps above moved
 
     t = time.perf_counter()
     analysis = analyse(cfg, g, places, plan, data, comm, stats=stats, plat=plat, shifted=shifted, val=val)
@@ -732,10 +737,7 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
             # their int32 grids are planned again after it, on the fitted values
             drop_bias_grids(g, places, plan)
         reconstructed = fit_rounding(places, plan)
-        if plat.quantize_bias:
-            plan_biases(g, places, plan)
-        else:
-            fit_biases(g, places, plan)
+        settle_biases(g, places, plan, plat)
         analysis[rounding] = reconstructed
     if w8 is not None and (w8.float_layers or defer):
         # the written model (promoted grids, and the rounding fitted on them) decides

@@ -167,11 +167,11 @@ def _one_axis_per_weight(plan: Placement) -> None:
         axes.setdefault(wp.tensor, set()).add(wp.axis)
     mixed = sorted(t for t, a in axes.items() if len(a) > 1)
     for key, wp in plan.weights.items():
-        if wp.tensor in axes and len(axes[wp.tensor]) > 1:
+        if wp.tensor in mixed:
             plan.weights[key] = WeightPoint(wp.tensor, wp.node, wp.index, None)
     if mixed:
         log.debug("weight %s: shared by layers whose output channels lie on different axes; one per-tensor "
-                 "grid serves them", ", ".join(mixed[:4]) + (" ..." if len(mixed) > 4 else ""))
+                  "grid serves them", ", ".join(mixed[:4]) + (" ..." if len(mixed) > 4 else ""))
 
 
 def place(g: Graph, platform: Platform, skip_layers=(), weight_only=()) -> Placement:
