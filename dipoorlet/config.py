@@ -131,6 +131,10 @@ class QuantConfig:
         elif isinstance(self.layer_bits, dict) and any(isinstance(v, str) for v in self.layer_bits.values()):
             object.__setattr__(self, "layer_bits", {**self.layer_bits, **parse_layer_bits(
                 f"{k}={v}" for k, v in self.layer_bits.items() if isinstance(v, str))})
+        for node, bits in self.layer_bits.items():
+            if not (isinstance(bits, (tuple, list)) and len(bits) == 2):
+                raise ConfigError(f"--layer_bits {node}: expected 'wNaM' or (weight bits, activation bits) with "
+                                  f"None for either, got {bits!r}")
         if isinstance(self.input_shapes, (str, list, tuple)):      # the CLI's form: "x:1,3,224,224", ...
             from dipoorlet.data import parse_input_shapes
 
