@@ -94,6 +94,9 @@ def weight_axis(g: Graph, node, index: int, per_channel: bool, batched: bool = T
         return 0 if trans_b else 1
     if node.op_type == "MatMul" and index == 1:
         return rank - 1 if rank == 2 or (rank > 2 and batched) else None
+    # MatMul(W, x), the weight on the left (torch.matmul(W, x) exports): its output channels are
+    # W's rows, which lie along the reduction axis of no backend's per-channel MatMul format, so
+    # it gets one per-tensor grid
     return None
 
 
@@ -174,6 +177,14 @@ def _one_axis_per_weight(plan: Placement) -> None:
                   "grid serves them", ", ".join(mixed[:4]) + (" ..." if len(mixed) > 4 else ""))
 
 
+def _left_weight(g: Graph, node, index: int) -> bool:
+    """A constant first input of a MatMul whose second input is not constant: MatMul(W, x), the
+    weight on the left (``torch.matmul(W, x)``). It is quantized as a weight; left out, the layer
+    read as quantized in the report while its weight stayed float in the model."""
+    return (node.op_type == "MatMul" and index == 0 and len(node.input) > 1
+            and not g.is_constant(node.input[1]))
+
+
 def place(g: Graph, platform: Platform, skip_layers=(), weight_only=()) -> Placement:
     plan = Placement()
     skip = set(skip_layers)
@@ -190,7 +201,7 @@ def place(g: Graph, platform: Platform, skip_layers=(), weight_only=()) -> Place
         for i, name in enumerate(node.input):
             if not name:
                 continue
-            if i == w_index and g.is_constant(name) and g.is_float(name):
+            if (i == w_index or _left_weight(g, node, i)) and g.is_constant(name) and g.is_float(name):
                 weights.append(i)
             elif op in ("Conv", "ConvTranspose", "Gemm") and i == 2:
                 continue  # bias: platform.quantize_bias handles it in qdq

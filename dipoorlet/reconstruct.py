@@ -120,6 +120,8 @@ def find_layers(g, places, plan, qmodel) -> tuple[list[Layer], dict]:
         uses[wp.tensor] = uses.get(wp.tensor, 0) + 1
     layers, skipped = [], {}
     for (name, index), wp in places.weights.items():
+        if index == 0 and wp.tensor in plan.weights and g.node_by_name[name].op_type == "MatMul":
+            skipped[name] = "weight on the MatMul's left (MatMul(W, x)), which the fitted rounding does not handle"
         if index != 1 or wp.tensor not in plan.weights:
             continue
         node = g.node_by_name[name]

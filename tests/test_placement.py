@@ -309,6 +309,27 @@ def test_matmul_of_two_activations_quantizes_both_inputs(tmp_path):
     assert not any(t.name.endswith("_quantized") for t in qm.graph.initializer)
 
 
+@pytest.mark.parametrize("deploy", ["trt", "qnn"])
+def test_matmul_with_its_weight_on_the_left_quantizes_that_weight(tmp_path, deploy):
+    # MatMul(W, x), as torch.matmul(W, x) exports: the weight was left float while the report
+    # counted the layer as quantized
+    w = rand((8, 16), 1, 0.3)
+    model = make_model([helper.make_node("MatMul", ["w", "x"], ["y"], name="mm")],
+                       [vi("x", [2, 16, 10])], [vi("y", [2, 8, 10])], {"w": w})
+    _, qm = quantize_model(tmp_path, model, n=4, deploy=deploy)
+    mm = node(qm, "mm")
+    assert mm.input[0] == "w_dq" and is_dequantized(qm, mm.input[1])
+    dq = producer(qm, "w_dq")
+    stored = initializer(qm, dq.input[0])
+    assert stored.dtype == np.int8
+    scale = initializer(qm, dq.input[1])
+    assert scale.size == 1                     # one grid: W's rows lie on no per-channel axis
+    assert np.abs(stored.astype(np.float32) * scale - w).max() <= scale * 0.5 + 1e-7
+    if deploy == "qnn":
+        enc = json.loads((tmp_path / "out" / "qnn_encodings.json").read_text())
+        assert "w" in enc["param_encodings"]
+
+
 def test_weight_shared_by_two_nodes_is_stored_once(tmp_path):
     w = rand((4, 4, 3, 3), 1, 0.3)
     model = make_model([
