@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dipoorlet.graph import node_attr
+from dipoorlet.layer_errors import warn_left_out
 from dipoorlet.progress import progress
 from dipoorlet.qdq import dq_source, insert_qdq
 from dipoorlet.qparams import quantize_array
@@ -131,6 +132,34 @@ def _append_channel_means(model, keys, sizes, types) -> tuple[str, dict]:
     return out, types
 
 
+def append_watch(model, types) -> tuple[str | None, dict]:
+    """Append to a Q/DQ model one float32 scalar output: the sum of every activation its
+    QuantizeLinear nodes read, NaN or Inf where any of them holds a NaN or an Inf (None: no
+    such Q). A NaN of the float model (a fully padded sequence's softmax) becomes finite after a
+    Q/DQ, so the inputs of the layers downstream do not show it; the passes that accumulate
+    statistics of the quantized model leave such samples out."""
+    from onnx import TensorProto, helper
+
+    consts = {t.name for t in model.graph.initializer}
+    watch = list(dict.fromkeys(n.input[0] for n in model.graph.node
+                               if n.op_type == "QuantizeLinear" and n.input[0] not in consts))
+    if not watch:
+        return None, types
+    base = "__dipoorlet_watch"
+    sums = []
+    for k, t in enumerate(watch):
+        model.graph.node.append(helper.make_node("ReduceSum", [t], [f"{base}_{k}"], name=f"{base}_{k}", keepdims=0))
+        sums.append(f"{base}_{k}")
+    model.graph.node.append(helper.make_node("Sum", sums, [base], name=base))
+    types = dict(types)
+    types[base] = (TensorProto.FLOAT, [])
+    return base, types
+
+
+def _finite(got: dict, name: str | None) -> bool:
+    return name is None or bool(np.isfinite(np.asarray(got[name])).all())
+
+
 def _in_channels(g, site: Site) -> int:
     node = g.node_by_name[site.node]
     w = g.weight(site.weight)
@@ -180,13 +209,21 @@ def correct(g, places, plan, data, indices, comm, device="cpu") -> dict:
     keys = sorted(acc)
     sizes = [acc[k].size for k in keys]
     out, types = _append_channel_means(qmodel, keys, sizes, g.types)
-    runner = Runner(qmodel, [out], types=types, optimize=SIMULATE, device=device, spin=True)
-    count = 0
+    watch, types = append_watch(qmodel, types)
+    runner = Runner(qmodel, [out] + ([watch] if watch else []), types=types, optimize=SIMULATE, device=device,
+                    spin=True)
+    count, bad = 0, []
     for i in progress(indices, "bias correction", comm):
-        got, _ = runner.run(data.sample(i), ranges=False)
+        feed = data.sample(i)
+        got, _ = runner.run(feed, ranges=False)
         means = np.asarray(got[out], dtype=np.float64).reshape(-1)
         if means.size != sum(sizes):
             raise ValueError(f"bias correction: {means.size} channel means, expected {sum(sizes)}")
+        if not (np.isfinite(means).all() and _finite(got, watch)):
+            # a NaN mean cast to int64 became -2^63 and swamped every other sample's sum (one fully
+            # padded sequence in a torch TransformerEncoder moved a bias by 0.115 instead of 0.002)
+            bad.append((i, getattr(feed, "where", f"sample {i}")))
+            continue
         for k, mean in zip(keys, np.split(means, np.cumsum(sizes)[:-1])):
             acc[k] += np.rint(np.clip(mean, -LIMIT, LIMIT) * FIXED).astype(np.int64)
         count += 1
@@ -194,6 +231,7 @@ def correct(g, places, plan, data, indices, comm, device="cpu") -> dict:
     flat = comm.allreduce_sum(np.concatenate([acc[k] for k in keys]))
     for k, part in zip(keys, np.split(flat, np.cumsum(sizes)[:-1])):
         acc[k] = part
+    warn_left_out(comm, bad, "bias correction", "a quantized activation is NaN or Inf on them")
     total = int(comm.allreduce_sum(np.array([count], dtype=np.int64))[0])
     if total == 0:
         return {"layers": 0}

@@ -14,6 +14,7 @@ mean over samples (as the reference); SQNR is 10 log10(sum f^2 / sum (f-q)^2) ov
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -22,6 +23,8 @@ import numpy as np
 from dipoorlet.progress import progress
 from dipoorlet.qdq import dq_source
 from dipoorlet.runtime import SIMULATE, Runner
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -92,6 +95,23 @@ def sample_sums(f: np.ndarray, q: np.ndarray) -> tuple[float, float, float, floa
     else:
         cos = fq / math.sqrt(ff * qq)
     return cos, dd, ff, float(np.max(peaks)) if peaks else 0.0, fq, qq
+
+
+def nonfinite(outs: dict, names) -> list[str]:
+    """The float tensors of ``names`` in ``outs`` that hold a NaN or an Inf."""
+    return [t for t in names if t in outs and np.asarray(outs[t]).dtype.kind == "f"
+            and not np.isfinite(outs[t]).all()]
+
+
+def warn_left_out(comm, bad: list, what: str, why: str) -> int:
+    """Say once (rank 0) which samples ``what`` left out and ``why``; ``bad``: this rank's
+    (sample index, its files) pairs. Returns how many over every rank (on rank 0)."""
+    bad = sorted(comm.gather_samples({"_": list(bad)})["_"])
+    if comm.rank == 0 and bad:
+        log.warning("%s: %d sample(s) left out, %s: %s%s; check those inputs (a fully padded sequence, an "
+                    "empty image) or leave them out of the data", what, len(bad), why,
+                    "; ".join(w for _, w in bad[:3]), " ..." if len(bad) > 3 else "")
+    return len(bad)
 
 
 def pooled_cosine(ff: float, qq: float, fq: float) -> float:
@@ -304,12 +324,19 @@ def collect_errors(graph, qmodel, data, indices, targets: dict, comm, device="cp
     stats = {t: ErrorStats() for t in names}
     clipped = {t: Clipped(b[2]) for t, b in grids.items()}
     out_cos: dict[str, list] = {t: [] for t in outputs}
+    bad, bad_outputs = [], set()
     for i in progress(indices, "error profile", comm):
         feed = data.sample(i)
         f_out, _ = fp.run(feed)
-        q_out, _ = qr.run(feed)
         if on_float is not None:
             on_float(i, f_out)
+        broken = nonfinite(f_out, outputs)
+        if broken:
+            # no error is defined against a NaN: scored, it made every mean in the report NaN
+            bad.append((i, getattr(feed, "where", f"sample {i}")))
+            bad_outputs.update(broken)
+            continue
+        q_out, _ = qr.run(feed)
         for t in names:
             m = sample_sums(f_out[t], q_out[t])
             stats[t].add(*m, size=f_out[t].size)
@@ -319,6 +346,9 @@ def collect_errors(graph, qmodel, data, indices, targets: dict, comm, device="cp
         for t, c in clipped.items():
             src = before_q[t]
             c.add(np.asarray(feed[src] if src in inputs else q_out[src]), grids[t])
+    names_bad = sorted(set().union(*comm.allgather(sorted(bad_outputs))))
+    warn_left_out(comm, bad, "error profile", f"the float model's output {', '.join(names_bad[:3])} is NaN or "
+                  "Inf on them")
     gathered = comm.gather_samples({t: [st] for t, st in stats.items()})
     merged = {}
     for t, parts in gathered.items():

@@ -47,9 +47,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dipoorlet.bias_correction import _bcast
+from dipoorlet.bias_correction import _bcast, append_watch
 from dipoorlet.errors import ModelError
 from dipoorlet.graph import node_attr
+from dipoorlet.layer_errors import warn_left_out
 from dipoorlet.progress import progress
 from dipoorlet.qdq import dq_source, insert_qdq
 from dipoorlet.qparams import quantize_array
@@ -420,7 +421,8 @@ def positions(inputs: int, samples: int) -> int:
 
 
 def statistics(g, qmodel, layers, data, indices, comm, device,
-               label: str = "gptq statistics", samples: int | None = None) -> tuple[dict, dict, dict, int]:
+               label: str = "gptq statistics", samples: int | None = None,
+               watch: str | None = None, types: dict | None = None) -> tuple[dict, dict, dict, int]:
     """Per layer the summed ``H = sum x~ x~^T`` (units of the input's grid step squared) and
     ``R = sum (x - x~) x~^T`` (units of 1/256 of that), so ``Hc = H + R / 256``; (on rank 0) the
     error-free part of the output energy, sum ||W x||^2 with x the clipped input before its Q/DQ
@@ -434,7 +436,9 @@ def statistics(g, qmodel, layers, data, indices, comm, device,
     then added in float64 (exact while below 2^53 units: a bound summed over every sample is
     checked after the MPI sum, the same on every process): the sums are the same in any order
     and on any number of MPI processes.
-    ``sum ||W x||^2`` is summed per sample, gathered in sample order and added with math.fsum."""
+    ``sum ||W x||^2`` is summed per sample, gathered in sample order and added with math.fsum.
+    ``watch`` (:func:`~dipoorlet.bias_correction.append_watch`, ``types`` its model's types): a
+    sample on which it is not finite is left out, and the log says which."""
 
     acc, bound, energy, mats = {}, {}, {}, {}
     for lay in layers:
@@ -474,8 +478,9 @@ def statistics(g, qmodel, layers, data, indices, comm, device,
             a[1, :, :k] += pr[:, :, c:c + step] @ qt
 
     tensors = sorted({lay.xq for lay in layers} | {lay.pre for lay in layers})
-    runner = Runner(qmodel, tensors, types=g.types, optimize=False, device=device)
-    count = 0
+    runner = Runner(qmodel, tensors + ([watch] if watch else []), types=types or g.types, optimize=False,
+                    device=device)
+    count, bad = 0, []
     # every process draws alike: the cap depends on the whole run's sample count
     caps = {lay.node: positions(mats[lay.node][0].shape[2] + (lay.bias is not None),
                                 samples if samples is not None else len(indices)) for lay in layers}
@@ -486,7 +491,11 @@ def statistics(g, qmodel, layers, data, indices, comm, device,
     for t, li in last.items():
         done_after.setdefault(li, []).append(t)
     for i in progress(indices, label, comm):
-        got, _ = runner.run(data.sample(i), ranges=False)
+        feed = data.sample(i)
+        got, _ = runner.run(feed, ranges=False)
+        if watch and not np.isfinite(np.asarray(got[watch])).all():
+            bad.append((i, getattr(feed, "where", f"sample {i}")))
+            continue
         rng = np.random.default_rng(SEED + int(i))
         units = {}      # per input tensor: (x~ in steps, (x - x~) in 1/256 steps), float32 integers
         for li, lay in enumerate(layers):
@@ -528,6 +537,7 @@ def statistics(g, qmodel, layers, data, indices, comm, device,
                 got.pop(t, None)                   # activations are not all held twice
                 units.pop(t, None)
         count += 1
+    warn_left_out(comm, bad, label, "a quantized activation is NaN or Inf on them")
     rows = {}
     limit = 2.0 ** 53
     for lay in layers:
@@ -724,6 +734,7 @@ def reconstruct(g, places, plan, data, indices, comm, device="cpu", memory_mb: f
         if sparse is not None:
             return _sparse_summary(g, plan, layers, [], [], [], skipped, sparse, 0, 0)
         return {"layers": 0, "candidates": 0, "skipped": skipped}
+    watch, types = append_watch(qmodel, g.types)
     groups = passes(g, layers, int(memory_mb * 2 ** 20))
     if len(groups) > 1:
         log.info("%s: statistics of %d layers (%.1f MB) in %d passes of at most --gptq_memory %g MB "
@@ -732,7 +743,8 @@ def reconstruct(g, places, plan, data, indices, comm, device="cpu", memory_mb: f
     changed, total, short, magnitude = [], 0, {}, []
     for gi, group in enumerate(groups):
         label = f"{method} statistics" if len(groups) == 1 else f"{method} statistics {gi + 1}/{len(groups)}"
-        acc, consts, rows, total = statistics(g, qmodel, group, data, indices, comm, device, label, samples)
+        acc, consts, rows, total = statistics(g, qmodel, group, data, indices, comm, device, label, samples,
+                                              watch, types)
         if total == 0:
             return {"layers": 0, "candidates": len(layers), "skipped": skipped}
         # the layers are solved independently: under MPI each process solves every world-th one

@@ -35,7 +35,7 @@ import numpy as np
 
 from dipoorlet.progress import progress
 from dipoorlet.data import with_extra
-from dipoorlet.layer_errors import TINY, pooled_cosine, sample_sums
+from dipoorlet.layer_errors import TINY, nonfinite, pooled_cosine, sample_sums, warn_left_out
 from dipoorlet.qdq import Switchboard
 from dipoorlet.runtime import Runner
 
@@ -88,6 +88,12 @@ class Scorer:
         self.samples = {i: data.sample(i) for i in self.indices}
         # Float reference outputs of those samples: network outputs only.
         self.reference = {i: fp.run(self.samples[i])[0] for i in self.indices}
+        bad = [i for i in self.indices if nonfinite(self.reference[i], self.outputs)]
+        for i in bad:       # no error is defined against a NaN: it would rank every layer alike
+            del self.reference[i]
+        warn_left_out(comm, [(i, getattr(self.samples.pop(i), "where", f"sample {i}")) for i in bad],
+                      "sensitivity", "the float model's scored output is NaN or Inf on them")
+        self.indices = [i for i in self.indices if i not in bad]
         self._board = None
         self._mixed = None   # (places, plan, off_plan) -> board of --auto_a16's 8/16-bit trials
 

@@ -85,3 +85,60 @@ def test_generated_names_never_take_a_users_node_name():
     g = Graph(make_model(nodes, [vi("x", [1, 2])], [vi("y", [1, 2])]))
     name_nodes(g)
     assert [n.name for n in g.graph.node] == ["Relu_0_1", "Relu_0"]
+
+
+def _masked_softmax_model():
+    """Softmax over x where mask is 1 (-inf elsewhere), then two MatMul + bias layers: a sample whose mask row is all -inf
+    gives a NaN row in the float model, which the Q/DQ of the softmax output turns finite."""
+    nodes = [
+        helper.make_node("Cast", ["mask"], ["keep"], name="cast", to=TensorProto.BOOL),
+        helper.make_node("Where", ["keep", "x", "ninf"], ["s"], name="where"),
+        helper.make_node("Softmax", ["s"], ["p"], name="softmax", axis=-1),
+        helper.make_node("MatMul", ["p", "w1"], ["h0"], name="mm1"),
+        helper.make_node("Add", ["h0", "b1"], ["h1"], name="bias1"),
+        helper.make_node("Relu", ["h1"], ["h"], name="relu"),
+        helper.make_node("MatMul", ["h", "w2"], ["y0"], name="mm2"),
+        helper.make_node("Add", ["y0", "b2"], ["y"], name="bias2"),
+    ]
+    inits = {"w1": rand((8, 16), 1, 2.0), "b1": rand((16,), 2, 0.5), "w2": rand((16, 8), 3, 0.5),
+             "b2": rand((8,), 4, 0.1), "ninf": np.array(-np.inf, np.float32)}
+    return make_model(nodes, [vi("x", [1, 4, 8]), vi("mask", [1, 4, 8])], [vi("y", [1, 4, 8])], inits)
+
+
+@pytest.mark.parametrize("extra", [[], ["--gptq"]])
+def test_a_sample_that_makes_the_float_model_nan_is_left_out_and_named(tmp_path, extra, caplog):
+    # a fully padded sequence (all -inf mask row) spoiled the bias correction's sums: NaN means
+    # turned into -2^63, and downstream of the softmax's Q/DQ the garbage was finite
+    import logging
+
+    import dipoorlet
+
+    model = _masked_softmax_model()
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.standard_normal((1, 4, 8)).astype(np.float32) * 3,
+              "mask": np.ones((1, 4, 8), np.float32)} for _ in range(7)]
+    bad = {"x": feeds[3]["x"], "mask": feeds[3]["mask"].copy()}
+    bad["mask"][0, 1] = 0.0
+    from conftest import write_samples
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    kwargs = {"gptq": True} if extra else {}
+
+    def run(name, samples):
+        data = write_samples(tmp_path / f"d_{name}", samples)
+        dipoorlet.quantize(model=path, input_dir=data, data_num=len(samples), deploy="trt",
+                           output_dir=tmp_path / name, **kwargs)
+        return onnx.load(str(tmp_path / name / "quant_model.onnx"))
+
+    with caplog.at_level(logging.WARNING):
+        q_bad = run("bad", feeds[:3] + [bad] + feeds[4:])
+    q_ref = run("ref", feeds[:3] + feeds[4:] + [feeds[0]])
+    left_out = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    what = "gptq statistics" if extra else "bias correction"
+    assert any(m.startswith(what) and "3.npy" in m for m in left_out), left_out
+    assert any(m.startswith("error profile") and "3.npy" in m for m in left_out), left_out
+    # on the good samples the model calibrated with the NaN sample is as close to float as the other
+    # (98,683x the error before, with bias correction)
+    good = feeds[:3] + feeds[4:]
+    err = lambda q: sum(float(np.sum((ort_run(q, f)[0] - ort_run(model, f)[0]) ** 2)) for f in good)
+    assert err(q_bad) < 2 * err(q_ref)
