@@ -174,6 +174,14 @@ class DataSource:
                 raise DataError(f"{path}[{s.name!r}] is a single number; store an [N, ...] array of "
                                 "samples per model input")
             count = self._npz[s.name].shape[0]
+            counts = {t.name: self._npz[t.name].shape[0] for t in self.specs
+                      if t.name in keys and self._npz[t.name].ndim > 0}
+            if len(set(counts.values())) > 1:
+                # sample i is row i of every array: arrays of different lengths do not say which
+                # rows belong together
+                raise DataError(f"{path}: its arrays hold different numbers of samples ("
+                                + ", ".join(f"{k!r} {v}" for k, v in counts.items())
+                                + "); sample i is row i of every array, so store them with one N")
             if count < self.n:
                 raise DataError(f"{path}[{s.name!r}] holds {count} samples but {self.n_flag} is {self.n}; "
                                 f"lower {self.n_flag} to {count} or add samples")
@@ -359,6 +367,13 @@ class DataSource:
                 what = ("a mask: save it as bool (np.bool_)" if spec.dtype == np.bool_
                         else "e.g. token ids: save it with an integer dtype")
                 raise DataError(f"{where} holds floats but input {spec.name!r} is {spec.dtype} ({what})")
+            if spec.dtype != np.bool_ and arr.dtype != np.bool_ and arr.size:
+                info = np.iinfo(spec.dtype)
+                lo, hi = int(arr.min()), int(arr.max())
+                if lo < info.min or hi > info.max:
+                    # a plain cast wraps around: token id 2^32 + 3 became 3
+                    raise DataError(f"{where} holds values {lo}..{hi}, beyond the range of input {spec.name!r} "
+                                    f"({spec.dtype}: {info.min}..{info.max}); fix or remove that sample")
             arr = arr.astype(spec.dtype, copy=False)
         if spec.shape is not None:
             want = self.input_shapes.get(spec.name, spec.shape)

@@ -190,6 +190,29 @@ def test_npz_missing_an_input_is_rejected(tmp_path):
         DataSource(tmp_path / "calib.npz", [InputSpec("x", F32, (1, 3, 4, 4))], 2)
 
 
+def test_npz_whose_arrays_hold_different_sample_counts_is_rejected(tmp_path):
+    # row i of every array is sample i: with 10 ids and 6 masks nothing says which rows belong
+    # together, even where -N is within both
+    np.savez(tmp_path / "calib.npz", ids=np.zeros((10, 1, 12), np.int64), mask=np.ones((6, 1, 12), np.int64))
+    specs = [InputSpec("ids", np.dtype(np.int64), (1, 12)), InputSpec("mask", np.dtype(np.int64), (1, 12))]
+    with pytest.raises(DataError, match=r"different numbers of samples \('ids' 10, 'mask' 6\)"):
+        DataSource(tmp_path / "calib.npz", specs, 4)
+
+
+@pytest.mark.parametrize("dtype, value", [(np.int32, 2**32 + 3), (np.int32, -(2**31) - 1), (np.uint8, 256),
+                                          (np.int8, -129)])
+def test_integer_values_beyond_the_inputs_integer_type_are_rejected(tmp_path, dtype, value):
+    # a plain cast wrapped token id 2^32 + 3 around to 3
+    (tmp_path / "ids").mkdir()
+    np.save(tmp_path / "ids" / "0.npy", np.array([[1, value]], np.int64))
+    src = DataSource(tmp_path, [InputSpec("ids", np.dtype(dtype), (1, 2))], 1)
+    with pytest.raises(DataError, match=r"0\.npy holds values .* beyond the range of input 'ids'"):
+        src.sample(0)
+    np.save(tmp_path / "ids" / "0.npy", np.array([[1, 7]], np.int64))     # in range: cast
+    got = src.sample(0)["ids"]
+    assert got.dtype == dtype and got.tolist() == [[1, 7]]
+
+
 def test_npz_end_to_end(tmp_path):
     model = conv_model()
     arr = np.concatenate([f["x"] for f in input_feeds(model, 4)])
