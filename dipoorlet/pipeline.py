@@ -32,7 +32,7 @@ from dipoorlet.data import VALIDATION, DataSource, input_specs, shard, spread
 from dipoorlet.deploy import DeployContext, export_all
 from dipoorlet.dist import SingleProcess
 from dipoorlet.errors import ConfigError, DataError, ModelError, OutputError
-from dipoorlet.graph import Graph, check_float, save_model
+from dipoorlet.graph import Graph, node_attr, check_float, save_model
 from dipoorlet.qdq import insert_qdq
 from dipoorlet.qparams import MIN_SCALE, QuantPlan, bias_qparams, levels, make_qparams, share_scales
 from dipoorlet.ranges import NEEDS_HISTOGRAM, RANGE_METHODS, RangeParams, clip_range, power_of_two_clip
@@ -1008,18 +1008,26 @@ def _flag(rounding: str) -> str:
     return "--drop" if rounding == "qdrop" else f"--{rounding}"
 
 
+def _nbits_fusable(node) -> bool:
+    """A MatMul, or a Gemm reading its weight untransposed: what onnxruntime 1.32's default
+    session turns into MatMulNBits when the weight has an int8 DequantizeLinear."""
+    return node.op_type == "MatMul" or (node.op_type == "Gemm" and not node_attr(node, "transB", 0)
+                                        and not node_attr(node, "transA", 0))
+
+
 def _warn_matmulnbits(g: Graph, places, plan: QuantPlan) -> None:
     """onnxruntime's default session (ORT_ENABLE_EXTENDED and up) fuses a DequantizeLinear of an
-    int8 weight into the MatMul that reads it as MatMulNBits (a Gemm stays a Gemm), which by default
+    int8 weight into the MatMul that reads it as MatMulNBits (and into a Gemm whose weight is stored
+    [K, N], transB = 0; one with transB = 1 stays a Gemm), which by default
     (accuracy level 4) quantizes that layer's input to int8 on the fly: a 16-bit input grid
     gains little there (on a two-MatMul model: 41.4 dB output SQNR with Q/DQ as float, 39.2 dB in
     a default onnxruntime 1.32 session, 41.4 dB at accuracy level 2). Say so where it applies."""
     wide = {use[0] for t, point in places.activations.items()
             if t in plan.activations and plan.activations[t].bits > 8 for use in point.uses}
     hit = sorted(name for (name, index) in places.weights
-                 if index == 1 and name in wide and g.node_by_name[name].op_type == "MatMul")
+                 if index == 1 and name in wide and _nbits_fusable(g.node_by_name[name]))
     if hit:
-        log.warning("%d MatMul with 16-bit inputs (%s): a default onnxruntime session runs them as "
+        log.warning("%d MatMul/Gemm with 16-bit inputs (%s): a default onnxruntime session runs them as "
                     "MatMulNBits, which quantizes their inputs to int8 again; deploy with session option "
                     "session.qdq_matmulnbits_accuracy_level = 2 (or a lower one) to keep the 16-bit inputs",
                     len(hit), ", ".join(hit[:4]) + (" ..." if len(hit) > 4 else ""))

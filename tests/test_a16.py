@@ -315,6 +315,10 @@ def _two_layers(op):
         inits = {"w": rand((32, 16), 1, 0.3), "b": rand((32,), 2, 0.1), "w2": rand((8, 32), 3, 0.3)}
         first = helper.make_node("Gemm", ["x", "w", "b"], ["h"], name="fc1", transB=1)
         second = helper.make_node("Gemm", ["r", "w2"], ["y"], name="fc2", transB=1)
+    elif op == "Gemm_transB0":     # W stored [K, N], as a MatMul's: onnxruntime fuses this one
+        inits = {"w": rand((16, 32), 1, 0.3), "b": rand((32,), 2, 0.1), "w2": rand((32, 8), 3, 0.3)}
+        first = helper.make_node("Gemm", ["x", "w", "b"], ["h"], name="fc1")
+        second = helper.make_node("Gemm", ["r", "w2"], ["y"], name="fc2", transB=0)
     else:
         inits = {"w": rand((16, 32), 1, 0.3), "w2": rand((32, 8), 3, 0.3)}
         first = helper.make_node("MatMul", ["x", "w"], ["h"], name="fc1")
@@ -324,12 +328,21 @@ def _two_layers(op):
 
 
 @pytest.mark.parametrize("op, deploy, warned", [("MatMul", "ort", True), ("Gemm", "ort", False),
-                                                 ("MatMul", "qnn", False)])
+                                                 ("Gemm_transB0", "ort", True), ("MatMul", "qnn", False)])
 def test_ort_warns_that_its_default_session_requantizes_16_bit_matmul_inputs(tmp_path, caplog, op, deploy, warned):
+    import onnxruntime as ort
+
     with caplog.at_level("WARNING", logger="dipoorlet"):
         _run(tmp_path, _two_layers(op), deploy=deploy, a_bits=16)
     hits = [r.getMessage() for r in caplog.records if "MatMulNBits" in r.getMessage()]
     assert bool(hits) == warned
+    if deploy == "ort":       # the oracle: what onnxruntime's default optimizations make of the model
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+        ort.InferenceSession(str(tmp_path / "out-ort" / "quant_model.onnx"), so, providers=["CPUExecutionProvider"])
+        fused = [n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node].count("MatMulNBits")
+        assert (fused == 2) == warned and fused in (0, 2)
     if warned:
         assert "fc1, fc2" in hits[0] and "session.qdq_matmulnbits_accuracy_level" in hits[0]
 
