@@ -544,3 +544,20 @@ def test_rockchip_fills_in_every_fused_activation_and_the_corrected_bias(tmp_pat
     float_bias = inits.get("b2", numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "b2")))
     assert not np.allclose(held, float_bias, atol=scale.max())  # the correction moved it
     assert params["c2_b"]["max"][0] == pytest.approx(float(np.abs(held).max()), abs=float(scale.max()))
+
+
+@pytest.mark.parametrize("deploy, warned", [("rk", True), ("stpu", True), ("ti", True), ("magicmind", True),
+                                            ("snpe", False)])
+@pytest.mark.parametrize("bits", [{"w_bits": 4}, {"a_bits": 6}, {}])
+def test_range_only_formats_warn_that_narrow_grids_deploy_as_8_bits(tmp_path, caplog, deploy, warned, bits):
+    # a range without a bit width rebuilds an 8-bit grid: 4x finer than a 6-bit activation grid
+    # (18x for a 4-bit weight) than what quant_model.onnx simulates; snpe's encodings carry bitwidth
+    from conftest import input_feeds, quantize_model
+
+    model = tiny_cnn()
+    with caplog.at_level("WARNING", logger="dipoorlet"):
+        quantize_model(tmp_path, model, feeds=input_feeds(model, 4), deploy=deploy, skip_prof_layer=True, **bits)
+    hits = [r.getMessage() for r in caplog.records if "narrower than 8 bits" in r.getMessage()]
+    assert bool(hits) == (warned and bool(bits)), hits
+    if hits:
+        assert hits[0].startswith(f"{deploy}: ") and f"{list(bits.values())[0]} bits" in hits[0]

@@ -34,7 +34,32 @@ class DeployContext:
         return values[name] if name in values else self.graph.weight(name)
 
 
+# formats that hold clip ranges only, from which the vendor's tool builds 8-bit grids of its own
+# (trt says so itself, for asymmetric grids as well)
+RANGES_ONLY = {"rockchip_rk": "rk_quantized_param", "stpu": "stpu_minmax.json", "ti": "ti_blob_range",
+               "magicmind": "magicmind_quant_param.json"}
+
+
+def warn_narrow(ctx: DeployContext) -> list[str]:
+    """Warn where a range-only format gets grids narrower than 8 bits (--w_bits 4, --a_bits 6,
+    --layer_bits): the toolkit would quantize those tensors on finer 8-bit grids than the ones
+    quant_model.onnx simulates. Returns the formats warned for."""
+    narrow = sorted({(t, int(qp.bits)) for grids in (ctx.plan.activations, ctx.plan.weights)
+                     for t, qp in grids.items() if int(qp.bits) < 8})
+    formats = [f for f in ctx.platform.deploy if f in RANGES_ONLY]
+    if narrow and formats:
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "%s: %d grids narrower than 8 bits (e.g. %s, %d bits); %s holds clip ranges only, no bit widths, "
+            "and the toolkit builds 8-bit grids of its own: the deployed model is finer than the one "
+            "quant_model.onnx simulates and the report measures", ctx.platform.name, len(narrow), narrow[0][0], narrow[0][1],
+            " and ".join(RANGES_ONLY[f] for f in formats))
+    return formats if narrow else []
+
+
 def export_all(ctx: DeployContext, folder: Path) -> list[Path]:
+    warn_narrow(ctx)
     written = []
     for fmt in ctx.platform.deploy:
         written.extend(FORMATS[fmt](ctx, folder))
