@@ -211,3 +211,24 @@ def test_diagnosis_blames_the_pruning(tmp_path):
     rows = {d["node"]: d for d in res.report["diagnosis"]}
     assert "--sparse 1:4 pruned this layer" in rows["conv"]["advice"]
     assert "--gptq chooses" not in rows["conv"]["advice"]
+
+
+def test_weight_clip_val_rebuilds_the_grid_of_a_pruned_asymmetric_weight(tmp_path):
+    # magicmind: asymmetric per-channel weights; pruning took some channels' extreme values, and
+    # the pruned values' min/max rebuilt grids up to 25% finer than quant_model.onnx's
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal((8, 16)) * 0.2).astype(np.float32)
+    model = make_model([helper.make_node("Gemm", ["x", "w", "b"], ["y"], name="fc")], [vi("x", [1, 8])],
+                       [vi("y", [1, 16])], {"w": w, "b": (rng.standard_normal(16) * 0.1).astype(np.float32)})
+    data = write_samples(tmp_path / "d", [{"x": rng.standard_normal((1, 8)).astype(np.float32)} for _ in range(8)])
+    out = tmp_path / "out"
+    dipoorlet.quantize(model=save(model, tmp_path / "m.onnx"), input_dir=data, data_num=8, deploy="magicmind",
+                       output_dir=out, sparse="2:4", skip_prof_layer=True)
+    inits = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(out / "quant_model.onnx")).graph.initializer}
+    scale, zp = inits["w_scale"].astype(np.float64), inits["w_zero_point"].astype(np.int64)
+    assert scale.size == 16 and zp.dtype == np.int64 and np.any(zp != 0)     # per channel, asymmetric
+    lo, hi = (np.array(v, np.float64) for v in json.loads((out / "weight_clip_val.json").read_text())["w"])
+    lo, hi = np.minimum(lo, 0), np.maximum(hi, 0)
+    rebuilt = (hi - lo) / 255
+    np.testing.assert_allclose(rebuilt, scale, rtol=1e-5)
+    np.testing.assert_array_equal(np.clip(np.round(-128 - lo / rebuilt), -128, 127), zp)

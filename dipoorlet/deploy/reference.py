@@ -5,8 +5,9 @@ range calibration chose). Weights: ``{tensor: [[min per channel], [max per chann
 per-tensor weight gets one-element lists. Unlike the reference, which lists every initializer of
 Conv/Gemm/ConvTranspose (biases included) and reduces ConvTranspose/Gemm along axis 0 whatever
 their layout, we list the weights that are quantized, reduced along their true output-channel axis.
-A channel whose grid was widened so that an int32 bias fits (``plan.widened``) is given its grid's
-range, not its values': a range taken from its values would rebuild the narrower grid.
+A weight's range is the one its grid was built on, which rebuilds that grid: not its values' own
+range, which does not where the grid was widened for an int32 bias (``plan.widened``), nor where
+pruning or a fitted rounding took a channel's extreme value. An int32 bias gets its values' range.
 """
 from __future__ import annotations
 
@@ -30,13 +31,13 @@ def export(ctx, folder):
     for wp in ctx.placement.weights.values():
         if wp.tensor in ctx.plan.weights and wp.tensor not in weights:
             lo, hi = _channel_range(np.asarray(ctx.value(wp.tensor)), wp.axis)
-            wide = ctx.plan.widened.get(wp.tensor)
-            if wide is not None:
-                qp = ctx.plan.weights[wp.tensor]
-                glo, ghi = (np.broadcast_to(np.asarray(v, np.float64), np.shape(lo)) for v in (qp.lo, qp.hi))
-                mask = np.broadcast_to(np.asarray(wide), np.shape(lo))
-                lo = np.where(mask, glo, lo).astype(float).tolist()
-                hi = np.where(mask, ghi, hi).astype(float).tolist()
+            qp = ctx.plan.weights[wp.tensor]
+            if int(qp.bits) < 32:
+                # the range the grid was built on, which rebuilds it: the values' own range does
+                # not where the grid was widened for an int32 bias, nor where pruning (--sparse)
+                # or a fitted rounding took a channel's extreme value (up to 25% finer grids)
+                lo, hi = ([float(v) for v in np.broadcast_to(np.asarray(r, np.float64), np.shape(lo))]
+                          for r in (qp.lo, qp.hi))
             weights[wp.tensor] = [lo, hi]
     return [write_json(folder / "act_clip_val.json", acts),
             write_json(folder / "weight_clip_val.json", weights)]
