@@ -299,6 +299,11 @@ def below_bar(report: dict, bar) -> str:
     unit = "" if crit == "cosine" else " dB"
     rows = [f"{o['tensor']} {name} {o.get(key)}{unit}{why(o)}" for o in report.get("outputs", [])
             if o["tensor"] in judged and low(o)]
+    # an output no profile sample scored (each was left out: the float model's output was NaN
+    # there) has no row: it meets no bar
+    scored = {o["tensor"] for o in report.get("outputs", [])}
+    rows += [f"{t}: no profile sample scored it (the log says why)"
+             for t in report.get("score_outputs") or report.get("network_outputs") or () if t not in scored]
     return ("; ".join(rows) + f" below {value}{unit} (outputs were written)") if rows else ""
 
 

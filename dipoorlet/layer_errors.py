@@ -330,14 +330,14 @@ def collect_errors(graph, qmodel, data, indices, targets: dict, comm, device="cp
         f_out, _ = fp.run(feed)
         if on_float is not None:
             on_float(i, f_out)
+        q_out, _ = qr.run(feed)
         broken = nonfinite(f_out, outputs)
         if broken:
-            # no error is defined against a NaN: scored, it made every mean in the report NaN
+            # no error is defined against a NaN: scored, it made every mean in the report NaN (the
+            # values beyond the grids below are still counted)
             bad.append((i, getattr(feed, "where", f"sample {i}")))
             bad_outputs.update(broken)
-            continue
-        q_out, _ = qr.run(feed)
-        for t in names:
+        for t in names if not broken else ():
             m = sample_sums(f_out[t], q_out[t])
             stats[t].add(*m, size=f_out[t].size)
             if t in out_cos:

@@ -892,6 +892,7 @@ def _write_staging(cfg, g, plan, places, plat, data, indices, qmodel, staging: P
     files += export_all(DeployContext(g, plan, places, plat, cfg), staging)
     meta = {"model": str(cfg.model), "platform": plat.name, "method": cfg.act_quant,
             **({"score_outputs": list(cfg.score_outputs)} if cfg.score_outputs else {}),
+            "network_outputs": list(g.output_names),
             "samples": cfg.data_num, "profile_samples": k,
             **({"profile_data": str(cfg.val_dir)} if cfg.val_dir is not None else {}),
             "quantized_nodes": len(places.quantized_nodes),

@@ -142,3 +142,24 @@ def test_a_sample_that_makes_the_float_model_nan_is_left_out_and_named(tmp_path,
     good = feeds[:3] + feeds[4:]
     err = lambda q: sum(float(np.sum((ort_run(q, f)[0] - ort_run(model, f)[0]) ** 2)) for f in good)
     assert err(q_bad) < 2 * err(q_ref)
+
+
+def test_fail_below_fails_an_output_that_no_profile_sample_scored(tmp_path, capsys):
+    # every held-out sample makes the float output NaN: they are left out of the profile, so the
+    # output has no row in the report, and the gate passed with nothing judged
+    from conftest import write_samples
+    from dipoorlet.cli import below_bar, main
+
+    model = _masked_softmax_model()
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    rng = np.random.default_rng(0)
+    good = [{"x": rng.standard_normal((1, 4, 8)).astype(np.float32), "mask": np.ones((1, 4, 8), np.float32)}
+            for _ in range(4)]
+    bad = [{"x": f["x"], "mask": np.zeros((1, 4, 8), np.float32)} for f in good[:2]]
+    argv = ["-M", str(path), "-I", str(write_samples(tmp_path / "d", good)), "-N", "4", "-D", "trt",
+            "-O", str(tmp_path / "o"), "--val_dir", str(write_samples(tmp_path / "v", bad)), "--skip_prof_layer"]
+    assert main(argv + ["--fail_below", "0.5"]) == 3
+    assert "y: no profile sample scored it" in capsys.readouterr().err
+    rep = {"network_outputs": ["y"], "outputs": [{"tensor": "y", "cosine": 0.99, "sqnr_db": 30.0}]}
+    assert below_bar(rep, "0.5") == ""
