@@ -298,6 +298,13 @@ class DataSource:
                                 f"({dtype.itemsize} bytes each); the file is truncated or of "
                                 "another dtype")
             raw = np.fromfile(path, dtype=dtype)
+            if _looks_float64(raw):
+                # read as float32, float64 data has a dynamic dim doubled and values of random
+                # exponents (its mantissas' low words), which only a NaN among them would reveal
+                raise DataError(f"{path} looks like float64 data (read as {dtype}, {_odd_share(raw):.0%} of its "
+                                "values are beyond 1e20 or below 1e-20, as float64 they are ordinary); raw "
+                                f".bin files hold the input's dtype: save them as {dtype} "
+                                f"(arr.astype(np.{dtype}).tofile(...)) or as .npy")
             if dtype != spec.dtype:      # a widened float16/bfloat16 input: the model now takes float32
                 raw = raw.astype(spec.dtype)
         except DataError:
@@ -331,9 +338,11 @@ class DataSource:
                             f"dims, so {path.name} (raw .bin) is ambiguous; pass --input_shape "
                             f"{spec.name}:{_example_dims(spec.shape)} or store samples as .npy")
         if int(np.prod(shape)) != size:
+            twice = size == 2 * int(np.prod(shape)) and spec.raw_dtype == np.float32
             raise DataError(f"{path} holds {size} {spec.raw_dtype} values but input {spec.name!r} needs "
-                            f"shape {_fmt(shape)} = {int(np.prod(shape))} values; check the file or "
-                            "--input_shape")
+                            f"shape {_fmt(shape)} = {int(np.prod(shape))} values; "
+                            + ("twice as many: float64 data? save it as float32, or " if twice else "")
+                            + "check the file or --input_shape")
         return shape
 
     def _check(self, spec: InputSpec, arr: np.ndarray, where: str) -> np.ndarray:
@@ -451,6 +460,26 @@ def _npz_arrays(path: Path) -> dict:
                 with zf.open(info) as member:
                     arrays[name] = np.lib.format.read_array(member, allow_pickle=False)
     return arrays
+
+
+def _odd_share(raw: np.ndarray) -> float:
+    """The share of float32 values beyond 1e20, below 1e-20 (but not 0), or not finite."""
+    with np.errstate(all="ignore"):
+        a = np.abs(raw.astype(np.float64))
+        return float(np.mean((a > 1e20) | ((a > 0) & (a < 1e-20)) | ~np.isfinite(a)))
+
+
+def _looks_float64(raw: np.ndarray) -> bool:
+    """Raw float32 values that are float64 data read with the wrong dtype: many of them at
+    absurd magnitudes (the float64 mantissas' low words read as float32), all of them ordinary
+    as float64. Measured data in float32 is almost never 5% beyond 1e20 or below 1e-20."""
+    if raw.dtype != np.float32 or raw.size < 16 or raw.size % 2:
+        return False
+    if _odd_share(raw) < 0.05:
+        return False
+    with np.errstate(all="ignore"):
+        wide = np.abs(raw.view(np.float64))
+    return bool(np.isfinite(wide).all() and wide.max() < 1e10)
 
 
 def _safe(name: str) -> str:

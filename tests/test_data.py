@@ -490,3 +490,22 @@ def test_float64_npy_for_a_float32_input_is_cast_and_said_once(tmp_path, caplog)
     np.testing.assert_array_equal(got[2], np.array([[0.2, 1e-3]], dtype=np.float32))
     said = [r.getMessage() for r in caplog.records if "cast to float32" in r.getMessage()]
     assert len(said) == 1 and "float64" in said[0] and "0.npy" in said[0]
+
+
+def test_float64_bin_for_a_float32_input_with_a_dynamic_dim_is_named(tmp_path):
+    # read as float32, float64 data doubled the dynamic dim and gave values of random exponents,
+    # which passed unless one of them happened to be NaN
+    x = np.random.default_rng(0).standard_normal((1, 3, 8, 8))
+    _bin(tmp_path, "x", 0, x.astype(np.float64))
+    src = DataSource(tmp_path, [InputSpec("x", F32, (1, 3, 8, None))], 1)
+    with pytest.raises(DataError, match=r"0\.bin looks like float64 data"):
+        src.sample(0)
+    _bin(tmp_path, "x", 0, x.astype(np.float32))
+    assert src.sample(0)["x"].shape == (1, 3, 8, 8)
+
+
+def test_float64_bin_for_a_static_float32_input_says_twice_as_many(tmp_path):
+    _bin(tmp_path, "x", 0, rand((1, 3, 4, 4), 1).astype(np.float64))
+    src = DataSource(tmp_path, [InputSpec("x", F32, (1, 3, 4, 4))], 1)
+    with pytest.raises(DataError, match="twice as many: float64 data"):
+        src.sample(0)
