@@ -509,3 +509,37 @@ def test_float64_bin_for_a_static_float32_input_says_twice_as_many(tmp_path):
     src = DataSource(tmp_path, [InputSpec("x", F32, (1, 3, 4, 4))], 1)
     with pytest.raises(DataError, match="twice as many: float64 data"):
         src.sample(0)
+
+
+def _rss_file_kb() -> int | None:
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("RssFile:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+@pytest.mark.skipif(_rss_file_kb() is None, reason="needs Linux's /proc/self/status RssFile")
+def test_npz_rows_are_read_without_keeping_the_file_resident(tmp_path):
+    # a memory map of the [N, ...] member kept every page read resident: RSS grew with -N
+    arr = np.random.default_rng(0).standard_normal((128, 1, 64, 1024)).astype(np.float32)   # 32 MB
+    np.savez(tmp_path / "calib.npz", x=arr)
+    src = DataSource(tmp_path / "calib.npz", [InputSpec("x", F32, (1, 64, 1024))], 128)
+    before = _rss_file_kb()
+    for i in (0, 77, 127):
+        np.testing.assert_array_equal(src.sample(i)["x"], arr[i])
+    for i in range(128):
+        src.sample(i)
+    assert _rss_file_kb() - before < 8 * 1024
+
+
+def test_npz_with_a_fortran_ordered_or_compressed_array_reads_the_same_rows(tmp_path):
+    arr = rand((6, 3, 4, 4), 3)
+    np.savez(tmp_path / "f.npz", x=np.asfortranarray(arr))
+    np.savez_compressed(tmp_path / "c.npz", x=arr)
+    for name in ("f.npz", "c.npz"):
+        src = DataSource(tmp_path / name, [InputSpec("x", F32, (1, 3, 4, 4))], 6)
+        for i in range(6):
+            np.testing.assert_array_equal(src.sample(i)["x"], arr[i][None])
