@@ -524,6 +524,7 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
     out_dir = Path(cfg.output_dir)
     check_output_dir(out_dir)
     plat = platform_mod.load(cfg.deploy)
+    bc_by_default = cfg.bias_correction is None    # neither --bc nor --no_bc
     cfg = dataclasses.replace(cfg, bias_correction=cfg.bias_correction_on())
     check_bits(cfg, plat)
     if cfg.brecq:
@@ -650,14 +651,19 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
             places = placement_mod.place(g, plat, cfg.skip_layers)
     fit_biases(g, places, plan)    # before the steps that fit weights or biases to these grids
     corrections = None
-    if cfg.bias_correction:
+
+    def correct_biases():
         from dipoorlet import bias_correction
 
         t = time.perf_counter()
         k = min(cfg.data_num, cfg.bc_samples or bias_correction.BC_SAMPLES)
-        corrections = bias_correction.correct(g, places, plan, data, spread(k, cfg.data_num, comm.rank, comm.world),
-                                              comm, cfg.device)
+        out = bias_correction.correct(g, places, plan, data, spread(k, cfg.data_num, comm.rank, comm.world),
+                                      comm, cfg.device)
         timings["bias_correction_s"] = time.perf_counter() - t
+        return out
+
+    if cfg.bias_correction:
+        corrections = correct_biases()
     reconstructed = None
     rounding = ("adaround" if cfg.adaround else "sparse" if cfg.sparse is not None else "gptq" if cfg.gptq
                 else ("qdrop" if cfg.drop else "brecq") if cfg.brecq else None)
@@ -695,6 +701,13 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
 
     if rounding and not defer:
         reconstructed = fit_rounding(places, plan)
+        if rounding in ("gptq", "adaround") and not reconstructed.get("candidates") and bc_by_default \
+                and corrections is None:
+            # the flag turned bias correction off for a fit that has no layer to fit (every
+            # input on a 16-bit grid: W4A16 on qnn lost 6 dB to nearest rounding alone)
+            log.warning("%s fitted no layer: bias correction, which it turns off, runs instead (--no_bc to "
+                        "skip it)", rounding)
+            corrections = correct_biases()
     settle_biases(g, places, plan, plat)    # biases the steps above moved
 
     t = time.perf_counter()

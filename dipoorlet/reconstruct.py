@@ -733,6 +733,12 @@ def reconstruct(g, places, plan, data, indices, comm, device="cpu", memory_mb: f
     if not layers:
         if sparse is not None:
             return _sparse_summary(g, plan, layers, [], [], [], skipped, sparse, 0, 0)
+        reasons: dict[str, int] = {}
+        for why in skipped.values():
+            reasons[why] = reasons.get(why, 0) + 1
+        log.warning("%s: no layer can be fitted (%s); every weight keeps its nearest rounding", method,
+                    "; ".join(f"{k} layer{'s' if k > 1 else ''}: {why}" for why, k in
+                              sorted(reasons.items(), key=lambda r: -r[1])[:3]) or "no quantized weights")
         return {"layers": 0, "candidates": 0, "skipped": skipped}
     watch, types = append_watch(qmodel, g.types)
     groups = passes(g, layers, int(memory_mb * 2 ** 20))

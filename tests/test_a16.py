@@ -436,3 +436,18 @@ def test_auto_a16_met_is_decided_by_the_written_model_both_ways(tmp_path, monkey
     res, _, _, _ = _run(tmp_path, tiny_cnn(), auto_a16="0.5", sens_samples=2)
     rep = res.report["auto_a16"]
     assert rep["after_measured"]["cosine"] >= 0.5 and rep["met"] is True
+
+
+@pytest.mark.parametrize("flags", [{"gptq": True}, {"adaround": True}, {"gptq": True, "no_bc": True}])
+def test_a_fitted_rounding_with_no_layer_to_fit_leaves_bias_correction_on(tmp_path, caplog, flags):
+    # every input on a 16-bit grid: --gptq/--adaround fit nothing, and they had silently turned
+    # bias correction off (W4A16 on qnn: 39.5 dB with it, 33.6 dB without)
+    with caplog.at_level("WARNING", logger="dipoorlet"):
+        res, _, _, _ = _run(tmp_path, tiny_cnn(), a_bits=16, w_bits=4, **flags)
+    method = "adaround" if "adaround" in flags else "gptq"
+    assert res.report[method]["layers"] == 0
+    assert any(r.getMessage().startswith(f"{method}: no layer can be fitted") for r in caplog.records)
+    if "no_bc" in flags:
+        assert "bias_correction" not in res.report
+    else:
+        assert res.report["bias_correction"]["layers"] > 0
