@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import math
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -496,7 +497,6 @@ def statistics(g, qmodel, layers, data, indices, comm, device,
         if watch and not np.isfinite(np.asarray(got[watch])).all():
             bad.append((i, getattr(feed, "where", f"sample {i}")))
             continue
-        rng = np.random.default_rng(SEED + int(i))
         units = {}      # per input tensor: (x~ in steps, (x - x~) in 1/256 steps), float32 integers
         for li, lay in enumerate(layers):
             if lay.xq not in units:
@@ -515,7 +515,10 @@ def statistics(g, qmodel, layers, data, indices, comm, device,
             xq, xr, mq, mr = units[lay.xq]
             n = n_positions(xq, lay)
             cap = caps[lay.node]
-            pick = np.sort(rng.choice(n, cap, replace=False)) if n > cap else None
+            # one generator per (sample, layer): one shared by a pass's layers made a layer's draw,
+            # and so its rounding, depend on which layers --gptq_memory put in its pass before it
+            pick = np.sort(np.random.default_rng([SEED, int(i), zlib.crc32(lay.node.encode())]).choice(
+                n, cap, replace=False)) if n > cap else None
             pieces = [None] if pick is None else [pick[c:c + CHUNK] for c in range(0, len(pick), CHUNK)]
             Wk, bias = mats[lay.node]
             e = 0.0

@@ -366,6 +366,32 @@ def test_pinned_weights_keep_their_levels_and_the_others_compensate():
     assert err(Q[0]) < err(ri * s[:, None])
 
 
+def test_memory_budget_leaves_drawn_positions_and_so_the_rounding_unchanged(tmp_path):
+    """Two 3x3 Convs on 32x32 inputs: 1,024 output positions per sample, more than the cap at 16
+    samples, so positions are drawn. One generator per sample shared by a pass's layers made the
+    second layer's draw (299 of its 2,304 4-bit weights) depend on whether the first shared its
+    pass."""
+    from onnx import helper
+
+    rng = np.random.default_rng(5)
+    w = lambda *shape, s=0.3: (rng.standard_normal(shape) * s).astype(np.float32)
+    model = make_model([helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+                        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+                        helper.make_node("Conv", ["r1", "w2", "b2"], ["y"], name="conv2", pads=[1, 1, 1, 1])],
+                       [vi("x", [1, 8, 32, 32])], [vi("y", [1, 16, 32, 32])],
+                       {"w1": w(16, 8, 3, 3), "b1": w(16), "w2": w(16, 16, 3, 3, s=0.15), "b2": w(16)})
+    path = save(model, tmp_path / "m.onnx")
+    data = write_samples(tmp_path / "data", [{"x": w(1, 8, 32, 32, s=1.0)} for _ in range(16)])
+    got = {}
+    for mb in (256.0, 1e-3):
+        out = tmp_path / f"o{mb}"
+        res = dipoorlet.quantize(model=path, input_dir=data, data_num=16, deploy="trt", output_dir=out,
+                                 gptq=True, w_bits=4, gptq_memory=mb, skip_prof_layer=True)
+        got[mb] = (res.report["gptq"]["passes"], (out / "quant_model.onnx").read_bytes())
+    assert got[256.0][0] == 1 and got[1e-3][0] == 2
+    assert got[256.0][1] == got[1e-3][1]
+
+
 def test_memory_budget_splits_the_pass_without_changing_the_result(tmp_path):
     """--gptq_memory below every layer's statistics: one pass per layer over the same
     nearest-rounded model, and the same quantized model, byte for byte, as one pass."""
