@@ -331,14 +331,16 @@ def collect_errors(graph, qmodel, data, indices, targets: dict, comm, device="cp
         if on_float is not None:
             on_float(i, f_out)
         q_out, _ = qr.run(feed)
-        broken = nonfinite(f_out, outputs)
-        if broken:
-            # no error is defined against a NaN: scored, it made every mean in the report NaN (the
-            # values beyond the grids below are still counted)
-            bad.append((i, getattr(feed, "where", f"sample {i}")))
-            bad_outputs.update(broken)
-        for t in names if not broken else ():
+        for t in names:
             m = sample_sums(f_out[t], q_out[t])
+            if not math.isfinite(m[2]):
+                # the float tensor holds a NaN or an Inf: no error is defined against it (scored,
+                # it made every mean in the report NaN); left out for this tensor and sample only
+                if t in out_cos:
+                    if not bad or bad[-1][0] != i:
+                        bad.append((i, getattr(feed, "where", f"sample {i}")))
+                    bad_outputs.add(t)
+                continue
             stats[t].add(*m, size=f_out[t].size)
             if t in out_cos:
                 # sample, cosine, float output energy per value (windows of other sizes compare)
@@ -347,8 +349,8 @@ def collect_errors(graph, qmodel, data, indices, targets: dict, comm, device="cp
             src = before_q[t]
             c.add(np.asarray(feed[src] if src in inputs else q_out[src]), grids[t])
     names_bad = sorted(set().union(*comm.allgather(sorted(bad_outputs))))
-    warn_left_out(comm, bad, "error profile", f"the float model's output {', '.join(names_bad[:3])} is NaN or "
-                  "Inf on them")
+    warn_left_out(comm, bad, f"error profile of {', '.join(names_bad[:3])}", "the float model's output is NaN "
+                  "or Inf on them")
     gathered = comm.gather_samples({t: [st] for t, st in stats.items()})
     merged = {}
     for t, parts in gathered.items():

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dipoorlet.bias_correction import _bcast, append_watch
+from dipoorlet.bias_correction import _bcast, _finite, append_watch
 from dipoorlet.errors import ModelError
 from dipoorlet.graph import node_attr
 from dipoorlet.layer_errors import warn_left_out
@@ -423,7 +423,7 @@ def positions(inputs: int, samples: int) -> int:
 
 def statistics(g, qmodel, layers, data, indices, comm, device,
                label: str = "gptq statistics", samples: int | None = None,
-               watch: str | None = None, types: dict | None = None) -> tuple[dict, dict, dict, int]:
+               watch: str | None = None, types: dict | None = None, warn: bool = True) -> tuple[dict, dict, dict, int]:
     """Per layer the summed ``H = sum x~ x~^T`` (units of the input's grid step squared) and
     ``R = sum (x - x~) x~^T`` (units of 1/256 of that), so ``Hc = H + R / 256``; (on rank 0) the
     error-free part of the output energy, sum ||W x||^2 with x the clipped input before its Q/DQ
@@ -494,7 +494,7 @@ def statistics(g, qmodel, layers, data, indices, comm, device,
     for i in progress(indices, label, comm):
         feed = data.sample(i)
         got, _ = runner.run(feed, ranges=False)
-        if watch and not np.isfinite(np.asarray(got[watch])).all():
+        if not _finite(got, watch):
             bad.append((i, getattr(feed, "where", f"sample {i}")))
             continue
         units = {}      # per input tensor: (x~ in steps, (x - x~) in 1/256 steps), float32 integers
@@ -540,7 +540,8 @@ def statistics(g, qmodel, layers, data, indices, comm, device,
                 got.pop(t, None)                   # activations are not all held twice
                 units.pop(t, None)
         count += 1
-    warn_left_out(comm, bad, label, "a quantized activation is NaN or Inf on them")
+    if warn:      # once, not once per pass of --gptq_memory (every pass meets the same samples)
+        warn_left_out(comm, bad, label.split(" statistics")[0] + " statistics", "a quantized activation is NaN on them")
     rows = {}
     limit = 2.0 ** 53
     for lay in layers:
@@ -753,7 +754,7 @@ def reconstruct(g, places, plan, data, indices, comm, device="cpu", memory_mb: f
     for gi, group in enumerate(groups):
         label = f"{method} statistics" if len(groups) == 1 else f"{method} statistics {gi + 1}/{len(groups)}"
         acc, consts, rows, total = statistics(g, qmodel, group, data, indices, comm, device, label, samples,
-                                              watch, types)
+                                              watch, types, warn=gi == 0)
         if total == 0:
             return {"layers": 0, "candidates": len(layers), "skipped": skipped}
         # the layers are solved independently: under MPI each process solves every world-th one

@@ -94,6 +94,8 @@ class Scorer:
         warn_left_out(comm, [(i, getattr(self.samples.pop(i), "where", f"sample {i}")) for i in bad],
                       "sensitivity", "the float model's scored output is NaN or Inf on them")
         self.indices = [i for i in self.indices if i not in bad]
+        # over every process: with none left, a variant's score would read cosine 0 as if measured
+        self.count = int(comm.allreduce_sum(np.array([len(self.indices)], dtype=np.int64))[0])
         self._board = None
         self._mixed = None   # (places, plan, off_plan) -> board of --auto_a16's 8/16-bit trials
 

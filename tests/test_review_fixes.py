@@ -163,3 +163,71 @@ def test_fail_below_fails_an_output_that_no_profile_sample_scored(tmp_path, caps
     assert "y: no profile sample scored it" in capsys.readouterr().err
     rep = {"network_outputs": ["y"], "outputs": [{"tensor": "y", "cosine": 0.99, "sqnr_db": 30.0}]}
     assert below_bar(rep, "0.5") == ""
+
+
+def test_an_attention_mask_of_float32_lowest_is_not_taken_for_nan(tmp_path, caplog):
+    # HuggingFace-style masks hold finfo(float32).min on padded positions; trt quantizes the mask
+    # input, and a first NaN check summed the quantized activations into -inf: every sample was
+    # left out of bias correction
+    import logging
+
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["s0"], name="mm1"),
+             helper.make_node("Add", ["s0", "b"], ["s1"], name="bias1"),
+             helper.make_node("Add", ["s1", "mask"], ["s2"], name="addmask"),
+             helper.make_node("Softmax", ["s2"], ["p"], name="sm", axis=-1),
+             helper.make_node("MatMul", ["p", "w2"], ["o0"], name="mm2"),
+             helper.make_node("Add", ["o0", "b2"], ["y"], name="bias2")]
+    inits = {"w": rand((32, 16), 1, 0.2), "b": rand((16,), 2), "w2": rand((16, 32), 3, 0.3), "b2": rand((32,), 4)}
+    model = make_model(nodes, [vi("x", [1, 8, 32]), vi("mask", [1, 1, 16])], [vi("y", [1, 8, 32])], inits)
+    feeds = []
+    for i in range(8):
+        mask = np.zeros((1, 1, 16), np.float32)
+        mask[..., 14 - i % 3:] = np.finfo(np.float32).min
+        feeds.append({"x": rng.standard_normal((1, 8, 32)).astype(np.float32), "mask": mask})
+    with caplog.at_level(logging.INFO):
+        res, _ = quantize_model(tmp_path, model, feeds=feeds, act_quant="mse", skip_prof_layer=True)
+    assert not [r for r in caplog.records if "left out" in r.getMessage()]
+    assert res.report["bias_correction"]["samples"] == 8
+
+
+def test_a_nan_in_an_unscored_output_leaves_the_scored_one_judged(tmp_path, capsys):
+    # the profile dropped whole samples when any output was NaN: --score_outputs y then had no
+    # row and --fail_below failed a clean output
+    from conftest import write_samples
+    from dipoorlet.cli import main
+
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["y"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Sqrt", ["x"], ["aux"], name="sqrt")]
+    model = make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("y", [1, 4, 8, 8]), vi("aux", [1, 3, 8, 8])],
+                       {"w": rand((4, 3, 3, 3), 0, 0.3), "b": rand((4,), 1, 0.1)})
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    data = write_samples(tmp_path / "d", [{"x": rand((1, 3, 8, 8), i)} for i in range(4)])   # some x < 0
+    argv = ["-M", str(path), "-I", str(data), "-N", "4", "-D", "trt", "-O", str(tmp_path / "o"),
+            "--skip_prof_layer", "--score_outputs", "y", "--fail_below", "0.99"]
+    assert main(argv) == 0, capsys.readouterr().err
+    import json
+    rows = {o["tensor"]: o for o in json.loads((tmp_path / "o" / "report.json").read_text())["outputs"]}
+    assert rows["y"]["cosine"] > 0.99 and "aux" not in rows
+
+
+def test_sensitivity_with_every_sample_left_out_says_so_instead_of_scoring_zero(tmp_path, caplog):
+    import logging
+
+    from conftest import write_samples
+    import dipoorlet
+
+    model = _masked_softmax_model()
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    rng = np.random.default_rng(0)
+    good = [{"x": rng.standard_normal((1, 4, 8)).astype(np.float32), "mask": np.ones((1, 4, 8), np.float32)}
+            for _ in range(4)]
+    bad = [{"x": f["x"], "mask": np.zeros((1, 4, 8), np.float32)} for f in good[:2]]
+    with caplog.at_level(logging.WARNING):
+        res = dipoorlet.quantize(model=path, input_dir=write_samples(tmp_path / "d", good), data_num=4,
+                                 deploy="trt", output_dir=tmp_path / "o",
+                                 val_dir=write_samples(tmp_path / "v", bad), auto_skip="cosine:0.99")
+    assert any(r.getMessage().startswith("sensitivity: no sample left to score") for r in caplog.records)
+    assert not res.report.get("sensitivity") and not res.report.get("auto_skip")
