@@ -93,11 +93,16 @@ def _describe(g, node) -> str:
     return f"{node.op_type} {node.name}"
 
 
+def _is_weight(g, wp) -> bool:
+    """A layer's weight input (index 1, or 0 for MatMul(W, x)), not a Conv/Gemm bias."""
+    return wp.index == 1 or (wp.index == 0 and g.node_by_name[wp.node].op_type == "MatMul")
+
+
 def _weight_sqnr(g, places, plan, node: str) -> float | None:
     from dipoorlet.qparams import dequantize_array, quantize_array
 
     for wp in places.weights.values():
-        if wp.node != node or wp.index != 1 or wp.tensor not in plan.weights:
+        if wp.node != node or not _is_weight(g, wp) or wp.tensor not in plan.weights:
             continue
         w = g.weight(wp.tensor).astype(np.float64)
         qp = plan.weights[wp.tensor]
@@ -216,16 +221,19 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
         if wsq is not None:
             row["weight_sqnr_db"] = wsq
         wbits = next((plan.weights[wp.tensor].bits for wp in places.weights.values()
-                      if wp.node == s.node and wp.index == 1 and wp.tensor in plan.weights), None)
+                      if wp.node == s.node and _is_weight(g, wp) and wp.tensor in plan.weights), None)
         if wbits is not None and wbits < 8:
             row["weight_bits"] = int(wbits)
         spread = _per_tensor_weight_spread(g, places, plan, s.node)
         if spread is not None:
             row["weight_channel_spread"] = spread
+        narrow_inputs = all(a["bits"] <= 8 for a in acts)     # --gptq fits layers with inputs of 8 bits or fewer
+        fits = _gptq_could_fit(g, s.node) and narrow_inputs
         row["advice"] = _advice(row, platform, row["node"] in set(gptq), method,
-                                gptq_hint=not gptq_ran and wsq is not None and _gptq_could_fit(g, s.node),
+                                gptq_hint=not gptq_ran and wsq is not None and fits,
                                 max_act_bits=max_act_bits, rounding=rounding,
-                                unfit=(unfit or {}).get(row["node"]) if gptq_ran else None)
+                                unfit=(unfit or {}).get(row["node"]) if gptq_ran else
+                                None if fits else _why_not_fitted(g, s.node, narrow_inputs), ran=gptq_ran)
         if sparse is not None and row["node"] in sparse and row.get("cause") == "weights":
             db = sparse[row["node"]]
             added = f", {-db:.1f} dB of layer output error against dense rounding" if db is not None else \
@@ -249,6 +257,20 @@ TIGHT_CLIP = 0.25
 WIDE_GRID = 4.0          # a grid this many times wider than the tensor's largest value: not its own clip
 
 
+def _why_not_fitted(g, name: str, narrow_inputs: bool) -> str:
+    """Why --gptq would leave ``name`` alone (for advice that must not name it)."""
+    from dipoorlet.reconstruct import unfit_reason
+
+    node = g.node_by_name[name]
+    if node.op_type == "MatMul" and g.is_constant(node.input[0]) and not g.is_constant(node.input[1]):
+        return "its weight is on the MatMul's left (MatMul(W, x)), which it does not fit"
+    if not narrow_inputs:
+        return "its input is on a 16-bit grid (it fits layers with inputs of 8 bits or fewer)"
+    if len(node.input) < 2 or not g.is_constant(node.input[1]):
+        return "it has no constant weight to fit"
+    return unfit_reason(g, node, node.input[1]) or "it cannot fit this layer"
+
+
 def _gptq_could_fit(g, name: str) -> bool:
     """Whether --gptq could re-round this node's weight (the graph's reasons only)."""
     from dipoorlet.reconstruct import unfit_reason
@@ -259,7 +281,7 @@ def _gptq_could_fit(g, name: str) -> bool:
 
 def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | None = None,
             gptq_hint: bool = False, max_act_bits: int = 8, rounding: str = "--gptq",
-            unfit: str | None = None) -> str:
+            unfit: str | None = None, ran: bool = True) -> str:
     """``gptq_hint``: the layer has a constant weight and --gptq did not run, so it could re-round
     that weight to compensate the rounding of the layer's input. ``max_act_bits``: the widest
     activation grid the platform runs (16: name --layer_bits NODE=a16 for activation losses).
@@ -276,8 +298,8 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | 
         if spread is not None and spread >= 4:
             return (f"weight rounding dominates{at}: {platform} quantizes weights per tensor and this layer's "
                     f"channel ranges are {spread:.0f}x apart (max / median), so most channels keep few levels; "
-                    f"per-channel weights (the backend's per-channel mode where it has one, e.g. qnn or SNPE's "
-                    f"--use_per_channel_quantization) avoid it"
+                    f"per-channel weights avoid it (-D qnn, or a platform spec with per_channel = true in "
+                    f"[weight] where the chip has them, e.g. SNPE's --use_per_channel_quantization)"
                     + ("" if gptq else "; where they must stay per tensor, --gptq chooses the rounding by "
                        "this layer's output error")
                     + f"; or {keep}")
@@ -288,7 +310,8 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | 
         wider = (f", 8-bit weights for it (--layer_bits {node}=w8; they are {bits}-bit now)"
                  if bits is not None and bits < 8 else "")
         if unfit:
-            return (f"weight rounding dominates{at}: {rounding} left this layer alone: {unfit}"
+            return (f"weight rounding dominates{at}: {rounding} {'left' if ran else 'would leave'} this layer "
+                    f"alone: {unfit}"
                     f"{wider.replace(', ', '; ', 1)}, or {keep}")
         return (f"weight rounding dominates{at}: --gptq chooses the rounding by this layer's output error "
                 f"(one extra pass){wider}, or {keep}")

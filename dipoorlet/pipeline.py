@@ -952,6 +952,10 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, pl
     scorer = sensitivity.Scorer(g, source, indices, comm, cfg.device, crit, outputs=cfg.score_outputs)
     out["sens_samples"] = n
     out["sens_held_out"] = val is not None
+    if scorer.count == 0:
+        log.warning("sensitivity: no sample left to score (the float model's scored output is NaN on every "
+                    "one); no sensitivity analysis%s", ", and no --auto_skip/--auto_a16/--auto_w8 search" if auto else "")
+        return out
     out["isolated"] = sensitivity.isolated(g, places, plan, scorer, cfg.criterion)
     if cfg.auto_skip:
         crit, target = sensitivity.parse_target(cfg.auto_skip)
@@ -1025,8 +1029,12 @@ def _flag(rounding: str) -> str:
 def _nbits_fusable(node) -> bool:
     """A MatMul, or a Gemm reading its weight untransposed: what onnxruntime 1.32's default
     session turns into MatMulNBits when the weight has an int8 DequantizeLinear."""
-    return node.op_type == "MatMul" or (node.op_type == "Gemm" and not node_attr(node, "transB", 0)
-                                        and not node_attr(node, "transA", 0))
+    if node.op_type == "MatMul":
+        return True
+    # measured on onnxruntime 1.32: alpha 0.5 is not fused, nor beta 2 with a bias
+    return (node.op_type == "Gemm" and not node_attr(node, "transB", 0) and not node_attr(node, "transA", 0)
+            and node_attr(node, "alpha", 1.0) == 1.0
+            and (len(node.input) < 3 or not node.input[2] or node_attr(node, "beta", 1.0) == 1.0))
 
 
 def _warn_matmulnbits(g: Graph, places, plan: QuantPlan) -> None:

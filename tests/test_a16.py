@@ -315,6 +315,10 @@ def _two_layers(op):
         inits = {"w": rand((32, 16), 1, 0.3), "b": rand((32,), 2, 0.1), "w2": rand((8, 32), 3, 0.3)}
         first = helper.make_node("Gemm", ["x", "w", "b"], ["h"], name="fc1", transB=1)
         second = helper.make_node("Gemm", ["r", "w2"], ["y"], name="fc2", transB=1)
+    elif op == "Gemm_alpha":       # untransposed but scaled: onnxruntime 1.32 does not fuse it
+        inits = {"w": rand((16, 32), 1, 0.3), "b": rand((32,), 2, 0.1), "w2": rand((32, 8), 3, 0.3)}
+        first = helper.make_node("Gemm", ["x", "w", "b"], ["h"], name="fc1", alpha=0.5)
+        second = helper.make_node("Gemm", ["r", "w2"], ["y"], name="fc2", alpha=0.5)
     elif op == "Gemm_transB0":     # W stored [K, N], as a MatMul's: onnxruntime fuses this one
         inits = {"w": rand((16, 32), 1, 0.3), "b": rand((32,), 2, 0.1), "w2": rand((32, 8), 3, 0.3)}
         first = helper.make_node("Gemm", ["x", "w", "b"], ["h"], name="fc1")
@@ -328,7 +332,8 @@ def _two_layers(op):
 
 
 @pytest.mark.parametrize("op, deploy, warned", [("MatMul", "ort", True), ("Gemm", "ort", False),
-                                                 ("Gemm_transB0", "ort", True), ("MatMul", "qnn", False)])
+                                                 ("Gemm_transB0", "ort", True), ("Gemm_alpha", "ort", False),
+                                                 ("MatMul", "qnn", False)])
 def test_ort_warns_that_its_default_session_requantizes_16_bit_matmul_inputs(tmp_path, caplog, op, deploy, warned):
     import onnxruntime as ort
 

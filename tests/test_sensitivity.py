@@ -582,3 +582,32 @@ def test_advice_for_a_layer_the_rounding_left_alone_says_so():
     assert f"--gptq left this layer alone: {why}" in got and "chooses the rounding" not in got
     assert "--layer_bits c7=w8" in got and "--skip_layers c7" in got
     assert "--gptq chooses the rounding" in _advice(row, "qnn", gptq=False)
+
+
+@pytest.mark.parametrize("case", ["left_weight", "a16_input"])
+def test_weight_advice_does_not_name_gptq_for_a_layer_it_would_leave_alone(tmp_path, case):
+    # MatMul(W, x) and a layer on 16-bit inputs: --gptq leaves both alone, and the advice said
+    # "--gptq chooses the rounding" for them; the left weight also had no dB figure
+    if case == "left_weight":
+        model = make_model([helper.make_node("MatMul", ["w", "x"], ["y"], name="mm")], [vi("x", [1, 16, 10])],
+                           [vi("y", [1, 8, 10])], {"w": rand((8, 16), 1, 0.3)})
+        kw = {"deploy": "trt", "layer_bits": {"mm": (2, None)}}
+        node, why = "mm", "MatMul's left"
+    else:
+        model = make_model([helper.make_node("Conv", ["x", "w"], ["y"], name="conv", pads=[1] * 4)],
+                           [vi("x", [1, 3, 8, 8])], [vi("y", [1, 4, 8, 8])], {"w": rand((4, 3, 3, 3), 1, 0.3)})
+        kw = {"deploy": "qnn", "a_bits": 16, "w_bits": 2}
+        node, why = "conv", "16-bit grid"
+    result, _ = quantize_model(tmp_path, model, n=4, sens_samples=4, equalize=False, **kw)
+    d = {r["node"]: r for r in result.report["diagnosis"]}[node]
+    assert d["cause"] == "weights" and "weight_sqnr_db" in d
+    assert "--gptq chooses" not in d["advice"] and "would leave this layer alone" in d["advice"] and why in d["advice"]
+    assert f"--layer_bits {node}=w8" in d["advice"]
+
+
+def test_per_channel_advice_names_a_route_dipoorlet_takes():
+    from dipoorlet.diagnose import _advice
+
+    row = {"node": "conv", "cause": "weights", "weight_sqnr_db": 20.0, "weight_channel_spread": 50.0}
+    text = _advice(row, "snpe")
+    assert "-D qnn" in text and "per_channel = true" in text
