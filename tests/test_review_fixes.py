@@ -144,21 +144,28 @@ def test_a_sample_that_makes_the_float_model_nan_is_left_out_and_named(tmp_path,
     assert err(q_bad) < 2 * err(q_ref)
 
 
-def test_fail_below_fails_an_output_that_no_profile_sample_scored(tmp_path, capsys):
-    # every held-out sample makes the float output NaN: they are left out of the profile, so the
-    # output has no row in the report, and the gate passed with nothing judged
+def _all_bad_held_out(tmp_path):
+    """The masked-softmax model saved, 4 clean calibration samples and 2 held-out ones whose mask
+    is all zero (the float output is NaN on both): (model path, calibration dir, held-out dir)."""
     from conftest import write_samples
-    from dipoorlet.cli import below_bar, main
 
-    model = _masked_softmax_model()
     path = tmp_path / "m.onnx"
-    onnx.save(model, path)
+    onnx.save(_masked_softmax_model(), path)
     rng = np.random.default_rng(0)
     good = [{"x": rng.standard_normal((1, 4, 8)).astype(np.float32), "mask": np.ones((1, 4, 8), np.float32)}
             for _ in range(4)]
     bad = [{"x": f["x"], "mask": np.zeros((1, 4, 8), np.float32)} for f in good[:2]]
-    argv = ["-M", str(path), "-I", str(write_samples(tmp_path / "d", good)), "-N", "4", "-D", "trt",
-            "-O", str(tmp_path / "o"), "--val_dir", str(write_samples(tmp_path / "v", bad)), "--skip_prof_layer"]
+    return path, write_samples(tmp_path / "d", good), write_samples(tmp_path / "v", bad)
+
+
+def test_fail_below_fails_an_output_that_no_profile_sample_scored(tmp_path, capsys):
+    # every held-out sample makes the float output NaN: they are left out of the profile, so the
+    # output has no row in the report, and the gate passed with nothing judged
+    from dipoorlet.cli import below_bar, main
+
+    path, calib, held_out = _all_bad_held_out(tmp_path)
+    argv = ["-M", str(path), "-I", str(calib), "-N", "4", "-D", "trt",
+            "-O", str(tmp_path / "o"), "--val_dir", str(held_out), "--skip_prof_layer"]
     assert main(argv + ["--fail_below", "0.5"]) == 3
     assert "y: no profile sample scored it" in capsys.readouterr().err
     rep = {"network_outputs": ["y"], "outputs": [{"tensor": "y", "cosine": 0.99, "sqnr_db": 30.0}]}
@@ -215,19 +222,11 @@ def test_a_nan_in_an_unscored_output_leaves_the_scored_one_judged(tmp_path, caps
 def test_sensitivity_with_every_sample_left_out_says_so_instead_of_scoring_zero(tmp_path, caplog):
     import logging
 
-    from conftest import write_samples
     import dipoorlet
 
-    model = _masked_softmax_model()
-    path = tmp_path / "m.onnx"
-    onnx.save(model, path)
-    rng = np.random.default_rng(0)
-    good = [{"x": rng.standard_normal((1, 4, 8)).astype(np.float32), "mask": np.ones((1, 4, 8), np.float32)}
-            for _ in range(4)]
-    bad = [{"x": f["x"], "mask": np.zeros((1, 4, 8), np.float32)} for f in good[:2]]
+    path, calib, held_out = _all_bad_held_out(tmp_path)
     with caplog.at_level(logging.WARNING):
-        res = dipoorlet.quantize(model=path, input_dir=write_samples(tmp_path / "d", good), data_num=4,
-                                 deploy="trt", output_dir=tmp_path / "o",
-                                 val_dir=write_samples(tmp_path / "v", bad), auto_skip="cosine:0.99")
+        res = dipoorlet.quantize(model=path, input_dir=calib, data_num=4, deploy="trt", output_dir=tmp_path / "o",
+                                 val_dir=held_out, auto_skip="cosine:0.99")
     assert any(r.getMessage().startswith("sensitivity: no sample left to score") for r in caplog.records)
     assert not res.report.get("sensitivity") and not res.report.get("auto_skip")
