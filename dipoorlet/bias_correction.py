@@ -133,38 +133,43 @@ def _append_channel_means(model, keys, sizes, types) -> tuple[str, dict]:
 
 
 def append_watch(model, types) -> tuple[str | None, dict]:
-    """Add to a Q/DQ model one float32 scalar output, 1 where any activation its QuantizeLinear
+    """Add to a Q/DQ model one float32 scalar output, > 0 where an activation its QuantizeLinear
     nodes read holds a NaN, else 0 (None: no such Q). A NaN of the float model (a fully padded
     sequence's softmax) becomes finite after a Q/DQ, so the inputs of the layers downstream do not
     show it; the passes that accumulate statistics of the quantized model leave such samples out.
 
-    NaN only: an Inf is an ordinary value of an attention mask (-inf, or float32's lowest summed
-    into -inf), which a first design's sum over the tensors flagged in every sample. Each check
-    (IsNaN, a uint8 Cast, ReduceMax) sits right after its Q in the node order, which onnxruntime
-    runs in: appended at the end they kept every Q input alive for the whole run (peak RSS 129 ->
-    664 MB on a review's 30-Conv model)."""
-    from onnx import TensorProto, helper
+    Per activation ``t``: ``s = ReduceSum(t)``, NaN where ``t`` holds one (and where it holds both
+    +Inf and -Inf, which no activation on a grid does); an attention mask's -Inf or float32 lowest
+    sums to -Inf, not NaN (a first design flagged the sum's Inf too: every sample of a masked
+    model). The Q then reads ``t + 0 * IsNaN(s)``, exactly ``t``: that dependency makes the check
+    run before the Q, so ``t`` is freed when it would be without it. Checks that nothing depended
+    on ran after the last layer in onnxruntime and held every Q input for the whole run (peak RSS
+    129 -> 664 MB on a review's 30-Conv model)."""
+    from onnx import TensorProto, helper, numpy_helper
 
     consts = {t.name for t in model.graph.initializer}
-    nodes = list(model.graph.node)
-    seen, flags, out = set(), [], []
     base = "__dipoorlet_watch"
-    for n in nodes:
-        out.append(n)
+    zero = base + "_zero"
+    model.graph.initializer.append(numpy_helper.from_array(np.zeros((), np.float32), zero))
+    checked: dict[str, str] = {}     # activation -> the copy its Qs read
+    flags, out = [], []
+    for n in list(model.graph.node):
         t = n.input[0] if n.op_type == "QuantizeLinear" and n.input else None
-        if t is None or t in consts or t in seen:
-            continue
-        seen.add(t)
-        k = len(flags)
-        out += [helper.make_node("IsNaN", [t], [f"{base}_{k}_n"], name=f"{base}_{k}_n"),
-                helper.make_node("Cast", [f"{base}_{k}_n"], [f"{base}_{k}_u"], name=f"{base}_{k}_u",
-                                 to=TensorProto.UINT8),
-                helper.make_node("ReduceMax", [f"{base}_{k}_u"], [f"{base}_{k}_m"], name=f"{base}_{k}_m",
-                                 keepdims=0),
-                helper.make_node("Cast", [f"{base}_{k}_m"], [f"{base}_{k}"], name=f"{base}_{k}",
-                                 to=TensorProto.FLOAT)]
-        flags.append(f"{base}_{k}")
+        if t is not None and t not in consts:
+            if t not in checked:
+                k = len(flags)
+                p = f"{base}_{k}"
+                out += [helper.make_node("ReduceSum", [t], [p + "_s"], name=p + "_s", keepdims=0),
+                        helper.make_node("IsNaN", [p + "_s"], [p + "_n"], name=p + "_n"),
+                        helper.make_node("Cast", [p + "_n"], [p], name=p, to=TensorProto.FLOAT),
+                        helper.make_node("Mul", [p, zero], [p + "_z"], name=p + "_z"),
+                        helper.make_node("Add", [t, p + "_z"], [p + "_t"], name=p + "_t")]
+                flags.append(p)
+                checked[t] = p + "_t"
+            n.input[0] = checked[t]
+        out.append(n)
     if not flags:
+        model.graph.initializer.pop()
         return None, types
     del model.graph.node[:]
     model.graph.node.extend(out)

@@ -300,8 +300,9 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | 
                     f"channel ranges are {spread:.0f}x apart (max / median), so most channels keep few levels; "
                     f"per-channel weights avoid it (-D qnn, or a platform spec with per_channel = true in "
                     f"[weight] where the chip has them, e.g. SNPE's --use_per_channel_quantization)"
-                    + ("" if gptq else "; where they must stay per tensor, --gptq chooses the rounding by "
-                       "this layer's output error")
+                    + ("" if gptq or unfit else "; where they must stay per tensor, --gptq chooses the rounding "
+                       "by this layer's output error")
+                    + (f"; {rounding} {'left' if ran else 'would leave'} this layer alone: {unfit}" if unfit else "")
                     + f"; or {keep}")
         if gptq:
             return (f"weight rounding dominates{at}, after {rounding} chose its rounding: its weights need more "

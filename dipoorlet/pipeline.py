@@ -1026,15 +1026,20 @@ def _flag(rounding: str) -> str:
     return "--drop" if rounding == "qdrop" else f"--{rounding}"
 
 
-def _nbits_fusable(node) -> bool:
+def _nbits_fusable(g: Graph, node) -> bool:
     """A MatMul, or a Gemm reading its weight untransposed: what onnxruntime 1.32's default
     session turns into MatMulNBits when the weight has an int8 DequantizeLinear."""
     if node.op_type == "MatMul":
         return True
-    # measured on onnxruntime 1.32: alpha 0.5 is not fused, nor beta 2 with a bias
-    return (node.op_type == "Gemm" and not node_attr(node, "transB", 0) and not node_attr(node, "transA", 0)
-            and node_attr(node, "alpha", 1.0) == 1.0
-            and (len(node.input) < 3 or not node.input[2] or node_attr(node, "beta", 1.0) == 1.0))
+    if node.op_type != "Gemm" or node_attr(node, "transB", 0) or node_attr(node, "transA", 0) \
+            or node_attr(node, "alpha", 1.0) != 1.0:
+        return False     # measured on onnxruntime 1.32: alpha 0.5 is not fused
+    if len(node.input) < 3 or not node.input[2]:
+        return True
+    # nor a bias scaled (beta 2) or of another shape than [N] ((1, N), (4, N), (1,) stay Gemms)
+    dims = lambda t: list(g.weight(t).shape) if g.is_constant(t) else list(g.shape(t) or [])
+    w, b = dims(node.input[1]), dims(node.input[2])
+    return node_attr(node, "beta", 1.0) == 1.0 and len(w) == 2 and b == w[-1:]
 
 
 def _warn_matmulnbits(g: Graph, places, plan: QuantPlan) -> None:
@@ -1047,7 +1052,7 @@ def _warn_matmulnbits(g: Graph, places, plan: QuantPlan) -> None:
     wide = {use[0] for t, point in places.activations.items()
             if t in plan.activations and plan.activations[t].bits > 8 for use in point.uses}
     hit = sorted(name for (name, index) in places.weights
-                 if index == 1 and name in wide and _nbits_fusable(g.node_by_name[name]))
+                 if index == 1 and name in wide and _nbits_fusable(g, g.node_by_name[name]))
     if hit:
         log.warning("%d MatMul/Gemm with 16-bit inputs (%s): a default onnxruntime session runs them as "
                     "MatMulNBits, which quantizes their inputs to int8 again; deploy with session option "

@@ -611,3 +611,12 @@ def test_per_channel_advice_names_a_route_dipoorlet_takes():
     row = {"node": "conv", "cause": "weights", "weight_sqnr_db": 20.0, "weight_channel_spread": 50.0}
     text = _advice(row, "snpe")
     assert "-D qnn" in text and "per_channel = true" in text
+
+
+def test_per_tensor_spread_advice_does_not_name_gptq_where_it_would_leave_the_layer_alone():
+    from dipoorlet.diagnose import _advice
+
+    row = {"node": "fc", "cause": "weights", "weight_sqnr_db": 20.0, "weight_channel_spread": 50.0}
+    assert "--gptq chooses" in _advice(row, "snpe")
+    text = _advice(row, "snpe", unfit="its input is on a 16-bit grid", ran=False)
+    assert "--gptq chooses" not in text and "would leave this layer alone: its input is on a 16-bit grid" in text
