@@ -249,8 +249,10 @@ def test_the_nan_check_flags_nan_only_and_runs_before_each_q(tmp_path):
     name, _ = append_watch(watched, {})
     producers = {o: n for n in watched.graph.node for o in n.output}
     for q in (n for n in watched.graph.node if n.op_type == "QuantizeLinear"):
-        gate = producers[q.input[0]]       # the Q reads t + 0 * IsNaN(ReduceSum(t))
+        gate = producers[q.input[1]]       # the Q reads its scale + 0 * IsNaN(ReduceSum(t))
         assert gate.op_type == "Add" and producers[gate.input[1]].op_type == "Mul"
+        assert producers[producers[producers[producers[gate.input[1]].input[0]].input[0]].input[0]].input[0] \
+            == q.input[0]
     watched.graph.output.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, []))
     onnx.checker.check_model(watched)
     x = np.linspace(-3, 3, 8, dtype=np.float32).reshape(1, 8)
