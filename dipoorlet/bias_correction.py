@@ -30,10 +30,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dipoorlet.data import sample_name
 from dipoorlet.graph import node_attr
 from dipoorlet.layer_errors import warn_left_out
 from dipoorlet.progress import progress
-from dipoorlet.qdq import dq_source, insert_qdq
+from dipoorlet.qdq import append_watch, dq_source, insert_qdq, nan_free
 from dipoorlet.qparams import quantize_array
 from dipoorlet.runtime import SIMULATE, Runner
 
@@ -132,60 +133,6 @@ def _append_channel_means(model, keys, sizes, types) -> tuple[str, dict]:
     return out, types
 
 
-def append_watch(model, types) -> tuple[str | None, dict]:
-    """Add to a Q/DQ model one float32 scalar output, > 0 where an activation its QuantizeLinear
-    nodes read holds a NaN, else 0 (None: no such Q). A NaN of the float model (a fully padded
-    sequence's softmax) becomes finite after a Q/DQ, so the inputs of the layers downstream do not
-    show it; the passes that accumulate statistics of the quantized model leave such samples out.
-
-    Per activation ``t``: ``s = ReduceSum(t)``, NaN where ``t`` holds one (and where it holds both
-    +Inf and -Inf, which no activation on a grid does); an attention mask's -Inf or float32 lowest
-    sums to -Inf, not NaN (a first design flagged the sum's Inf too: every sample of a masked
-    model). The Q then reads its scale as ``scale + 0 * IsNaN(s)``, exactly its scale: that
-    dependency makes the check run before the Q, so ``t`` is freed when it would be without it. Checks that nothing depended
-    on ran after the last layer in onnxruntime and held every Q input for the whole run (peak RSS
-    129 -> 664 MB on a review's 30-Conv model)."""
-    from onnx import TensorProto, helper, numpy_helper
-
-    consts = {t.name for t in model.graph.initializer}
-    base = "__dipoorlet_watch"
-    zero = base + "_zero"
-    model.graph.initializer.append(numpy_helper.from_array(np.zeros((), np.float32), zero))
-    checked: dict[str, str] = {}     # activation -> its check's zero
-    flags, out = [], []
-    for n in list(model.graph.node):
-        t = n.input[0] if n.op_type == "QuantizeLinear" and len(n.input) > 1 else None
-        if t is not None and t not in consts:
-            if t not in checked:
-                k = len(flags)
-                p = f"{base}_{k}"
-                out += [helper.make_node("ReduceSum", [t], [p + "_s"], name=p + "_s", keepdims=0),
-                        helper.make_node("IsNaN", [p + "_s"], [p + "_n"], name=p + "_n"),
-                        helper.make_node("Cast", [p + "_n"], [p], name=p, to=TensorProto.FLOAT),
-                        helper.make_node("Mul", [p, zero], [p + "_z"], name=p + "_z")]
-                flags.append(p)
-                checked[t] = p + "_z"
-            # the Q's scale + 0: a scalar Add (a full copy of t cost the detector's pass 7%)
-            gated = f"{base}_scale_{len(out)}"
-            out.append(helper.make_node("Add", [n.input[1], checked[t]], [gated], name=gated))
-            n.input[1] = gated
-        out.append(n)
-    if not flags:
-        model.graph.initializer.pop()
-        return None, types
-    del model.graph.node[:]
-    model.graph.node.extend(out)
-    model.graph.node.append(helper.make_node("Sum", flags, [base], name=base))
-    types = dict(types)
-    types[base] = (TensorProto.FLOAT, [])
-    return base, types
-
-
-def _finite(got: dict, name: str | None) -> bool:
-    """No NaN among the activations :func:`append_watch` checks (True without a check)."""
-    return name is None or not float(np.asarray(got[name]).sum()) > 0
-
-
 def _in_channels(g, site: Site) -> int:
     node = g.node_by_name[site.node]
     w = g.weight(site.weight)
@@ -245,10 +192,10 @@ def correct(g, places, plan, data, indices, comm, device="cpu") -> dict:
         means = np.asarray(got[out], dtype=np.float64).reshape(-1)
         if means.size != sum(sizes):
             raise ValueError(f"bias correction: {means.size} channel means, expected {sum(sizes)}")
-        if not (np.isfinite(means).all() and _finite(got, watch)):
+        if not (np.isfinite(means).all() and nan_free(got, watch)):
             # a NaN mean cast to int64 became -2^63 and swamped every other sample's sum (one fully
             # padded sequence in a torch TransformerEncoder moved a bias by 0.115 instead of 0.002)
-            bad.append((i, getattr(feed, "where", f"sample {i}")))
+            bad.append((i, sample_name(feed, i)))
             continue
         for k, mean in zip(keys, np.split(means, np.cumsum(sizes)[:-1])):
             acc[k] += np.rint(np.clip(mean, -LIMIT, LIMIT) * FIXED).astype(np.int64)

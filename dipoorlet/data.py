@@ -96,6 +96,11 @@ class Sample(dict):
     where: str | None = None
 
 
+def sample_name(feed: dict, i: int) -> str:
+    """Sample ``i``'s file(s) where ``feed`` came from a data source, for messages."""
+    return getattr(feed, "where", None) or f"sample {i}"
+
+
 def with_extra(feed: dict, extra: dict) -> dict:
     """``feed`` with ``extra`` inputs added (a switchboard's flags), keeping the sample's name."""
     out = Sample({**feed, **extra})

@@ -95,7 +95,9 @@ def _describe(g, node) -> str:
 
 def _is_weight(g, wp) -> bool:
     """A layer's weight input (index 1, or 0 for MatMul(W, x)), not a Conv/Gemm bias."""
-    return wp.index == 1 or (wp.index == 0 and g.node_by_name[wp.node].op_type == "MatMul")
+    from dipoorlet.placement import left_weight
+
+    return wp.index == 1 or left_weight(g, g.node_by_name[wp.node], wp.index)
 
 
 def _weight_sqnr(g, places, plan, node: str) -> float | None:
@@ -259,13 +261,14 @@ WIDE_GRID = 4.0          # a grid this many times wider than the tensor's larges
 
 def _why_not_fitted(g, name: str, narrow_inputs: bool) -> str:
     """Why --gptq would leave ``name`` alone (for advice that must not name it)."""
-    from dipoorlet.reconstruct import unfit_reason
+    from dipoorlet.placement import left_weight
+    from dipoorlet.reconstruct import LEFT_WEIGHT, unfit_reason, wide_input
 
     node = g.node_by_name[name]
-    if node.op_type == "MatMul" and g.is_constant(node.input[0]) and not g.is_constant(node.input[1]):
-        return "its weight is on the MatMul's left (MatMul(W, x)), which it does not fit"
+    if g.is_constant(node.input[0]) and left_weight(g, node, 0):
+        return LEFT_WEIGHT
     if not narrow_inputs:
-        return "its input is on a 16-bit grid (it fits layers with inputs of 8 bits or fewer)"
+        return wide_input(16)
     if len(node.input) < 2 or not g.is_constant(node.input[1]):
         return "it has no constant weight to fit"
     return unfit_reason(g, node, node.input[1]) or "it cannot fit this layer"

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dipoorlet.data import sample_name
 from dipoorlet.progress import progress
 from dipoorlet.qdq import dq_source
 from dipoorlet.runtime import SIMULATE, Runner
@@ -103,15 +104,14 @@ def nonfinite(outs: dict, names) -> list[str]:
             and not np.isfinite(outs[t]).all()]
 
 
-def warn_left_out(comm, bad: list, what: str, why: str) -> int:
+def warn_left_out(comm, bad: list, what: str, why: str) -> None:
     """Say once (rank 0) which samples ``what`` left out and ``why``; ``bad``: this rank's
-    (sample index, its files) pairs. Returns how many over every rank (on rank 0)."""
+    (sample index, its files) pairs. Every process calls it (a gather)."""
     bad = sorted(comm.gather_samples({"_": list(bad)})["_"])
     if comm.rank == 0 and bad:
         log.warning("%s: %d sample(s) left out, %s: %s%s; check those inputs (a fully padded sequence, an "
                     "empty image) or leave them out of the data", what, len(bad), why,
                     "; ".join(w for _, w in bad[:3]), " ..." if len(bad) > 3 else "")
-    return len(bad)
 
 
 def pooled_cosine(ff: float, qq: float, fq: float) -> float:
@@ -338,7 +338,7 @@ def collect_errors(graph, qmodel, data, indices, targets: dict, comm, device="cp
                 # it made every mean in the report NaN); left out for this tensor and sample only
                 if t in out_cos:
                     if not bad or bad[-1][0] != i:
-                        bad.append((i, getattr(feed, "where", f"sample {i}")))
+                        bad.append((i, sample_name(feed, i)))
                     bad_outputs.add(t)
                 continue
             stats[t].add(*m, size=f_out[t].size)

@@ -701,8 +701,7 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
 
     if rounding and not defer:
         reconstructed = fit_rounding(places, plan)
-        if rounding in ("gptq", "adaround") and not reconstructed.get("candidates") and bc_by_default \
-                and corrections is None:
+        if rounding in ("gptq", "adaround") and not reconstructed.get("candidates") and bc_by_default:
             # the flag turned bias correction off for a fit that has no layer to fit (every
             # input on a 16-bit grid: W4A16 on qnn lost 6 dB to nearest rounding alone)
             log.warning("%s fitted no layer: bias correction, which it turns off, runs instead (--no_bc to "

@@ -177,7 +177,7 @@ def _one_axis_per_weight(plan: Placement) -> None:
                   "grid serves them", ", ".join(mixed[:4]) + (" ..." if len(mixed) > 4 else ""))
 
 
-def _left_weight(g: Graph, node, index: int) -> bool:
+def left_weight(g: Graph, node, index: int) -> bool:
     """A constant first input of a MatMul whose second input is not constant: MatMul(W, x), the
     weight on the left (``torch.matmul(W, x)``). It is quantized as a weight; left out, the layer
     read as quantized in the report while its weight stayed float in the model."""
@@ -201,7 +201,7 @@ def place(g: Graph, platform: Platform, skip_layers=(), weight_only=()) -> Place
         for i, name in enumerate(node.input):
             if not name:
                 continue
-            if (i == w_index or _left_weight(g, node, i)) and g.is_constant(name) and g.is_float(name):
+            if (i == w_index or left_weight(g, node, i)) and g.is_constant(name) and g.is_float(name):
                 weights.append(i)
             elif op in ("Conv", "ConvTranspose", "Gemm") and i == 2:
                 continue  # bias: platform.quantize_bias handles it in qdq

@@ -48,12 +48,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dipoorlet.bias_correction import _bcast, _finite, append_watch
+from dipoorlet.bias_correction import _bcast
+from dipoorlet.data import sample_name
 from dipoorlet.errors import ModelError
 from dipoorlet.graph import node_attr
+from dipoorlet.placement import left_weight
 from dipoorlet.layer_errors import warn_left_out
 from dipoorlet.progress import progress
-from dipoorlet.qdq import dq_source, insert_qdq
+from dipoorlet.qdq import append_watch, dq_source, insert_qdq, nan_free
 from dipoorlet.qparams import quantize_array
 from dipoorlet.runtime import Runner
 
@@ -91,6 +93,14 @@ class Layer:
     trans_b: bool = False
 
 
+LEFT_WEIGHT = "weight on the MatMul's left (MatMul(W, x)), which the fitted rounding does not handle"
+
+
+def wide_input(bits: int) -> str:
+    """Why a layer with a ``bits``-wide input is left alone."""
+    return f"its input is on a {bits}-bit grid (gptq fits layers with inputs of 8 bits or fewer)"
+
+
 def unfit_reason(g, node, weight: str) -> str | None:
     """Why GPTQ cannot fit this node whatever the data and grids (None where it may): the
     reasons that depend only on the graph. :func:`find_layers` adds those of the plan."""
@@ -122,8 +132,8 @@ def find_layers(g, places, plan, qmodel) -> tuple[list[Layer], dict]:
         uses[wp.tensor] = uses.get(wp.tensor, 0) + 1
     layers, skipped = [], {}
     for (name, index), wp in places.weights.items():
-        if index == 0 and wp.tensor in plan.weights and g.node_by_name[name].op_type == "MatMul":
-            skipped[name] = "weight on the MatMul's left (MatMul(W, x)), which the fitted rounding does not handle"
+        if index == 0 and wp.tensor in plan.weights and left_weight(g, g.node_by_name[name], 0):
+            skipped[name] = LEFT_WEIGHT
         if index != 1 or wp.tensor not in plan.weights:
             continue
         node = g.node_by_name[name]
@@ -145,7 +155,7 @@ def find_layers(g, places, plan, qmodel) -> tuple[list[Layer], dict]:
             continue
         if qp.bits > 8:
             # its statistics are exact integer sums over 8-bit levels (products below 2^24)
-            skipped[name] = f"its input is on a {qp.bits}-bit grid (gptq fits layers with inputs of 8 bits or fewer)"
+            skipped[name] = wide_input(qp.bits)
             continue
         wq = plan.weights[wp.tensor]
         rows = w.shape[0] if op == "Conv" else w.shape[1] if op == "ConvTranspose" else (
@@ -423,7 +433,8 @@ def positions(inputs: int, samples: int) -> int:
 
 def statistics(g, qmodel, layers, data, indices, comm, device,
                label: str = "gptq statistics", samples: int | None = None,
-               watch: str | None = None, types: dict | None = None, warn: bool = True) -> tuple[dict, dict, dict, int]:
+               watch: str | None = None, types: dict | None = None,
+               left_out_as: str | None = None) -> tuple[dict, dict, dict, int]:
     """Per layer the summed ``H = sum x~ x~^T`` (units of the input's grid step squared) and
     ``R = sum (x - x~) x~^T`` (units of 1/256 of that), so ``Hc = H + R / 256``; (on rank 0) the
     error-free part of the output energy, sum ||W x||^2 with x the clipped input before its Q/DQ
@@ -438,8 +449,8 @@ def statistics(g, qmodel, layers, data, indices, comm, device,
     checked after the MPI sum, the same on every process): the sums are the same in any order
     and on any number of MPI processes.
     ``sum ||W x||^2`` is summed per sample, gathered in sample order and added with math.fsum.
-    ``watch`` (:func:`~dipoorlet.bias_correction.append_watch`, ``types`` its model's types): a
-    sample on which it is not finite is left out, and the log says which."""
+    ``watch`` (:func:`~dipoorlet.qdq.append_watch`, ``types`` its model's types): a sample on which
+    it flags a NaN is left out, and the log says which under ``left_out_as`` (None: not said)."""
 
     acc, bound, energy, mats = {}, {}, {}, {}
     for lay in layers:
@@ -494,8 +505,8 @@ def statistics(g, qmodel, layers, data, indices, comm, device,
     for i in progress(indices, label, comm):
         feed = data.sample(i)
         got, _ = runner.run(feed, ranges=False)
-        if not _finite(got, watch):
-            bad.append((i, getattr(feed, "where", f"sample {i}")))
+        if not nan_free(got, watch):
+            bad.append((i, sample_name(feed, i)))
             continue
         units = {}      # per input tensor: (x~ in steps, (x - x~) in 1/256 steps), float32 integers
         for li, lay in enumerate(layers):
@@ -540,8 +551,8 @@ def statistics(g, qmodel, layers, data, indices, comm, device,
                 got.pop(t, None)                   # activations are not all held twice
                 units.pop(t, None)
         count += 1
-    if warn:      # once, not once per pass of --gptq_memory (every pass meets the same samples)
-        warn_left_out(comm, bad, label.split(" statistics")[0] + " statistics", "a quantized activation is NaN on them")
+    if left_out_as:
+        warn_left_out(comm, bad, left_out_as, "a quantized activation is NaN on them")
     rows = {}
     limit = 2.0 ** 53
     for lay in layers:
@@ -754,7 +765,8 @@ def reconstruct(g, places, plan, data, indices, comm, device="cpu", memory_mb: f
     for gi, group in enumerate(groups):
         label = f"{method} statistics" if len(groups) == 1 else f"{method} statistics {gi + 1}/{len(groups)}"
         acc, consts, rows, total = statistics(g, qmodel, group, data, indices, comm, device, label, samples,
-                                              watch, types, warn=gi == 0)
+                                              # said once, not per pass: every pass meets the same samples
+                                              watch, types, left_out_as=f"{method} statistics" if gi == 0 else None)
         if total == 0:
             return {"layers": 0, "candidates": len(layers), "skipped": skipped}
         # the layers are solved independently: under MPI each process solves every world-th one

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dipoorlet.progress import progress
-from dipoorlet.data import with_extra
+from dipoorlet.data import sample_name, with_extra
 from dipoorlet.layer_errors import TINY, nonfinite, pooled_cosine, sample_sums, warn_left_out
 from dipoorlet.qdq import Switchboard
 from dipoorlet.runtime import Runner
@@ -91,7 +91,7 @@ class Scorer:
         bad = [i for i in self.indices if nonfinite(self.reference[i], self.outputs)]
         for i in bad:       # no error is defined against a NaN: it would rank every layer alike
             del self.reference[i]
-        warn_left_out(comm, [(i, getattr(self.samples.pop(i), "where", f"sample {i}")) for i in bad],
+        warn_left_out(comm, [(i, sample_name(self.samples.pop(i), i)) for i in bad],
                       "sensitivity", "the float model's scored output is NaN or Inf on them")
         self.indices = [i for i in self.indices if i not in bad]
         # over every process: with none left, a variant's score would read cosine 0 as if measured

@@ -235,7 +235,7 @@ def test_sensitivity_with_every_sample_left_out_says_so_instead_of_scoring_zero(
 def test_the_nan_check_flags_nan_only_and_runs_before_each_q(tmp_path):
     # an Inf is an ordinary mask value; a check nothing depended on ran after the last layer in
     # onnxruntime and held every Q input for the whole run (129 -> 664 MB on a 30-Conv model)
-    from dipoorlet.bias_correction import append_watch
+    from dipoorlet.qdq import append_watch
 
     nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"], name="q1"),
              helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"], name="dq1"),

@@ -40,10 +40,10 @@ RANGES_ONLY = {"rockchip_rk": "rk_quantized_param", "stpu": "stpu_minmax.json", 
                "magicmind": "magicmind_quant_param.json"}
 
 
-def warn_narrow(ctx: DeployContext) -> list[str]:
+def warn_narrow(ctx: DeployContext) -> None:
     """Warn where a range-only format gets grids narrower than 8 bits (--w_bits 4, --a_bits 6,
     --layer_bits): the toolkit would quantize those tensors on finer 8-bit grids than the ones
-    quant_model.onnx simulates. Returns the formats warned for."""
+    quant_model.onnx simulates."""
     narrow = sorted({(t, int(qp.bits)) for grids in (ctx.plan.activations, ctx.plan.weights)
                      for t, qp in grids.items() if int(qp.bits) < 8})
     formats = [f for f in ctx.platform.deploy if f in RANGES_ONLY]
@@ -53,9 +53,8 @@ def warn_narrow(ctx: DeployContext) -> list[str]:
         logging.getLogger(__name__).warning(
             "%s: %d grids narrower than 8 bits (e.g. %s, %d bits); %s holds clip ranges only, no bit widths, "
             "and the toolkit builds 8-bit grids of its own: the deployed model is finer than the one "
-            "quant_model.onnx simulates and the report measures", ctx.platform.name, len(narrow), narrow[0][0], narrow[0][1],
-            " and ".join(RANGES_ONLY[f] for f in formats))
-    return formats if narrow else []
+            "quant_model.onnx simulates and the report measures", ctx.platform.name, len(narrow), narrow[0][0],
+            narrow[0][1], " and ".join(RANGES_ONLY[f] for f in formats))
 
 
 def export_all(ctx: DeployContext, folder: Path) -> list[Path]:
