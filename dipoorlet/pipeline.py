@@ -656,9 +656,8 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
         from dipoorlet import bias_correction
 
         t = time.perf_counter()
-        k = min(cfg.data_num, cfg.bc_samples or bias_correction.BC_SAMPLES)
-        out = bias_correction.correct(g, places, plan, data, spread(k, cfg.data_num, comm.rank, comm.world),
-                                      comm, cfg.device)
+        out = bias_correction.correct(g, places, plan, data, bc_indices(cfg, comm), comm, cfg.device,
+                                      alone=sensitivity_runs(cfg))
         timings["bias_correction_s"] = time.perf_counter() - t
         return out
 
@@ -699,16 +698,21 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
         timings[f"{rounding}_s"] = time.perf_counter() - t
         return out
 
+    refitted = False     # weights fitted after the bias corrections were measured
     if rounding and not defer:
         reconstructed = fit_rounding(places, plan)
+        refitted = True
         if rounding in ("gptq", "adaround") and not reconstructed.get("candidates") and bc_by_default:
             # the flag turned bias correction off for a fit that has no layer to fit (every
             # input on a 16-bit grid: W4A16 on qnn lost 6 dB to nearest rounding alone)
             log.warning("%s fitted no layer: bias correction, which it turns off, runs instead (--no_bc to "
                         "skip it)", rounding)
             corrections = correct_biases()
+            refitted = False
     settle_biases(g, places, plan, plat)    # biases the steps above moved
 
+    if refitted:     # a layer alone is corrected as a run would (not for weights fitted since)
+        plan.isolated = {}
     t = time.perf_counter()
     analysis = analyse(cfg, g, places, plan, data, comm, stats=stats, plat=plat, shifted=shifted, val=val)
     if corrections is not None:
@@ -931,6 +935,18 @@ def sensitivity_samples(cfg: QuantConfig, data, val, comm) -> tuple:
     return source, n, [picks[j] for j in spread(n, k, comm.rank, comm.world)]
 
 
+def bc_indices(cfg: QuantConfig, comm) -> list[int]:
+    """This process's share of the samples bias correction reads (--bc_samples)."""
+    from dipoorlet.bias_correction import BC_SAMPLES
+
+    return spread(min(cfg.data_num, cfg.bc_samples or BC_SAMPLES), cfg.data_num, comm.rank, comm.world)
+
+
+def sensitivity_runs(cfg: QuantConfig) -> bool:
+    """Whether :func:`analyse` scores sensitivity variants (it may still find no sample to score)."""
+    return not cfg.skip_prof_layer or bool(cfg.auto_skip or cfg.auto_a16 or cfg.auto_w8)
+
+
 def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, plat=None, shifted=(),
             val=None) -> dict:
     """Isolated sensitivity, weight range spread and auto_skip, as the config asks.
@@ -943,7 +959,7 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, pl
     and 0.5 dB on evaluation crops)."""
     out: dict = {"weight_spread": sensitivity.weight_spread(g, places)}
     auto = cfg.auto_skip or cfg.auto_a16 or cfg.auto_w8
-    if cfg.skip_prof_layer and not auto:
+    if not sensitivity_runs(cfg):
         return out
     source, n, indices = sensitivity_samples(cfg, data, val, comm)
     crit = sensitivity.parse_target(auto)[0] if auto else (

@@ -86,7 +86,7 @@ def insert_qdq(g: Graph, placement: Placement, plan: QuantPlan) -> onnx.ModelPro
         if qp is None or not (point.uses or point.output):
             continue
         base = _base(tensor, taken, ACT_SUFFIXES)
-        q, extra, dq = _act_chain(graph, tensor, base, qp, qdq_domain(model, qp))
+        q, extra, dq = act_chain(graph, tensor, base, qp, qdq_domain(model, qp))
         new_nodes[tensor] = [q, *extra, dq]
         for node_name, index in point.uses:
             nodes[node_name].input[index] = base + "_dq"
@@ -138,7 +138,7 @@ def qdq_domain(model: onnx.ModelProto, qp: QParams) -> str:
     return MS_DOMAIN
 
 
-def _act_chain(graph, tensor: str, base: str, qp: QParams, domain: str = ""):
+def act_chain(graph, tensor: str, base: str, qp: QParams, domain: str = ""):
     """QuantizeLinear (-> integer Clip) -> DequantizeLinear for ``tensor``, output ``<base>_dq``;
     the scale/zero-point constants go into ``graph``, the nodes are returned, not inserted."""
     s = _const(graph, base + "_scale", qp.scale)
@@ -274,7 +274,7 @@ class Switchboard:
         """``off_plan``: switched off, an activation goes through its grid in ``off_plan`` (where
         it has one: --auto_a16's 16-bit grids) instead of staying float, and so does a weight
         (--auto_w8's 8-bit grids)."""
-        self.g, self.plan, self.off_plan = g, plan, off_plan
+        self.g, self.plan, self.off_plan, self.placement = g, plan, off_plan, placement
         self._cache: dict = {}
         model = onnx.ModelProto()
         model.CopyFrom(g.model)
@@ -307,10 +307,10 @@ class Switchboard:
                         if out == tensor:
                             node.output[i] = src
                 self.act_owners.add(owner)
-            q, extra, dq = _act_chain(graph, src, base, qp, qdq_domain(model, qp))
+            q, extra, dq = act_chain(graph, src, base, qp, qdq_domain(model, qp))
             off = None
             if off_plan is not None and tensor in off_plan.activations:
-                oq, oextra, odq = _act_chain(graph, src, _base(base + "_off", taken, ACT_SUFFIXES),
+                oq, oextra, odq = act_chain(graph, src, _base(base + "_off", taken, ACT_SUFFIXES),
                                              off_plan.activations[tensor],
                                              qdq_domain(model, off_plan.activations[tensor]))
                 off = [oq, *oextra, odq]
@@ -371,8 +371,11 @@ class Switchboard:
             self._cache[key] = np.ascontiguousarray(self.g.weight(tensor))
         return self._cache[key]
 
-    def _value(self, tensor: str, weights_on: set) -> tuple[str, np.ndarray]:
-        """The float value a variant holds for ``tensor`` (transformed or the model's own)."""
+    def _value(self, tensor: str, weights_on: set, alone: dict | None = None) -> tuple[str, np.ndarray]:
+        """The float value a variant holds for ``tensor`` (transformed or the model's own;
+        ``alone``: the variant's values from :meth:`_alone`)."""
+        if alone and tensor in alone:
+            return alone[tensor]
         plan = self.plan
         owner = plan.value_owners.get(tensor)
         if tensor in plan.values and (owner is None or owner in weights_on):
@@ -420,8 +423,51 @@ class Switchboard:
             self._resident[key] = _ort().OrtValue.ortvalue_from_numpy(arr, device, 0)
         return self._resident[key]
 
+    def _upstream(self, node: str) -> set:
+        """The switched nodes some path leads from to ``node`` (cached)."""
+        key = ("upstream", node)
+        if key not in self._cache:
+            g, seen, todo = self.g, set(), [node]
+            while todo:
+                for t in g.node_by_name[todo.pop()].input:
+                    p = g.producer.get(t)
+                    if p is not None and p.name not in seen:
+                        seen.add(p.name)
+                        todo.append(p.name)
+            self._cache[key] = seen & self.owners
+        return self._cache[key]
+
+    def _input_owner(self, node: str) -> str | None:
+        """The owner of the switch on ``node``'s first input (None: that input is not quantized)."""
+        key = ("input_owner", node)
+        if key not in self._cache:
+            self._cache[key] = next((o for p in self.placement.activations.values()
+                                     for u, o in zip(p.uses, p.owners) if u == (node, 0)), None)
+        return self._cache[key]
+
+    def _alone(self, acts: set, weights: set) -> dict:
+        """Corrected biases (``plan.isolated``) of the variant's layers that no other switched-on
+        node feeds: the corrections a run quantizing them alone would measure, not the whole
+        model's (which also make up for clipping that upstream errors cause). Not with an
+        ``off_plan``: its layers switched off are quantized too."""
+        if not self.plan.isolated or self.off_plan is not None:
+            return {}
+        on = acts | weights
+        out = {}
+        for tensor, iso in self.plan.isolated.items():
+            w_on, a_on = iso.node in weights, self._input_owner(iso.node) in acts
+            if not (w_on or a_on) or (self._upstream(iso.node) - {iso.node}) & on:
+                continue
+            which = "both" if w_on and a_on else "weight" if w_on else "act"
+            key = ("alone", which, tensor)
+            if key not in self._cache:
+                self._cache[key] = np.ascontiguousarray(getattr(iso, which).astype(self._weight(tensor).dtype))
+            out[tensor] = (key[0] + "_" + which, self._cache[key])
+        return out
+
     def feed(self, acts=(), weights=()) -> dict:
         acts, weights = set(acts), set(weights) & self.weight_nodes
+        alone = self._alone(acts, weights)
         feed = {name: np.array(owner in acts) for owner, name in self.masks.items()}
         for name, node, tensor in self.weight_inputs:
             if node not in weights and self.off_plan is not None and tensor in self.off_plan.weights:
@@ -433,7 +479,7 @@ class Switchboard:
                     which, value = self._value(tensor, weights | {node})
                 feed[name] = self._resident_value(self._fake_quant(tensor, which, value, off=True))
                 continue
-            which, value = self._value(tensor, weights)
+            which, value = self._value(tensor, weights, alone)
             feed[name] = self._resident_value(self._fake_quant(tensor, which, value) if node in weights else value)
         for name, tensor in self.value_inputs:
             owner = self.plan.value_owners.get(tensor)
@@ -441,7 +487,7 @@ class Switchboard:
                     and owner not in weights):     # its layer's weight is switched to the off_plan grid
                 feed[name] = self._resident_value(self._off_value(tensor))
                 continue
-            feed[name] = self._resident_value(self._value(tensor, weights)[1])
+            feed[name] = self._resident_value(self._value(tensor, weights, alone)[1])
         return feed
 
 
