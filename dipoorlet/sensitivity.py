@@ -16,7 +16,10 @@ We chose whole-model passes over extracting each node's downstream subgraph: the
 is on average half the model, but extracting it needs the float values of every tensor crossing
 the cut for every sample, which would either be stored (memory growing with N) or recomputed.
 For the worst layers, two more passes split the error into its weight-only and activation-only
-parts.
+parts. With bias correction, a layer scored alone takes the correction a run quantizing it alone
+measures (:func:`~dipoorlet.bias_correction.isolated`); variants of several layers keep the whole
+model's, as the model ``--auto_skip`` writes does (correcting them for the float layers did worse
+on three of five models, README).
 
 ``auto_skip`` greedily keeps the most sensitive layers in float until the network output meets a
 target (cosine or SQNR) or a maximum number of float layers is reached, re-measuring the whole
