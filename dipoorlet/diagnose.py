@@ -257,6 +257,9 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
 # below this fraction of the largest channel value the advice names the method
 TIGHT_CLIP = 0.25
 WIDE_GRID = 4.0          # a grid this many times wider than the tensor's largest value: not its own clip
+# held-out samples reaching this many times an input's clip: the calibration data does not cover
+# them (a clip range methods choose inside the calibration data's own tail is at most ~1.5x off)
+UNCOVERED = 2.0
 
 
 def _why_not_fitted(g, name: str, narrow_inputs: bool) -> str:
@@ -319,7 +322,7 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | 
                     f"{wider.replace(', ', '; ', 1)}, or {keep}")
         return (f"weight rounding dominates{at}: --gptq chooses the rounding by this layer's output error "
                 f"(one extra pass){wider}, or {keep}")
-    facts = []
+    facts, uncovered = [], []
     for a in row.get("activations", []):
         over = (f" over {a['channel_samples']} {'held-out ' if a.get('channel_held_out') else ''}samples"
                 if a.get("channel_samples") else "")
@@ -344,11 +347,17 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | 
         part.append(f"equalization: {a['equalization']}")
         top = a.get("channel_max")
         clip = max(abs(a["clip"][0]), abs(a["clip"][1])) if "shifted_from" in a else a.get("amax")
-        if method in ("entropy", "percentile") and top and clip is not None and clip < TIGHT_CLIP * top:
+        if a.get("channel_held_out") and top and clip and top >= UNCOVERED * clip:
+            uncovered.append(a)
+            part.append(f"the held-out samples reach {top / clip:.1f}x the clip that the calibration data set: "
+                        f"they are clipped, not rounded; calibrate on data like them (-I), or check that "
+                        f"both are preprocessed alike")
+        elif method in ("entropy", "percentile") and top and clip is not None and clip < TIGHT_CLIP * top:
             part.append(f"-A {method} clips it at {clip / top:.0%} of the largest value seen; "
                         f"-A mse (the default) or hist clip by the rounding error they cost")
         facts.append("; ".join(part))
-    lead = "activation rounding dominates" if row.get("cause") == "activations" else "quantizing it costs"
+    lead = (("activation clipping dominates" if uncovered else "activation rounding dominates")
+            if row.get("cause") == "activations" else "quantizing it costs")
     hint = ("; --gptq re-rounds its weights to compensate part of its input's rounding (one extra pass)"
             if gptq_hint and row.get("activations") else "")
     narrow = [a for a in row.get("activations", []) if a.get("bits", 8) < max_act_bits]

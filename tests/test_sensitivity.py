@@ -684,3 +684,24 @@ def test_isolated_score_with_bias_correction_equals_a_run_quantizing_that_layer_
         got = [ort_run(alone, f)[0].astype(np.float64) for f in feeds]
         sqnr = 10 * np.log10(sum((r ** 2).sum() for r in ref) / sum(((r - q) ** 2).sum() for r, q in zip(ref, got)))
         assert scores[node] == pytest.approx(sqnr, rel=1e-3), node
+
+
+def test_advice_reads_held_out_values_far_beyond_the_clip_as_clipping():
+    """Held-out samples (--val_dir) reaching 6x an input's clip are clipped by a range the
+    calibration data did not cover: the advice says clipping and names the data, not rounding
+    (it read "activation rounding dominates" for held-out data 6x wider than the calibration
+    data). The same spread over calibration samples, or 1.3x over held-out ones, keeps the
+    rounding reading."""
+    from dipoorlet.diagnose import _advice
+
+    act = {"tensor": "t", "amax": 2.0, "channel_max": 12.0, "channel_spread": 3.0, "channel_samples": 8,
+           "channel_held_out": True, "equalization": "blocked"}
+    row = {"node": "conv", "cause": "activations", "activations": [act]}
+    text = _advice(row, "trt", method="mse")
+    assert text.startswith("activation clipping dominates") and "6.0x the clip" in text and "-I" in text
+    calib = dict(act, channel_held_out=False)
+    assert _advice(dict(row, activations=[calib]), "trt", method="mse").startswith("activation rounding dominates")
+    mild = dict(act, channel_max=2.6)
+    assert _advice(dict(row, activations=[mild]), "trt", method="mse").startswith("activation rounding dominates")
+    shifted = dict(act, shifted_from="s", clip=[-0.1, 1.5], channel_max=4.5)
+    assert "3.0x the clip" in _advice(dict(row, activations=[shifted]), "trt", method="mse")
