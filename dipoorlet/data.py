@@ -507,11 +507,13 @@ def _odd_share(raw: np.ndarray) -> float:
 
 def _looks_float64(raw: np.ndarray) -> bool:
     """Raw float32 values that are float64 data read with the wrong dtype: many of them at
-    absurd magnitudes (the float64 mantissas' low words read as float32), all of them ordinary
-    as float64. Measured data in float32 is almost never 5% beyond 1e20 or below 1e-20."""
+    absurd magnitudes, and only in the even places (the float64 mantissas' low words read as
+    float32; the odd places, the words that hold the exponents, read as ordinary values), all of
+    them ordinary as float64. Measured float32 data is almost never 5% beyond 1e20 or below
+    1e-20, and where it is (values underflowing to 1e-25), not in the even places alone."""
     if raw.dtype != np.float32 or raw.size < 16 or raw.size % 2:
         return False
-    if _odd_share(raw) < 0.05:
+    if _odd_share(raw[0::2]) < 0.10 or _odd_share(raw[1::2]) > 0.01:
         return False
     with np.errstate(all="ignore"):
         wide = np.abs(raw.view(np.float64))

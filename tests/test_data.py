@@ -543,3 +543,15 @@ def test_npz_with_a_fortran_ordered_or_compressed_array_reads_the_same_rows(tmp_
         src = DataSource(tmp_path / name, [InputSpec("x", F32, (1, 3, 4, 4))], 6)
         for i in range(6):
             np.testing.assert_array_equal(src.sample(i)["x"], arr[i][None])
+
+
+def test_float32_bin_with_many_tiny_values_is_not_taken_for_float64(tmp_path):
+    """float32 data of which 10% underflowed to ~1e-25 (beyond the 1e-20 the float64 check
+    counts as absurd) is read, not refused: float64 data read as float32 has its absurd values
+    in the even places only (the low words of the mantissas)."""
+    r = np.random.default_rng(3)
+    x = r.standard_normal((1, 3, 8, 8)).astype(np.float32)
+    x.flat[r.choice(x.size, x.size // 10, replace=False)] = np.float32(1e-25)
+    _bin(tmp_path, "x", 0, x)
+    src = DataSource(tmp_path, [InputSpec("x", F32, (1, 3, 8, None))], 1)
+    np.testing.assert_array_equal(src.sample(0)["x"], x)
