@@ -305,6 +305,29 @@ class Clipped:
         return self
 
 
+def _warn_hidden(comm, hidden: dict, targets: dict, mine: int) -> None:
+    """Say once (rank 0) which layers' float tensors held a NaN or Inf on some samples that the
+    network outputs did not show (a masked softmax of a padded sequence), and that their rows
+    leave those samples out (a row left with none is not shown)."""
+    parts = comm.allgather((hidden, mine))
+    if comm.rank != 0:
+        return
+    total, counts = sum(n for _, n in parts), {}
+    for h, _ in parts:
+        for t, k in h.items():
+            counts[t] = counts.get(t, 0) + k
+    if not counts:
+        return
+    worst = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    gone = sum(1 for _, k in worst if k >= total)
+    log.warning("error profile: %d layer tensor(s) hold NaN or Inf in the float model on some samples, which the "
+                "network outputs do not show: %s; their rows leave those samples out%s; check those layers "
+                "(a mask of -inf through a softmax, a log of 0)", len(worst),
+                ", ".join(f"{t} ({targets[t][0]}, {k} of {total} samples)" for t, k in worst[:4])
+                + (" ..." if len(worst) > 4 else ""),
+                f", and {gone} row(s) with no sample left are not shown" if gone else "")
+
+
 def collect_errors(graph, qmodel, data, indices, targets: dict, comm, device="cpu", on_float=None, grids=None):
     """({tensor: ErrorStats} merged over every process, {network output: (sample, cosine, mean
     square of the float output) in sample order}, {quantized activation: Clipped}); all complete on rank 0. ``grids``
@@ -325,6 +348,7 @@ def collect_errors(graph, qmodel, data, indices, targets: dict, comm, device="cp
     clipped = {t: Clipped(b[2]) for t, b in grids.items()}
     out_cos: dict[str, list] = {t: [] for t in outputs}
     bad, bad_outputs = [], set()
+    hidden: dict[str, int] = {}     # layer tensor -> samples on which the float model holds a NaN/Inf there
     for i in progress(indices, "error profile", comm):
         feed = data.sample(i)
         f_out, _ = fp.run(feed)
@@ -340,6 +364,8 @@ def collect_errors(graph, qmodel, data, indices, targets: dict, comm, device="cp
                     if not bad or bad[-1][0] != i:
                         bad.append((i, sample_name(feed, i)))
                     bad_outputs.add(t)
+                else:
+                    hidden[t] = hidden.get(t, 0) + 1
                 continue
             stats[t].add(*m, size=f_out[t].size)
             if t in out_cos:
@@ -351,6 +377,7 @@ def collect_errors(graph, qmodel, data, indices, targets: dict, comm, device="cp
     names_bad = sorted(set().union(*comm.allgather(sorted(bad_outputs))))
     warn_left_out(comm, bad, f"error profile of {', '.join(names_bad[:3])}", "the float model's output is NaN "
                   "or Inf on them")
+    _warn_hidden(comm, hidden, targets, len(list(indices)))
     gathered = comm.gather_samples({t: [st] for t, st in stats.items()})
     merged = {}
     for t, parts in gathered.items():

@@ -264,3 +264,28 @@ def test_the_nan_check_flags_nan_only_and_runs_before_each_q(tmp_path):
         (ref,) = ort_run(model, {"x": feed})
         np.testing.assert_array_equal(y, ref)
         assert (float(flag) > 0) == flagged
+
+
+def test_a_nan_inside_the_model_that_the_output_hides_is_named(tmp_path, caplog):
+    """A fully padded sequence makes the float MatMul after the softmax NaN, and a Where(IsNaN)
+    hides it from the output: the profile leaves that sample out of mm1's row, and says so
+    (it dropped the row silently when no sample was left), while the output's row keeps every
+    sample."""
+    import logging
+
+    model = _masked_softmax_model()
+    g = model.graph
+    g.node.insert(4, helper.make_node("IsNaN", ["h0"], ["isnan"], name="isnan"))
+    g.node.insert(5, helper.make_node("Where", ["isnan", "zero", "h0"], ["h0c"], name="hide"))
+    next(n for n in g.node if n.name == "bias1").input[0] = "h0c"
+    g.initializer.append(numpy_helper.from_array(np.array(0.0, np.float32), "zero"))
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.standard_normal((1, 4, 8)).astype(np.float32), "mask": np.ones((1, 4, 8), np.float32)}
+             for _ in range(4)]
+    feeds[2]["mask"][0, 1] = 0.0
+    assert np.isfinite(ort_run(model, feeds[2])[0]).all()
+    with caplog.at_level(logging.WARNING):
+        res, _ = quantize_model(tmp_path, model, feeds=feeds, act_quant="mse")
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("error profile: 1 layer")]
+    assert len(said) == 1 and "(mm1, 1 of 4 samples)" in said[0], said
+    assert any(r["node"] == "mm1" for r in res.report["layers"]) and res.report["outputs"][0]["cosine"] > 0.9
