@@ -263,9 +263,8 @@ def correct(g, places, plan, data, indices, comm, device="cpu", alone: bool = Fa
 
 @dataclass
 class Isolated:
-    """The corrected bias of one layer in a variant whose other quantized layers all lie
-    downstream of it (its input comes from float layers), as a run quantizing it alone would
-    correct it; one per part of the layer quantized."""
+    """The corrected bias of one layer quantized alone (every other layer float), as a run
+    quantizing it alone would correct it; one per part of the layer quantized."""
     node: str
     both: np.ndarray      # its weight and its input quantized
     weight: np.ndarray    # its weight only

@@ -134,11 +134,13 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
              samples: int | None = None, gptq=(), method: str | None = None,
              gptq_ran: bool = False, max_act_bits: int = 8, rounding: str = "--gptq", sparse: dict | None = None,
              sparse_pattern: str | None = None, promoted=(), deferred: str | None = None,
-             held_out: bool = False, floated=(), unfit=None) -> list[dict]:
+             held_out: bool = False, floated=(), unfit=None, calibration=None) -> list[dict]:
     """One row per layer among the ``k`` most sensitive that lose more than ``MIN_LOSS``, leaving
     out ``floated`` (the layers --auto_skip kept float: they limit nothing in the written model).
     ``shifted``: dipoorlet.shift's rows; a shifted input is described by its source tensor (its
-    channel ranges and its clip on the asymmetric grid), not by the shifted copy."""
+    channel ranges and its clip on the asymmetric grid), not by the shifted copy.
+    ``calibration``: the calibration statistics by tensor (their ranges: the largest value the
+    calibration data holds, against what held-out samples reach)."""
     source = {r["shifted"]: r for r in shifted}
     from dipoorlet.equalize import channel_stats
 
@@ -183,6 +185,9 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
             if t in source:
                 m = a["shifted_from"] = source[t]["tensor"]
                 a["clip"] = [float(v) for v in source[t]["clip"]]
+            st = (calibration or {}).get(m)
+            if st is not None and math.isfinite(st.minmax.lo) and math.isfinite(st.minmax.hi):
+                a["calibration_max"] = max(abs(st.minmax.lo), abs(st.minmax.hi))
             if m in ranges:
                 r = ranges[m][0]
                 live = r[r > 0]
@@ -257,8 +262,9 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
 # below this fraction of the largest channel value the advice names the method
 TIGHT_CLIP = 0.25
 WIDE_GRID = 4.0          # a grid this many times wider than the tensor's largest value: not its own clip
-# held-out samples reaching this many times an input's clip: the calibration data does not cover
-# them (a clip range methods choose inside the calibration data's own tail is at most ~1.5x off)
+# held-out samples reaching this many times both an input's clip and the largest value the
+# calibration data holds there: the calibration data does not cover them (a range method may clip
+# far inside the calibration data itself: that is its own reading, TIGHT_CLIP's)
 UNCOVERED = 2.0
 
 
@@ -347,12 +353,14 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | 
         part.append(f"equalization: {a['equalization']}")
         top = a.get("channel_max")
         clip = max(abs(a["clip"][0]), abs(a["clip"][1])) if "shifted_from" in a else a.get("amax")
-        if a.get("channel_held_out") and top and clip and top >= UNCOVERED * clip:
+        seen = a.get("calibration_max")
+        if (a.get("channel_held_out") and top and clip and seen and top >= UNCOVERED * clip
+                and top >= UNCOVERED * seen):
             uncovered.append(a)
-            part.append(f"the held-out samples reach {top / clip:.1f}x the clip that the calibration data set: "
-                        f"they are clipped, not rounded; calibrate on data like them (-I), or check that "
-                        f"both are preprocessed alike")
-        elif method in ("entropy", "percentile") and top and clip is not None and clip < TIGHT_CLIP * top:
+            part.append(f"the held-out samples reach {top / clip:.1f}x its clip and {top / seen:.1f}x the largest "
+                        f"value of the calibration data there ({seen:.4g}): they are clipped, not rounded; "
+                        f"calibrate on data like them (-I), or check that both are preprocessed alike")
+        if method in ("entropy", "percentile") and top and clip is not None and clip < TIGHT_CLIP * top:
             part.append(f"-A {method} clips it at {clip / top:.0%} of the largest value seen; "
                         f"-A mse (the default) or hist clip by the rounding error they cost")
         facts.append("; ".join(part))

@@ -355,6 +355,7 @@ def collect_errors(graph, qmodel, data, indices, targets: dict, comm, device="cp
         if on_float is not None:
             on_float(i, f_out)
         q_out, _ = qr.run(feed)
+        inside = []
         for t in names:
             m = sample_sums(f_out[t], q_out[t])
             if not math.isfinite(m[2]):
@@ -365,12 +366,15 @@ def collect_errors(graph, qmodel, data, indices, targets: dict, comm, device="cp
                         bad.append((i, sample_name(feed, i)))
                     bad_outputs.add(t)
                 else:
-                    hidden[t] = hidden.get(t, 0) + 1
+                    inside.append(t)
                 continue
             stats[t].add(*m, size=f_out[t].size)
             if t in out_cos:
                 # sample, cosine, float output energy per value (windows of other sizes compare)
                 out_cos[t].append((i, m[0], m[2] / max(f_out[t].size, 1)))
+        if inside and not (bad and bad[-1][0] == i):     # the outputs show it: said with the sample
+            for t in inside:
+                hidden[t] = hidden.get(t, 0) + 1
         for t, c in clipped.items():
             src = before_q[t]
             c.add(np.asarray(feed[src] if src in inputs else q_out[src]), grids[t])

@@ -652,17 +652,15 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
     fit_biases(g, places, plan)    # before the steps that fit weights or biases to these grids
     corrections = None
 
-    def correct_biases():
+    def correct_biases(alone: bool = True):
         from dipoorlet import bias_correction
 
         t = time.perf_counter()
         out = bias_correction.correct(g, places, plan, data, bc_indices(cfg, comm), comm, cfg.device,
-                                      alone=sensitivity_runs(cfg))
+                                      alone=alone and sensitivity_runs(cfg))
         timings["bias_correction_s"] = time.perf_counter() - t
         return out
 
-    if cfg.bias_correction:
-        corrections = correct_biases()
     reconstructed = None
     rounding = ("adaround" if cfg.adaround else "sparse" if cfg.sparse is not None else "gptq" if cfg.gptq
                 else ("qdrop" if cfg.drop else "brecq") if cfg.brecq else None)
@@ -671,6 +669,10 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
     defer = rounding in ("gptq", "adaround", "brecq", "qdrop") and cfg.auto_w8 is not None and any(
         plan.weights[wp.tensor].bits < plat.weight.bits for (n, i), wp in places.weights.items()
         if not is_bias(g, n, i) and wp.tensor in plan.weights)
+    if cfg.bias_correction:
+        # the corrections measured alone serve the sensitivity analysis, unless a fit changes the
+        # weights before it
+        corrections = correct_biases(alone=not rounding or defer)
 
     def fit_rounding(places, plan):
         from dipoorlet import reconstruct
@@ -804,7 +806,8 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
             promoted=w8.float_layers if w8 is not None else (),
             deferred=_flag(rounding) if defer else None, held_out=bool(analysis.get("sens_held_out")),
             floated=analysis["auto_skip"].float_layers if analysis.get("auto_skip") is not None else (),
-            unfit=reconstructed.get("skipped") if reconstructed and rounding != "sparse" else None)
+            unfit=reconstructed.get("skipped") if reconstructed and rounding != "sparse" else None,
+            calibration=stats)
     if analysis.get("auto_skip") is not None:
         places = places.restrict([n for n in places.quantized_nodes
                                   if n not in analysis["auto_skip"].float_layers])

@@ -267,7 +267,9 @@ class Switchboard:
     :meth:`feed` gives the inputs of the variant in which the nodes in ``acts`` have their
     activations quantized and those in ``weights`` their weights, exactly what
     ``insert_qdq(g, placement.restrict(...), plan)`` computes (a dequantized int32 bias may
-    differ in the last float32 bit).
+    differ in the last float32 bit), but for one layer switched on alone: its bias takes the
+    correction measured alone (:meth:`_alone`), where ``insert_qdq`` would give it the whole
+    model's.
     """
 
     def __init__(self, g: Graph, placement: Placement, plan: QuantPlan, off_plan: QuantPlan | None = None):
@@ -423,20 +425,6 @@ class Switchboard:
             self._resident[key] = _ort().OrtValue.ortvalue_from_numpy(arr, device, 0)
         return self._resident[key]
 
-    def _upstream(self, node: str) -> set:
-        """The switched nodes some path leads from to ``node`` (cached)."""
-        key = ("upstream", node)
-        if key not in self._cache:
-            g, seen, todo = self.g, set(), [node]
-            while todo:
-                for t in g.node_by_name[todo.pop()].input:
-                    p = g.producer.get(t)
-                    if p is not None and p.name not in seen:
-                        seen.add(p.name)
-                        todo.append(p.name)
-            self._cache[key] = seen & self.owners
-        return self._cache[key]
-
     def _input_owner(self, node: str) -> str | None:
         """The owner of the switch on ``node``'s first input (None: that input is not quantized)."""
         key = ("input_owner", node)
@@ -446,17 +434,18 @@ class Switchboard:
         return self._cache[key]
 
     def _alone(self, acts: set, weights: set) -> dict:
-        """Corrected biases (``plan.isolated``) of the variant's layers that no other switched-on
-        node feeds: the corrections a run quantizing them alone would measure, not the whole
-        model's (which also make up for clipping that upstream errors cause). Not with an
-        ``off_plan``: its layers switched off are quantized too."""
-        if not self.plan.isolated or self.off_plan is not None:
-            return {}
+        """In a variant that switches on one layer alone, its corrected bias (``plan.isolated``):
+        the correction a run quantizing that layer alone would measure, not the whole model's
+        (which also makes up for clipping that upstream errors cause). Variants of several
+        layers keep the whole model's corrections, as the model --auto_skip writes does. Not
+        with an ``off_plan``: its layers switched off are quantized too."""
         on = acts | weights
+        if not self.plan.isolated or self.off_plan is not None or len(on) != 1:
+            return {}
         out = {}
         for tensor, iso in self.plan.isolated.items():
             w_on, a_on = iso.node in weights, self._input_owner(iso.node) in acts
-            if not (w_on or a_on) or (self._upstream(iso.node) - {iso.node}) & on:
+            if not (w_on or a_on) or on != {iso.node}:
                 continue
             which = "both" if w_on and a_on else "weight" if w_on else "act"
             key = ("alone", which, tensor)

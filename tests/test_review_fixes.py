@@ -289,3 +289,10 @@ def test_a_nan_inside_the_model_that_the_output_hides_is_named(tmp_path, caplog)
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("error profile: 1 layer")]
     assert len(said) == 1 and "(mm1, 1 of 4 samples)" in said[0], said
     assert any(r["node"] == "mm1" for r in res.report["layers"]) and res.report["outputs"][0]["cosine"] > 0.9
+    # without the Where the output shows the NaN: the sample is named as left out, and not as hidden
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        quantize_model(tmp_path / "shown", _masked_softmax_model(), feeds=feeds, act_quant="mse")
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("error profile of y") and "left out" in m for m in said), said
+    assert not any("outputs do not show" in m for m in said), said

@@ -293,7 +293,7 @@ def test_diagnosis_on_trt_reports_the_conv_input_smoothing(tmp_path):
     assert kind == "smoothed" and via.input[0] == "h"
 
 
-def _corrected_alone(scorer, plan, node: str, act_on: bool) -> tuple[str, np.ndarray]:
+def _corrected_alone(scorer, plan, node: str, act_on: bool, weight_on: bool = True) -> tuple[str, np.ndarray]:
     """(bias, its value) that bias correction gives ``node`` quantized alone (weight, and input
     where ``act_on``), computed in numpy from the float model's input of the layer over the
     scorer's samples (the tests' bias-correction samples too): b - (Wq_sum mean(x̂) - W_sum mean(x)),
@@ -314,7 +314,7 @@ def _corrected_alone(scorer, plan, node: str, act_on: bool) -> tuple[str, np.nda
     xq = [on_grid(x, plan.activations[x_name]) if act_on else x for x in xs]
     mean = lambda arrs: np.mean([np.moveaxis(a, axis, 0).reshape(a.shape[axis], -1).mean(axis=1) for a in arrs],
                                 axis=0)
-    wq = on_grid(w, plan.weights[n.input[1]])
+    wq = on_grid(w, plan.weights[n.input[1]]) if weight_on else w
     sums = lambda v: v.reshape(v.shape[0], v.shape[1], -1).sum(axis=2)
     delta = sums(wq) @ mean(xq) - sums(w) @ mean(xs)
     return b, (g.weight(b).astype(np.float64) - delta).astype(np.float32)
@@ -332,7 +332,7 @@ def _check_every_variant(monkeypatch) -> list:
     from dipoorlet.qdq import insert_qdq
 
     class Seen(list):
-        alone: list = []      # (input quantized too, node) of the corrected layers checked alone
+        alone: list = []      # (input quantized, weight quantized, node) of the corrected layers checked alone
 
     seen = Seen()
     seen.alone = []
@@ -349,11 +349,24 @@ def _check_every_variant(monkeypatch) -> list:
         ref_plan = plan
         corrected = {i.node for i in plan.isolated.values()}
         if len(acts | weights) == 1 and (acts | weights) <= corrected:
+            node = next(iter(acts | weights))
+            bias, value = _corrected_alone(self, plan, node, bool(acts), bool(weights))
+            seen.alone.append((bool(acts), bool(weights), node))
+            fed = self.board(places, plan)[0]._alone(acts, set(weights))[bias][1]   # before any bias grid
+            np.testing.assert_allclose(fed, value, rtol=1e-5, atol=1e-7)
             if not weights:
-                return got      # its input alone, corrected: no run quantizes that
-            bias, value = _corrected_alone(self, plan, next(iter(weights)), bool(acts))
+                # its input alone: the float bias corrected for the input's mean shift (no run
+                # quantizes that: the model is insert_qdq's with that bias set by hand)
+                model = insert_qdq(self.graph, alone, plan)
+                for t in model.graph.initializer:
+                    if t.name == bias:
+                        t.CopyFrom(onnx.numpy_helper.from_array(value, bias))
+                ref = self.score(model)
+                assert got.cosine == pytest.approx(ref.cosine, abs=1e-6)
+                assert got.sqnr_db == pytest.approx(ref.sqnr_db, rel=1e-3)
+                seen.append((len(acts), len(weights), ref.cosine))
+                return got
             ref_plan = dataclasses.replace(plan, values={**plan.values, bias: value})
-            seen.alone.append((bool(acts), next(iter(weights))))
         ref = self.score(insert_qdq(self.graph, alone, ref_plan))
         assert got.cosine == pytest.approx(ref.cosine, abs=1e-6)
         if ref.sqnr_db < 80:   # above, both are float32 rounding apart from float
@@ -383,10 +396,30 @@ def test_switchboard_variants_equal_separately_built_models(tmp_path, monkeypatc
     assert any(a == 0 and w == 1 for a, w, _ in seen)                      # weight only
     assert any(a == 1 and w == 0 for a, w, _ in seen)                      # activations only
     assert any(c < 0.999999 for *_, c in seen)                             # the variants differ from float
-    # corrected layers alone: checked against their own correction, weight and input or weight only
-    assert result.report["bias_correction"]["layers"] >= 2 and {a for a, _ in seen.alone} == {True, False}
+    # corrected layers alone: checked against their own correction, weight and input, weight only, input only
+    assert result.report["bias_correction"]["layers"] >= 2
+    assert {(a, w) for a, w, _ in seen.alone} == {(True, True), (False, True), (True, False)}
     if "auto_skip" in extra:
         assert any(a == w >= 2 for a, w, _ in seen)                        # whole-model variants
+
+
+def test_auto_skip_trials_keep_the_whole_models_corrections_after_a_float_first_layer(tmp_path, monkeypatch):
+    """A trial that keeps conv1 float has nothing switched on before conv2: conv2 keeps the whole
+    model's correction there, as the model --auto_skip writes does (a review found the trials
+    giving it the correction measured alone: 0.999883 against the written model's 0.999888)."""
+    seen = _check_every_variant(monkeypatch)
+    inits = {"w1": rand((8, 3, 3, 3), 0, 0.4), "b1": rand((8,), 1, 0.1), "w2": rand((8, 8, 3, 3), 2, 0.3),
+             "b2": rand((8,), 3, 0.1), "w3": rand((8, 8, 1, 1), 4, 0.3), "b3": rand((8,), 5, 0.1)}
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1] * 4),
+             helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+             helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], name="conv2", pads=[1] * 4),
+             helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
+             helper.make_node("Conv", ["r2", "w3", "b3"], ["y"], name="conv3")]
+    model = make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("y", [1, 8, 8, 8])], inits)
+    result, _ = quantize_model(tmp_path, model, n=4, sens_samples=4, shift=False, layer_bits={"conv1": (4, 4)},
+                               auto_skip="cosine:0.9999999", max_float_layers=1)
+    assert result.report["auto_skip"]["float_layers"] == ["conv1"]
+    assert any(a == w == 2 for a, w, _ in seen)       # the trial: conv2 and conv3 on, conv1 float
 
 
 @pytest.mark.parametrize("deploy", ["snpe", "qnn"])
@@ -695,13 +728,22 @@ def test_advice_reads_held_out_values_far_beyond_the_clip_as_clipping():
     from dipoorlet.diagnose import _advice
 
     act = {"tensor": "t", "amax": 2.0, "channel_max": 12.0, "channel_spread": 3.0, "channel_samples": 8,
-           "channel_held_out": True, "equalization": "blocked"}
+           "channel_held_out": True, "calibration_max": 2.4, "equalization": "blocked"}
     row = {"node": "conv", "cause": "activations", "activations": [act]}
     text = _advice(row, "trt", method="mse")
-    assert text.startswith("activation clipping dominates") and "6.0x the clip" in text and "-I" in text
+    assert text.startswith("activation clipping dominates") and "6.0x its clip and 5.0x the largest" in text
+    assert "-I" in text
     calib = dict(act, channel_held_out=False)
     assert _advice(dict(row, activations=[calib]), "trt", method="mse").startswith("activation rounding dominates")
     mild = dict(act, channel_max=2.6)
     assert _advice(dict(row, activations=[mild]), "trt", method="mse").startswith("activation rounding dominates")
-    shifted = dict(act, shifted_from="s", clip=[-0.1, 1.5], channel_max=4.5)
-    assert "3.0x the clip" in _advice(dict(row, activations=[shifted]), "trt", method="mse")
+    shifted = dict(act, shifted_from="s", clip=[-0.1, 1.5], channel_max=4.5, calibration_max=1.6)
+    assert "3.0x its clip" in _advice(dict(row, activations=[shifted]), "trt", method="mse")
+    # -A entropy clipping inside the calibration data's own tail (it reached 10): the method's
+    # reading, not uncovered data (a review: held-out data = the calibration data read "uncovered")
+    tail = dict(act, calibration_max=10.0)
+    text = _advice(dict(row, activations=[tail]), "trt", method="entropy")
+    assert text.startswith("activation rounding dominates") and "-A entropy clips it at 17%" in text
+    assert "calibrate on data like them" not in text
+    unknown = dict(act, calibration_max=None)
+    assert "calibrate on data like them" not in _advice(dict(row, activations=[unknown]), "trt", method="mse")
