@@ -281,32 +281,35 @@ def isolated(g, plan, sites: list[Site], data, indices, comm, device="cpu") -> d
     the whole-model correction then shifts its output by the difference (on the PP-OCRv4
     recognizer, p2o.Conv.2 alone read 10.1 dB at the logits where a run quantizing it alone
     reads 17.4 dB)."""
-    from onnx import helper
+    from onnx import ModelProto, helper
 
     from dipoorlet.qdq import act_chain, qdq_domain
-
-    from onnx import ModelProto
 
     sites = [s for s in sites if plan.value_owners.get(s.bias) == s.node]
     model = ModelProto()
     model.CopyFrom(g.model)
     produced = {o for n in model.graph.node for o in n.output} | {i.name for i in model.graph.input}
     keys, chain_of, read, chains = {}, {}, {}, []   # read: site node -> the key of its input as it reads it
+    source = {}     # site node -> its input's name in the float model
     for s in sites:
-        if s.x not in produced:
-            continue      # e.g. a network output the quantized model reads through its DQ
-        n = _in_channels(g, s)
-        keys[(s.x, s.channel_axis)] = n
-        if s.xq == s.x:
-            read[s.node] = (s.x, s.channel_axis)
+        if s.x in produced:
+            x = s.x
+        elif s.xq in produced and s.xq in plan.activations:
+            x = s.xq    # a network output quantized in place: its producer writes <t>_float in the Q/DQ model
+        else:
             continue
-        if s.x not in chain_of:
-            qp = plan.activations[s.x]
-            q, extra, dq = act_chain(model.graph, s.x, f"__dipoorlet_iso_{len(chain_of)}", qp,
-                                      qdq_domain(model, qp))
+        source[s.node] = x
+        n = _in_channels(g, s)
+        keys[(x, s.channel_axis)] = n
+        if s.xq == s.x:
+            read[s.node] = (x, s.channel_axis)
+            continue
+        if x not in chain_of:
+            qp = plan.activations[x]
+            q, extra, dq = act_chain(model.graph, x, f"__dipoorlet_iso_{len(chain_of)}", qp, qdq_domain(model, qp))
             chains += [q, *extra, dq]
-            chain_of[s.x] = dq.output[0]
-        read[s.node] = (chain_of[s.x], s.channel_axis)
+            chain_of[x] = dq.output[0]
+        read[s.node] = (chain_of[x], s.channel_axis)
         keys[read[s.node]] = n
     if not read:
         return {}
@@ -323,7 +326,7 @@ def isolated(g, plan, sites: list[Site], data, indices, comm, device="cpu") -> d
         if s.node not in read:
             continue
         sums, sums_q, group, gain = _weight_terms(g, plan, s)
-        m, mq = means[(s.x, s.channel_axis)], means[read[s.node]]
+        m, mq = means[(source[s.node], s.channel_axis)], means[read[s.node]]
         bias = g.weight(s.bias).astype(np.float64)
         if sums.shape[1] * group != m.size or bias.shape[0] != sums.shape[0]:
             continue

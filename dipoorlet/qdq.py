@@ -267,9 +267,9 @@ class Switchboard:
     :meth:`feed` gives the inputs of the variant in which the nodes in ``acts`` have their
     activations quantized and those in ``weights`` their weights, exactly what
     ``insert_qdq(g, placement.restrict(...), plan)`` computes (a dequantized int32 bias may
-    differ in the last float32 bit), but for one layer switched on alone: its bias takes the
-    correction measured alone (:meth:`_alone`), where ``insert_qdq`` would give it the whole
-    model's.
+    differ in the last float32 bit), but for a layer scored by itself (``feed(..., alone=True)``):
+    its bias takes the correction measured alone (:meth:`_alone`), where ``insert_qdq`` would
+    give it the whole model's.
     """
 
     def __init__(self, g: Graph, placement: Placement, plan: QuantPlan, off_plan: QuantPlan | None = None):
@@ -434,11 +434,12 @@ class Switchboard:
         return self._cache[key]
 
     def _alone(self, acts: set, weights: set) -> dict:
-        """In a variant that switches on one layer alone, its corrected bias (``plan.isolated``):
+        """In a variant that scores one layer by itself, its corrected bias (``plan.isolated``):
         the correction a run quantizing that layer alone would measure, not the whole model's
-        (which also makes up for clipping that upstream errors cause). Variants of several
-        layers keep the whole model's corrections, as the model --auto_skip writes does. Not
-        with an ``off_plan``: its layers switched off are quantized too."""
+        (which also makes up for clipping that upstream errors cause). Every other variant
+        keeps the whole model's corrections, as the model --auto_skip writes does (also a
+        trial that leaves one layer on). Not with an ``off_plan``: its layers switched off are
+        quantized too."""
         on = acts | weights
         if not self.plan.isolated or self.off_plan is not None or len(on) != 1:
             return {}
@@ -454,9 +455,11 @@ class Switchboard:
             out[tensor] = (key[0] + "_" + which, self._cache[key])
         return out
 
-    def feed(self, acts=(), weights=()) -> dict:
+    def feed(self, acts=(), weights=(), alone: bool = False) -> dict:
+        """``alone``: the variant scores one layer by itself (the isolated analysis and its
+        splits): a corrected layer takes its correction measured alone (:meth:`_alone`)."""
         acts, weights = set(acts), set(weights) & self.weight_nodes
-        alone = self._alone(acts, weights)
+        alone = self._alone(acts, weights) if alone else {}
         feed = {name: np.array(owner in acts) for owner, name in self.masks.items()}
         for name, node, tensor in self.weight_inputs:
             if node not in weights and self.off_plan is not None and tensor in self.off_plan.weights:

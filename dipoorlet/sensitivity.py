@@ -136,10 +136,12 @@ class Scorer:
         _, sb, runner = self._mixed
         return self._score(runner, sb.feed(acts, weights if weights is not None else sb.owners))
 
-    def score_variant(self, places, plan, acts, weights) -> OutputScore:
-        """Score ``places`` with only ``acts``' activations and ``weights``' weights quantized."""
+    def score_variant(self, places, plan, acts, weights, alone: bool = False) -> OutputScore:
+        """Score ``places`` with only ``acts``' activations and ``weights``' weights quantized;
+        ``alone``: one layer scored by itself, its bias corrected as a run quantizing it alone
+        would (see :meth:`~dipoorlet.qdq.Switchboard.feed`)."""
         sb, runner = self.board(places, plan)
-        return self._score(runner, sb.feed(acts, weights))
+        return self._score(runner, sb.feed(acts, weights, alone=alone))
 
     def _score(self, runner, extra: dict) -> OutputScore:
         rows = []
@@ -182,12 +184,13 @@ def isolated(graph, places, plan, scorer: Scorer, criterion="cosine", split_wors
     for k, node in enumerate(progress(nodes, "sensitivity: isolated layers", scorer.comm)):
         if k == 1:     # the first variant also built the session
             t0 = time.perf_counter()
-        rows.append(LayerSensitivity(node, ops[node], scorer.score_variant(places, plan, {node}, {node})))
+        score = scorer.score_variant(places, plan, {node}, {node}, alone=True)
+        rows.append(LayerSensitivity(node, ops[node], score))
         if k == 1:
             _announce(time.perf_counter() - t0, len(nodes) + 2 * min(split_worst, len(nodes)), len(scorer.indices))
     for row in sorted(rows, key=lambda r: r.isolated.value(criterion))[:split_worst]:
-        row.weight_only = scorer.score_variant(places, plan, (), {row.node})
-        row.activation_only = scorer.score_variant(places, plan, {row.node}, ())
+        row.weight_only = scorer.score_variant(places, plan, (), {row.node}, alone=True)
+        row.activation_only = scorer.score_variant(places, plan, {row.node}, (), alone=True)
     return rows
 
 
