@@ -700,21 +700,16 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
         timings[f"{rounding}_s"] = time.perf_counter() - t
         return out
 
-    refitted = False     # weights fitted after the bias corrections were measured
     if rounding and not defer:
         reconstructed = fit_rounding(places, plan)
-        refitted = True
         if rounding in ("gptq", "adaround") and not reconstructed.get("candidates") and bc_by_default:
             # the flag turned bias correction off for a fit that has no layer to fit (every
             # input on a 16-bit grid: W4A16 on qnn lost 6 dB to nearest rounding alone)
             log.warning("%s fitted no layer: bias correction, which it turns off, runs instead (--no_bc to "
                         "skip it)", rounding)
             corrections = correct_biases()
-            refitted = False
     settle_biases(g, places, plan, plat)    # biases the steps above moved
 
-    if refitted:     # a layer alone is corrected as a run would (not for weights fitted since)
-        plan.isolated = {}
     t = time.perf_counter()
     analysis = analyse(cfg, g, places, plan, data, comm, stats=stats, plat=plat, shifted=shifted, val=val)
     if corrections is not None:

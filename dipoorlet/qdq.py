@@ -443,17 +443,17 @@ class Switchboard:
         on = acts | weights
         if not self.plan.isolated or self.off_plan is not None or len(on) != 1:
             return {}
-        out = {}
-        for tensor, iso in self.plan.isolated.items():
-            w_on, a_on = iso.node in weights, self._input_owner(iso.node) in acts
-            if not (w_on or a_on) or on != {iso.node}:
-                continue
-            which = "both" if w_on and a_on else "weight" if w_on else "act"
-            key = ("alone", which, tensor)
-            if key not in self._cache:
-                self._cache[key] = np.ascontiguousarray(getattr(iso, which).astype(self._weight(tensor).dtype))
-            out[tensor] = (key[0] + "_" + which, self._cache[key])
-        return out
+        (node,) = on
+        found = next(((t, iso) for t, iso in self.plan.isolated.items() if iso.node == node), None)
+        w_on, a_on = node in weights, self._input_owner(node) in acts
+        if found is None or not (w_on or a_on):
+            return {}
+        tensor, iso = found
+        which = "both" if w_on and a_on else "weight" if w_on else "act"
+        key = ("alone", which, tensor)
+        if key not in self._cache:
+            self._cache[key] = np.ascontiguousarray(getattr(iso, which).astype(self._weight(tensor).dtype))
+        return {tensor: (key[0] + "_" + which, self._cache[key])}
 
     def feed(self, acts=(), weights=(), alone: bool = False) -> dict:
         """``alone``: the variant scores one layer by itself (the isolated analysis and its

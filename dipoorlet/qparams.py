@@ -122,8 +122,8 @@ class QuantPlan:
     # constant -> the node whose quantization it compensates; applied only while that node's
     # weight is quantized (a layer kept float by --skip_layers/auto_skip keeps its own bias)
     value_owners: dict = field(default_factory=dict)
-    # bias -> bias_correction.Isolated: its corrected values where its layer's input comes from
-    # float layers (the sensitivity analysis' variants), where bias correction measured them
+    # bias -> bias_correction.Isolated: its corrected values where its layer is quantized alone
+    # (the isolated sensitivity analysis), where bias correction measured them
     isolated: dict = field(default_factory=dict)
     # activation -> the width --layer_bits asked for it (absent: the backend's or --a_bits)
     asked_bits: dict = field(default_factory=dict)
