@@ -790,9 +790,11 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
             g, places, plan, analysis["isolated"], sens_source, sens_indices,
             comm, cfg.device, equalize_on=eq_on, equalized=equalized, smooth="Mul" not in plat.quantize_ops,
             shifted=shifted, platform=plat.name, samples=analysis["sens_samples"], method=cfg.act_quant,
+            # a deferred fit ran after the isolated scores (the advice says so) but still chose
+            # these layers' rounding: the advice must not offer it again
             gptq=set(reconstructed.get("changed", ())) if reconstructed and rounding in ("brecq", "qdrop")
-            and not defer else {r["node"] for r in reconstructed["gain_db"]}
-            if reconstructed and reconstructed.get("gain_db") and rounding != "sparse" and not defer else (),
+            else {r["node"] for r in reconstructed["gain_db"]}
+            if reconstructed and reconstructed.get("gain_db") and rounding != "sparse" else (),
             gptq_ran=reconstructed is not None, max_act_bits=plat.activation.max_bits,
             rounding=_flag(rounding) if rounding in ("adaround", "brecq", "qdrop") else "--gptq",
             sparse={r["node"]: r["db"] for r in reconstructed["gain_db"]} | {

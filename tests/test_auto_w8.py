@@ -150,3 +150,17 @@ def test_deferred_rounding_fits_what_the_plain_rounding_fits(tmp_path, deploy):
     assert got.keys() == want.keys()
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_deferred_rounding_diagnosis_names_the_fit_that_ran(tmp_path):
+    """--gptq fitted after --auto_w8's search: a layer it re-rounded is not advised to try
+    --gptq (the run used it); the advice says the fit chose its rounding."""
+    model = _chain()
+    res, _ = quantize_model(tmp_path, model, n=8, w_bits=4, auto_w8="sqnr:-50", sens_samples=4, gptq=True)
+    fitted = {r["node"] for r in res.report["gptq"]["gain_db"]}
+    rows = [d for d in res.report.get("diagnosis") or [] if d["node"] in fitted and d.get("cause") == "weights"]
+    assert rows, "the 4-bit chain's fitted layers should be diagnosed as weight-limited"
+    for d in rows:
+        assert "fitted after --auto_w8's search" in d["advice"]
+        assert "after --gptq chose its rounding" in d["advice"], d["advice"]
+        assert "--gptq chooses the rounding" not in d["advice"], d["advice"]
