@@ -1497,3 +1497,54 @@ def test_eq_samples_where_no_equalization_reads_samples_is_a_warning(tmp_path, e
     log = (tmp_path / "o" / "dipoorlet.log").read_text()
     assert "--eq_samples applies where activation equalization reads samples" in log
     assert ("with --no_equalize" in log) == ("--no_equalize" in extra)
+
+
+@pytest.mark.parametrize("opset", [13, 18])
+def test_bias_correction_looks_through_a_zero_pad_before_the_conv(tmp_path, opset):
+    """Relu -> Pad -> 1x1 Conv (the explicit Pad of TF and some paddle exports): the Q/DQ sits
+    before the Pad, so the input's share of the mean shift is measured there (unpadded). Oracle:
+    onnxruntime's float model; over the unpadded interior the 1x1 Conv is W x + b in both models,
+    so the corrected model's interior channel means equal the float model's. Before, the Pad hid
+    the input's quantization and only the weight rounding was corrected."""
+    cin = 8
+    pads = np.array([0, 0, 1, 2, 0, 0, 1, 2], np.int64)
+    inits = {"w": rand((8, cin, 1, 1), 0, 0.5), "b": rand((8,), 1, 0.1), "pads": pads}
+    pad_inputs = ["r", "pads"]
+    if opset >= 18:     # explicit axes: the spatial ones
+        inits["pads"] = np.array([1, 2, 1, 2], np.int64)
+        inits["axes"] = np.array([2, -1], np.int64)
+        pad_inputs = ["r", "pads", "", "axes"]
+    model = make_model([helper.make_node("Relu", ["x"], ["r"], name="relu"),
+                        helper.make_node("Pad", pad_inputs, ["p"], name="pad"),
+                        helper.make_node("Conv", ["p", "w", "b"], ["y"], name="conv")],
+                       [vi("x", [1, cin, 6, 6])], [vi("y", [1, 8, 8, 10])], inits, opset=opset)
+    feeds = _skewed_feeds((1, cin, 6, 6))
+
+    def interior(m):
+        outs = [ort_run(m, f)[0][:, :, 1:-1, 2:-2] for f in feeds]
+        return np.mean([o.mean(axis=(0, 2, 3)) for o in outs], axis=0)
+
+    want = interior(model)
+    plain, _ = _quantize(tmp_path, model, feeds, False)
+    corrected, res = _quantize(tmp_path, model, feeds, True)
+    assert np.abs(interior(plain) - want).max() > 1e-2
+    np.testing.assert_allclose(interior(corrected), want, atol=1e-4)
+    assert res.report["bias_correction"]["layers"] == 1
+
+
+def test_bias_correction_does_not_look_through_a_pad_of_channels(tmp_path):
+    """A Pad that adds channels changes what each weight column reads: the input's mean shift
+    cannot be taken before it; only the weight's share is corrected (the layer is still listed)."""
+    pads = np.array([0, 1, 0, 0, 0, 1, 0, 0], np.int64)
+    model = make_model([helper.make_node("Relu", ["x"], ["r"], name="relu"),
+                        helper.make_node("Pad", ["r", "pads"], ["p"], name="pad"),
+                        helper.make_node("Conv", ["p", "w", "b"], ["y"], name="conv")],
+                       [vi("x", [1, 6, 6, 6])], [vi("y", [1, 8, 6, 6])],
+                       {"w": rand((8, 8, 1, 1), 0, 0.5), "b": rand((8,), 1, 0.1), "pads": pads})
+    feeds = _skewed_feeds((1, 6, 6, 6))
+    corrected, res = _quantize(tmp_path, model, feeds, True)
+    ref = [ort_run(model, f)[0] for f in feeds]
+    got = [ort_run(corrected, f)[0] for f in feeds]
+    assert all(np.isfinite(o).all() for o in got)
+    assert np.mean([np.mean((a - b) ** 2) for a, b in zip(ref, got)]) < 1.0
+    assert res.report["bias_correction"]["layers"] == 1
