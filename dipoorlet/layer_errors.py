@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,8 +47,9 @@ class ErrorRow:
 # product of more than 10,000 values over threads, which right after an onnxruntime run (its
 # threads still spinning) took 20-35 ms per call instead of 0.2 (PP-OCR classifier: the error
 # profile's metrics took 3.2 of its 4.0 s)
+# (one set per thread: the sensitivity analysis scores its samples on several threads at once)
 _CHUNK = 8192
-_BUFS: list = []
+_BUFS = threading.local()
 
 
 # A tensor of fewer values than this per sample (a score, a few logits or class probabilities) has
@@ -71,9 +73,10 @@ def sample_sums(f: np.ndarray, q: np.ndarray) -> tuple[float, float, float, floa
     if f.size != q.size:
         nan = math.nan
         return nan, nan, float(np.dot(f.astype(np.float64), f.astype(np.float64))), nan, nan, nan
-    if not _BUFS:
-        _BUFS.extend(np.empty(_CHUNK) for _ in range(3))
-    fb, qb, db = _BUFS
+    bufs = getattr(_BUFS, "bufs", None)
+    if bufs is None:
+        bufs = _BUFS.bufs = [np.empty(_CHUNK) for _ in range(3)]
+    fb, qb, db = bufs
     ff = qq = fq = dd = 0.0
     peaks = []
     for s in range(0, f.size, _CHUNK):

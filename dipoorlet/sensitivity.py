@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -41,10 +42,20 @@ from dipoorlet.data import sample_name, with_extra
 from dipoorlet.layer_errors import TINY, nonfinite, pooled_cosine, sample_sums, warn_left_out
 from dipoorlet.qdq import Switchboard
 from dipoorlet.runtime import Runner
+from dipoorlet.threads import session_threads
 
 log = logging.getLogger(__name__)
 
 CRITERIA = ("cosine", "sqnr", "maxabs")
+
+# The scoring sessions run on one onnxruntime thread each, and the sensitivity samples run
+# side by side on up to this process's share of the cores. The switchboard feeds the weights as
+# inputs, which onnxruntime's GEMM does not pack once: it splits the output columns over its
+# threads and blocks the sum by each thread's slice, so its float32 results changed with the
+# thread count, and with them the scores between one process (2 threads) and mpirun -n 2 (one
+# each): the PP-OCRv4 recognizer's p2o.MatMul.12 read 54.03 dB against 53.99. One thread per
+# run gives every process count and every machine the same scores.
+THREADS = 1
 
 
 
@@ -86,11 +97,13 @@ class Scorer:
         self.criterion = criterion
         self.graph, self.data, self.indices, self.comm, self.device = graph, data, list(indices), comm, device
         self.outputs = [scored_tensor(graph, o) for o in (outputs or graph.output_names)]
-        fp = Runner(graph.model, self.outputs, types=graph.types, device=device)
+        self.workers = 1 if device == "cuda" else max(1, session_threads() or os.cpu_count() or 1)
+        self._pool = None
+        fp = self._runner(graph.model, optimize=True)
         # The (few) sensitivity samples are held in memory: each is run once per variant.
         self.samples = {i: data.sample(i) for i in self.indices}
         # Float reference outputs of those samples: network outputs only.
-        self.reference = {i: fp.run(self.samples[i])[0] for i in self.indices}
+        self.reference = dict(zip(self.indices, self._map(lambda i: fp.run(self.samples[i])[0], self.indices)))
         bad = [i for i in self.indices if nonfinite(self.reference[i], self.outputs)]
         for i in bad:       # no error is defined against a NaN: it would rank every layer alike
             del self.reference[i]
@@ -104,8 +117,7 @@ class Scorer:
 
     def score(self, qmodel) -> OutputScore:
         """Score one quantized model (its own session)."""
-        runner = Runner(qmodel, self.outputs, types=self.graph.types, optimize=False, device=self.device)
-        return self._score(runner, {})
+        return self._score(self._runner(qmodel), {})
 
     def board(self, places, plan):
         """One session holding every variant of ``places`` (see :class:`~dipoorlet.qdq.Switchboard`)."""
@@ -113,9 +125,23 @@ class Scorer:
             sb = Switchboard(self.graph, places, plan)
             if self.device == "cuda":
                 sb.place_on("cuda")
-            runner = Runner(sb.model, self.outputs, types=self.graph.types, optimize=False, device=self.device)
-            self._board = (places, plan, sb, runner)
+            self._board = (places, plan, sb, self._runner(sb.model))
         return self._board[2], self._board[3]
+
+    def _runner(self, model, optimize=False) -> Runner:
+        threads = 0 if self.device == "cuda" else THREADS
+        return Runner(model, self.outputs, types=self.graph.types, optimize=optimize, device=self.device,
+                      threads=threads)
+
+    def _map(self, fn, items: list) -> list:
+        """``fn`` over ``items`` in order, up to ``workers`` at once (onnxruntime releases the GIL)."""
+        if self.workers <= 1 or len(items) <= 1:
+            return [fn(i) for i in items]
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="dipoorlet-sens")
+        return list(self._pool.map(fn, items))
 
     def release(self) -> None:
         """Drop the switchboard sessions (and their weight copies); the reference outputs stay."""
@@ -131,8 +157,7 @@ class Scorer:
             sb = Switchboard(self.graph, places, plan, off_plan=off_plan)
             if self.device == "cuda":
                 sb.place_on("cuda")
-            runner = Runner(sb.model, self.outputs, types=self.graph.types, optimize=False, device=self.device)
-            self._mixed = (key, sb, runner)
+            self._mixed = (key, sb, self._runner(sb.model))
         _, sb, runner = self._mixed
         return self._score(runner, sb.feed(acts, weights if weights is not None else sb.owners))
 
@@ -144,10 +169,11 @@ class Scorer:
         return self._score(runner, sb.feed(acts, weights, alone=alone))
 
     def _score(self, runner, extra: dict) -> OutputScore:
-        rows = []
-        for i in self.indices:
+        def one(i):
             q, _ = runner.run(with_extra(self.samples[i], extra))
-            rows.append((i, [sample_sums(self.reference[i][t], q[t]) + (q[t].size,) for t in self.outputs]))
+            return i, [sample_sums(self.reference[i][t], q[t]) + (q[t].size,) for t in self.outputs]
+
+        rows = self._map(one, self.indices)
         rows = self.comm.gather_samples({"_": rows})["_"]
         rows.sort(key=lambda r: r[0])
         worst = None

@@ -196,3 +196,44 @@ def test_validation_profile_identical_for_any_process_count(case):
     for ranks in (2, 3):
         for name in OUTPUTS:
             assert (outs[1] / name).read_bytes() == (outs[ranks] / name).read_bytes(), (name, ranks)
+
+
+def test_sensitivity_identical_whatever_the_threads_per_process(tmp_path):
+    """The sensitivity analysis feeds weights to its one session as inputs, and onnxruntime's
+    GEMM on a B that is an input (not a constant it packs once) rounds with the thread count:
+    it splits N over the threads and then blocks K by the width of each thread's slice (here
+    K=240, N=120 > M=40: one thread sums K in two blocks, two threads in one). A process of
+    ``mpirun -n 2`` on a 2-core node gets one onnxruntime thread, one process two; the scores
+    must not change with that (the PP-OCRv4 recognizer's p2o.MatMul.12 read 54.03 dB against 53.99)."""
+    rng = np.random.default_rng(3)
+    def w(name, *shape):
+        return numpy_helper.from_array((rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32), name)
+
+    nodes = [helper.make_node("MatMul", ["x", "wa"], ["a"], name="mm0"),
+             helper.make_node("Relu", ["a"], ["r"], name="relu"),
+             helper.make_node("MatMul", ["r", "wb"], ["y"], name="mm1")]
+    graph = helper.make_graph(nodes, "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 40, 240])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 40, 120])],
+                              [w("wa", 240, 240), w("wb", 240, 120)])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), tmp_path / "m.onnx")
+    (tmp_path / "calib" / "x").mkdir(parents=True)
+    for i in range(8):
+        rng.standard_normal((1, 40, 240)).astype(np.float32).tofile(tmp_path / "calib" / "x" / f"{i}.bin")
+    reports = []
+    # one process of two threads (its samples scored two at a time), two processes of one
+    for ranks, threads in ((1, "2"), (2, "1")):
+        out = tmp_path / f"out{ranks}"
+        cmd = [sys.executable, "-m", "dipoorlet", "-M", str(tmp_path / "m.onnx"), "-I", str(tmp_path / "calib"),
+               "-N", "8", "-D", "trt", "--no_bc", "-O", str(out)]
+        if ranks > 1:
+            cmd = [MPIRUN, "-n", str(ranks)] + cmd + ["--mpirun"]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "DIPOORLET_THREADS": threads})
+        assert res.returncode == 0, res.stderr
+        reports.append(out / "report.json")
+    import json
+
+    one, two = (json.loads(p.read_text())["sensitivity"] for p in reports)
+    assert [r["node"] for r in one] == ["mm0", "mm1"]
+    assert one == two
+    assert reports[0].read_bytes() == reports[1].read_bytes()
