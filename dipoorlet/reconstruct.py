@@ -57,7 +57,7 @@ from dipoorlet.layer_errors import warn_left_out
 from dipoorlet.progress import progress
 from dipoorlet.qdq import append_watch, dq_source, insert_qdq, nan_free
 from dipoorlet.qparams import quantize_array
-from dipoorlet.runtime import Runner
+from dipoorlet.runtime import SIMULATE, Runner
 
 log = logging.getLogger(__name__)
 
@@ -490,7 +490,7 @@ def statistics(g, qmodel, layers, data, indices, comm, device,
             a[1, :, :k] += pr[:, :, c:c + step] @ qt
 
     tensors = sorted({lay.xq for lay in layers} | {lay.pre for lay in layers})
-    runner = Runner(qmodel, tensors + ([watch] if watch else []), types=types or g.types, optimize=False,
+    runner = Runner(qmodel, tensors + ([watch] if watch else []), types=types or g.types, optimize=SIMULATE,
                     device=device)
     count, bad = 0, []
     # every process draws alike: the cap depends on the whole run's sample count
