@@ -433,7 +433,9 @@ def reconstruct_blocks(g, places, plan, data, indices, comm, iters: int, drop: b
                 try:            # a Reshape to a fixed batch of 1 fails here, or gives other values
                     with torch.no_grad():
                         batched = run_batch(big[:2], "f", check=True) is not None
-                except RuntimeError:
+                except Exception as exc:   # noqa: BLE001 - torch's RuntimeError, or onnxruntime's own
+                    #                        types from an op run outside torch (an If's batch-1 branch)
+                    log.debug("brecq: samples run one at a time (two stacked failed: %s)", exc)
                     batched = False
         if not batched:
             groups = {(j,): [j] for j in range(len(qs))}

@@ -405,6 +405,34 @@ def test_brecq_with_a_fixed_batch_reshape_and_a_same_padded_conv(tmp_path):
     assert rep["candidates"] == 3 and rep["blocks"] >= 1
 
 
+def test_brecq_with_an_if_whose_branches_hold_a_batch_of_one(tmp_path):
+    """An If (run by onnxruntime, outside torch) whose branches' Convs read the outer batch-1
+    input: stacking two samples fails inside onnxruntime with its own exception type (not a
+    RuntimeError), so the block runs one sample at a time instead of the run ending in a
+    traceback (a bug hunt's reproducer)."""
+    r = np.random.default_rng(0)
+    w = lambda *s: (r.standard_normal(s) * 0.3).astype(np.float32)     # noqa: E731
+    branch = lambda tag: helper.make_graph(      # noqa: E731
+        [helper.make_node("Conv", ["x", f"w{tag}"], [f"o{tag}"])], tag, [], [vi(f"o{tag}", None)],
+        [numpy_helper.from_array(w(4, 3, 1, 1), f"w{tag}")])
+    nodes = [helper.make_node("ReduceMean", ["x"], ["mx"], keepdims=0),
+             helper.make_node("Greater", ["mx", "zero"], ["cond"]),
+             helper.make_node("If", ["cond"], ["ifo"], name="if", then_branch=branch("t"), else_branch=branch("e")),
+             helper.make_node("Conv", ["ifo", "w2", "b2"], ["y"], name="conv2")]
+    model = make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("y", [1, 4, 8, 8])],
+                       {"zero": np.array(0, np.float32), "w2": w(4, 4, 1, 1), "b2": w(4)})
+    path = save(model, tmp_path / "m.onnx")
+    feeds = input_feeds(model, 8, seed=1)
+    data = write_samples(tmp_path / "data", feeds)
+    out = tmp_path / "out"
+    dipoorlet.quantize(model=path, input_dir=data, data_num=8, deploy="trt", output_dir=out, skip_prof_layer=True,
+                       brecq=True, ada_iters=20)
+    q = onnx.load(str(out / "quant_model.onnx"))
+    for feed in feeds[:2]:
+        assert np.isfinite(ort_run(q, feed)[0]).all()
+    assert json.loads((out / "report.json").read_text())["brecq"]["candidates"] >= 1
+
+
 def test_lsq_step_gets_lsq_gradient():
     """A learned scale's gradient through the straight-through fake quantization is LSQ's:
     round(x/s) - x/s inside the grid, the clamp level outside it (numpy oracle), times s for the
