@@ -493,17 +493,28 @@ def drop_bias_grids(g: Graph, places, plan: QuantPlan, nodes=None) -> None:
 
 
 def plan_weights(g: Graph, places, plan: QuantPlan, plat, cfg: QuantConfig, skip_biases: bool = False) -> None:
-    """Grids for the placed weights not planned yet (``skip_biases``: not the bias inputs)."""
+    """Grids for the placed weights not planned yet (``skip_biases``: not the bias inputs). A
+    weight several layers share takes the widest --layer_bits width its readers ask for (it has
+    one grid; only the first reader's was read, so naming another reader did nothing)."""
+    readers: dict[str, dict[str, int]] = {}     # weight -> {reader: the width it asks for}
+    for wp in places.weights.values():
+        readers.setdefault(wp.tensor, {})[wp.node] = (cfg.layer_bits.get(wp.node, (None, None))[0] or cfg.w_bits
+                                                      or plat.weight.bits)
     for (name, index), wp in places.weights.items():
         if wp.tensor in plan.weights or (skip_biases and is_bias(g, name, index)):
             continue
+        widths = readers[wp.tensor]
+        w_bits = max(widths.values())
+        if len(set(widths.values())) > 1:
+            log.warning("--layer_bits: weight %s is shared by %s, which ask for %s; it has one grid: %d-bit "
+                        "for all of them (the widest)", wp.tensor, ", ".join(sorted(widths)),
+                        " and ".join(f"{b}-bit" for b in sorted(set(widths.values()))), w_bits)
         w = g.weight(wp.tensor).astype(np.float32)
         if wp.axis is None:
             lo, hi = w.min(), w.max()
         else:
             moved = np.moveaxis(w, wp.axis, 0).reshape(w.shape[wp.axis], -1)
             lo, hi = moved.min(axis=1), moved.max(axis=1)
-        w_bits = cfg.layer_bits.get(wp.node, (None, None))[0] or cfg.w_bits
         plan.weights[wp.tensor] = make_qparams(lo, hi, rule_for(plat.weight, w_bits), axis=wp.axis)
 
 

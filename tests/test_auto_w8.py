@@ -164,3 +164,20 @@ def test_deferred_rounding_diagnosis_names_the_fit_that_ran(tmp_path):
         assert "fitted after --auto_w8's search" in d["advice"]
         assert "after --gptq chose its rounding" in d["advice"], d["advice"]
         assert "--gptq chooses the rounding" not in d["advice"], d["advice"]
+
+
+@pytest.mark.parametrize("reader", ["conv0", "conv1"])
+def test_layer_bits_on_either_reader_of_a_shared_weight_widens_it(tmp_path, caplog, reader):
+    """Two Convs share one weight (one grid): --layer_bits READER=w8 on either of them gives it
+    8-bit levels, with a warning that names both; only the first reader's width used to count,
+    so naming the second did nothing (its weight stayed within -7..7)."""
+    inits = {"w": rand((6, 6, 3, 3), 0, 0.3), "b": rand((6,), 1, 0.1)}
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c0"], name="conv0", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c0"], ["r0"], name="relu0"),
+             helper.make_node("Conv", ["r0", "w", "b"], ["y"], name="conv1", pads=[1, 1, 1, 1])]
+    model = make_model(nodes, [vi("x", [1, 6, 8, 8])], [vi("y", [1, 6, 8, 8])], inits)
+    with caplog.at_level(logging.WARNING):
+        _, q = quantize_model(tmp_path, model, n=4, w_bits=4, layer_bits=[f"{reader}=w8"], deploy="qnn",
+                              skip_prof_layer=True)
+    assert np.abs(weight_ints(q, "w")).max() == 127
+    assert "weight w is shared by conv0, conv1" in caplog.text and "8-bit for all of them" in caplog.text
