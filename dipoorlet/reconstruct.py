@@ -810,9 +810,9 @@ def reconstruct(g, places, plan, data, indices, comm, device="cpu", memory_mb: f
     gains.sort(key=lambda r: -r[1] if r[1] == r[1] else 0.0)
     if sparse is not None:
         return _sparse_summary(g, plan, layers, changed, gains, magnitude, skipped, sparse, total, len(groups))
-    log.info("%s: %d of %d candidate layers re-rounded over %d samples (%d other layers left alone, report.json "
-             "says why); largest error reductions: %s",
-             method, len(changed), len(layers), total, len(skipped), ", ".join(f"{n} {db:.1f} dB" for n, db in gains[:5]))
+    log.info("%s: %d of %d candidate layers re-rounded over %d samples%s%s", method, len(changed), len(layers), total,
+             f"; {len(skipped)} layers left alone (report.json says why)" if skipped else "",
+             "; largest error reductions: " + ", ".join(f"{n} {db:.1f} dB" for n, db in gains[:5]) if gains else "")
     return {"layers": len(changed), "candidates": len(layers), "samples": total, "passes": len(groups),
             "gain_db": [{"node": n, "db": round(float(db), 3) if db == db else None} for n, db in gains],
             "skipped": skipped}
