@@ -49,13 +49,16 @@ log = logging.getLogger(__name__)
 CRITERIA = ("cosine", "sqnr", "maxabs")
 
 # The scoring sessions run on one onnxruntime thread each, and the sensitivity samples run
-# side by side on up to this process's share of the cores. The switchboard feeds the weights as
+# side by side on this process's share of the cores (at most MAX_WORKERS). The switchboard feeds the weights as
 # inputs, which onnxruntime's GEMM does not pack once: it splits the output columns over its
 # threads and blocks the sum by each thread's slice, so its float32 results changed with the
 # thread count, and with them the scores between one process (2 threads) and mpirun -n 2 (one
 # each): the PP-OCRv4 recognizer's p2o.MatMul.12 read 54.03 dB against 53.99. One thread per
 # run gives every process count and every machine the same scores.
 THREADS = 1
+# at most this many samples at once: each run holds its own activations (hundreds of MB for a
+# detector at 1280x1280), so a machine with more cores leaves the rest idle in this analysis
+MAX_WORKERS = 4
 
 
 
@@ -97,7 +100,7 @@ class Scorer:
         self.criterion = criterion
         self.graph, self.data, self.indices, self.comm, self.device = graph, data, list(indices), comm, device
         self.outputs = [scored_tensor(graph, o) for o in (outputs or graph.output_names)]
-        self.workers = 1 if device == "cuda" else max(1, session_threads() or os.cpu_count() or 1)
+        self.workers = 1 if device == "cuda" else max(1, min(MAX_WORKERS, session_threads() or os.cpu_count() or 1))
         self._pool = None
         fp = self._runner(graph.model, optimize=True)
         # The (few) sensitivity samples are held in memory: each is run once per variant.
