@@ -426,11 +426,16 @@ class Switchboard:
         return self._resident[key]
 
     def _input_owner(self, node: str) -> str | None:
-        """The owner of the switch on ``node``'s first input (None: that input is not quantized)."""
+        """The owner of the switch on ``node``'s first input (None: that input is not quantized);
+        behind a Pad the backend folds into it, the switch sits on the Pad's input (placement
+        moves the use there, owned by ``node``), as bias correction reads it."""
         key = ("input_owner", node)
         if key not in self._cache:
+            n = self.g.node_by_name.get(node)
+            pad = self.g.producer.get(n.input[0]) if n is not None and n.input else None
+            uses = {(node, 0)} | ({(pad.name, 0)} if pad is not None and pad.op_type == "Pad" else set())
             self._cache[key] = next((o for p in self.placement.activations.values()
-                                     for u, o in zip(p.uses, p.owners) if u == (node, 0)), None)
+                                     for u, o in zip(p.uses, p.owners) if u in uses and o == node), None)
         return self._cache[key]
 
     def _alone(self, acts: set, weights: set) -> dict:

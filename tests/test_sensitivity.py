@@ -758,3 +758,26 @@ def test_advice_reads_held_out_values_far_beyond_the_clip_as_clipping():
     assert "calibrate on data like them" not in text
     unknown = dict(act, calibration_max=None)
     assert "calibrate on data like them" not in _advice(dict(row, activations=[unknown]), "trt", method="mse")
+
+
+def test_isolated_score_of_a_conv_behind_a_pad_equals_its_run(tmp_path):
+    """Relu -> Pad -> Conv, its input's Q/DQ before the Pad: bias correction measures the input's
+    shift there, and the isolated score must take that correction for the layer alone (the
+    switch on its input sits on the Pad's input; looking for it on the Conv's own input gave the
+    weight-only correction: 33.564 dB against the run's 33.628, a review). Oracle: the run, whose
+    only quantized layer is this one, scored in onnxruntime."""
+    r = np.random.default_rng(7)
+    feeds = [{"x": (r.standard_normal((1, 8, 6, 6)) ** 4).astype(np.float32)} for _ in range(6)]
+    model = make_model([helper.make_node("Relu", ["x"], ["r"], name="relu"),
+                        helper.make_node("Pad", ["r", "pads"], ["p"], name="pad"),
+                        helper.make_node("Conv", ["p", "w", "b"], ["y"], name="conv")],
+                       [vi("x", [1, 8, 6, 6])], [vi("y", [1, 8, 8, 8])],
+                       {"w": np.abs(rand((8, 8, 1, 1), 0, 0.5)), "b": rand((8,), 1, 0.1),
+                        "pads": np.array([0, 0, 1, 1, 0, 0, 1, 1], np.int64)})
+    result, q = quantize_model(tmp_path, model, feeds=feeds, sens_samples=6, act_quant="percentile")
+    assert result.report["bias_correction"]["layers"] == 1
+    iso = {s["node"]: s["isolated"]["sqnr_db"] for s in result.report["sensitivity"]}["conv"]
+    ref = [ort_run(model, f)[0].astype(np.float64) for f in feeds]
+    got = [ort_run(q, f)[0].astype(np.float64) for f in feeds]
+    sqnr = 10 * np.log10(sum((a ** 2).sum() for a in ref) / sum(((a - b) ** 2).sum() for a, b in zip(ref, got)))
+    assert iso == pytest.approx(sqnr, abs=0.01)
