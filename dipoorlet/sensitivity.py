@@ -100,7 +100,8 @@ class Scorer:
         self.criterion = criterion
         self.graph, self.data, self.indices, self.comm, self.device = graph, data, list(indices), comm, device
         self.outputs = [scored_tensor(graph, o) for o in (outputs or graph.output_names)]
-        self.workers = 1 if device == "cuda" else max(1, min(MAX_WORKERS, session_threads() or os.cpu_count() or 1))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        self.workers = 1 if device == "cuda" else max(1, min(MAX_WORKERS, session_threads() or cores or 1))
         self._pool = None
         fp = self._runner(graph.model, optimize=True)
         # The (few) sensitivity samples are held in memory: each is run once per variant.
