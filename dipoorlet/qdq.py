@@ -433,9 +433,10 @@ class Switchboard:
         if key not in self._cache:
             n = self.g.node_by_name.get(node)
             pad = self.g.producer.get(n.input[0]) if n is not None and n.input else None
-            uses = {(node, 0)} | ({(pad.name, 0)} if pad is not None and pad.op_type == "Pad" else set())
+            moved = (pad.name, 0) if pad is not None and pad.op_type == "Pad" else None
             self._cache[key] = next((o for p in self.placement.activations.values()
-                                     for u, o in zip(p.uses, p.owners) if u in uses and o == node), None)
+                                     for u, o in zip(p.uses, p.owners)
+                                     if u == (node, 0) or (u == moved and o == node)), None)
         return self._cache[key]
 
     def _alone(self, acts: set, weights: set) -> dict:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -42,24 +41,23 @@ from dipoorlet.data import sample_name, with_extra
 from dipoorlet.layer_errors import TINY, nonfinite, pooled_cosine, sample_sums, warn_left_out
 from dipoorlet.qdq import Switchboard
 from dipoorlet.runtime import Runner
-from dipoorlet.threads import session_threads
+from dipoorlet.threads import session_threads, usable_cores
 
 log = logging.getLogger(__name__)
 
 CRITERIA = ("cosine", "sqnr", "maxabs")
 
 # The scoring sessions run on one onnxruntime thread each, and the sensitivity samples run
-# side by side on this process's share of the cores (at most MAX_WORKERS). The switchboard feeds the weights as
-# inputs, which onnxruntime's GEMM does not pack once: it splits the output columns over its
-# threads and blocks the sum by each thread's slice, so its float32 results changed with the
-# thread count, and with them the scores between one process (2 threads) and mpirun -n 2 (one
-# each): the PP-OCRv4 recognizer's p2o.MatMul.12 read 54.03 dB against 53.99. One thread per
+# side by side on this process's share of the cores (at most MAX_WORKERS). The switchboard
+# feeds the weights as inputs, which onnxruntime's GEMM does not pack once: it splits the output
+# columns over its threads and blocks the sum by each thread's slice, so its float32 results
+# changed with the thread count, and with them the scores between one process (2 threads) and
+# mpirun -n 2 (one each): the PP-OCRv4 recognizer's p2o.MatMul.12 read 54.03 dB against 53.99. One thread per
 # run gives every process count and every machine the same scores.
 THREADS = 1
 # at most this many samples at once: each run holds its own activations (hundreds of MB for a
 # detector at 1280x1280), so a machine with more cores leaves the rest idle in this analysis
 MAX_WORKERS = 4
-
 
 
 @dataclass
@@ -100,8 +98,7 @@ class Scorer:
         self.criterion = criterion
         self.graph, self.data, self.indices, self.comm, self.device = graph, data, list(indices), comm, device
         self.outputs = [scored_tensor(graph, o) for o in (outputs or graph.output_names)]
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        self.workers = 1 if device == "cuda" else max(1, min(MAX_WORKERS, session_threads() or cores or 1))
+        self.workers = 1 if device == "cuda" else min(MAX_WORKERS, session_threads() or usable_cores())
         self._pool = None
         fp = self._runner(graph.model, optimize=True)
         # The (few) sensitivity samples are held in memory: each is run once per variant.

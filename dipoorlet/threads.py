@@ -50,7 +50,7 @@ def share_cores() -> int | None:
     if n <= 1:
         return None
     node = os.cpu_count() or 1
-    bound = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else node
+    bound = usable_cores()
     # a launcher that binds each process to its own cores (srun -c 8) already divided them
     per = max(1, min(bound, node // n))
     # a thread count the user (or a cluster module) set for one library is their intent for all
@@ -59,6 +59,13 @@ def share_cores() -> int | None:
         os.environ.setdefault(var, given or str(per))
     os.environ.setdefault(ENV, given or str(per))
     return int(os.environ[ENV]) if os.environ[ENV].isdigit() else per
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (taskset, cpusets, a binding launcher), not the machine's."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 def session_threads() -> int:
