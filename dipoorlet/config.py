@@ -25,6 +25,7 @@ def parse_layer_bits(items) -> dict:
 
 # the Python API's keywords by the CLI's long flag names, where the field is named otherwise
 FLAG_FIELDS = {"eq_samples": "equalize_samples", "input_shape": "input_shapes", "custom_op_lib": "custom_op_libs"}
+MAX_BINS = 16384
 NEGATED_FLAGS = {"no_equalize": "equalize", "no_shift": "shift", "no_bc": "bias_correction"}
 
 
@@ -151,8 +152,11 @@ class QuantConfig:
                               + f"valid: {', '.join(sorted(RANGE_METHODS))}")
         if not isinstance(self.data_num, int) or self.data_num < 1:
             raise ConfigError(f"-N must be a positive number of samples, got {self.data_num!r}")
-        if not isinstance(self.bins, int) or self.bins < 16:
-            raise ConfigError(f"--bins must be an integer >= 16, got {self.bins!r}")
+        # the mse search holds a table of ~bins/8 candidate clips by ~bins/5 columns (100000 bins took
+        # 4.3 GB on a one-Conv model); 16384 bins resolve a 16-bit grid's clip well enough
+        if not isinstance(self.bins, int) or not 16 <= self.bins <= MAX_BINS:
+            raise ConfigError(f"--bins must be an integer from 16 to {MAX_BINS}, got {self.bins!r}; "
+                              f"the default 2048 suits 8-bit grids")
         if not 0.0 < self.threshold <= 1.0:
             raise ConfigError(f"--threshold is a mass fraction in (0, 1], got {self.threshold}; e.g. 0.99999")
         if not 50.0 < self.percentile <= 100.0:
@@ -260,7 +264,8 @@ class QuantConfig:
         if self.quant_format not in ("QDQ", "QOP"):
             raise ConfigError(f"--quant_format must be QDQ or QOP, got {self.quant_format!r}")
         libs = (self.custom_op_libs,) if isinstance(self.custom_op_libs, (str, os.PathLike)) else self.custom_op_libs
-        object.__setattr__(self, "custom_op_libs", tuple(str(x) for x in libs))
+        # absolute: onnxruntime's loader searches the library path, not the working folder, for a bare name
+        object.__setattr__(self, "custom_op_libs", tuple(os.path.abspath(str(x)) for x in libs))
         for lib in self.custom_op_libs:
             if not os.path.isfile(lib):
                 raise ConfigError(f"--custom_op_lib {lib} is not a file; pass the path of the onnxruntime custom-op "

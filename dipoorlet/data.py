@@ -447,7 +447,8 @@ class _Rows:
             f.seek(self.offset + i * self.row_bytes)
             buf = f.read(self.row_bytes)
         if len(buf) != self.row_bytes:
-            raise ValueError(f"{self.path} ends inside row {i}: the file is truncated")
+            raise DataError(f"{self.path} ends inside row {i} of {self.shape[0]}: the .npz is truncated or its "
+                            f"header claims more samples than it stores; save it again with numpy.savez")
         return np.frombuffer(buf, dtype=self.dtype).reshape(self.shape[1:])
 
 

@@ -419,6 +419,28 @@ def npz_scalar(c):
     return ["d.npz", "[N, ...] array"]
 
 
+def bins_too_many(c):
+    # a million bins made the mse search ask for 202 GiB and die with a traceback
+    c.args["-A"] = "mse"
+    c.extra = ["--bins", "1000000"]
+    return ["--bins", "16384", "2048"]
+
+
+def npz_header_claims_more_rows(c):
+    # the member's header says 5 samples, the file stores 2: a truncated or doctored .npz
+    path = c.tmp / "d.npz"
+    np.savez(path, x=np.stack([rand((1, 3, 8, 8), i) for i in range(2)]))
+    import zipfile
+    with zipfile.ZipFile(path) as z:
+        raw = z.read("x.npy")
+    raw = raw.replace(b"(2, 1, 3, 8, 8)", b"(5, 1, 3, 8, 8)")
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("x.npy", raw)
+    c.args["-I"] = str(path)
+    c.args["-N"] = "4"
+    return ["d.npz", "truncated", "numpy.savez"]
+
+
 def platform_not_utf8(c):
     spec = c.tmp / "chip.toml"
     src = (platforms_dir() / "trt.toml").read_text()
@@ -562,7 +584,7 @@ CASES = [missing_model, model_is_a_folder, not_onnx, external_data_missing, cust
          input_shape_twice,
          input_shape_zero, sample_beyond_float32, platform_op_typo, model_without_inputs, inputs_all_initializers,
          zero_samples,
-         weight_bits_above_8, activation_bits_12, activation_bits_16_on_trt, layer_bits_a16_on_trt, npz_scalar,
+         weight_bits_above_8, activation_bits_12, activation_bits_16_on_trt, layer_bits_a16_on_trt, npz_scalar, bins_too_many, npz_header_claims_more_rows,
          platform_not_utf8, platform_bits_16, platform_weight_bits_16, trt_version_not_digits,
          two_npz_files, prof_samples_zero, gptq_and_adaround, ada_iters_zero,
          sparse_malformed, sparse_n_not_below_m, sparse_with_adaround, auto_w8_malformed,

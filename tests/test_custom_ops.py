@@ -63,6 +63,18 @@ def test_custom_op_stays_float_and_its_neighbours_are_quantized(tmp_path, capsys
         assert a @ b / np.linalg.norm(a) / np.linalg.norm(b) > 0.999
 
 
+def test_custom_op_lib_given_as_a_bare_relative_name_loads(tmp_path, capsys, monkeypatch):
+    # onnxruntime's loader searches the library path for a bare name, not the working folder
+    import shutil
+    shutil.copy(ox.get_library_path(), tmp_path / "ext.so")
+    monkeypatch.chdir(tmp_path)
+    path = save(custom_model(), tmp_path / "m.onnx")
+    data = write_samples(tmp_path / "data", _feeds(2))
+    rc = main(["-M", str(path), "-I", str(data), "-N", "2", "-D", "trt", "-O", str(tmp_path / "out"),
+               "-A", "minmax", "--custom_op_lib", "ext.so"])
+    assert rc == 0, capsys.readouterr().err
+
+
 def test_custom_op_without_its_library_is_one_line_naming_the_flag(tmp_path, capsys):
     path = save(custom_model(), tmp_path / "m.onnx")
     data = write_samples(tmp_path / "data", _feeds(2))
