@@ -25,8 +25,8 @@ def parse_layer_bits(items) -> dict:
 
 # the Python API's keywords by the CLI's long flag names, where the field is named otherwise
 FLAG_FIELDS = {"eq_samples": "equalize_samples", "input_shape": "input_shapes", "custom_op_lib": "custom_op_libs"}
-MAX_BINS = 16384
 NEGATED_FLAGS = {"no_equalize": "equalize", "no_shift": "shift", "no_bc": "bias_correction"}
+MAX_BINS = 16384   # --bins: see QuantConfig's check
 
 
 def config_from_kwargs(**kwargs) -> "QuantConfig":
@@ -153,7 +153,7 @@ class QuantConfig:
         if not isinstance(self.data_num, int) or self.data_num < 1:
             raise ConfigError(f"-N must be a positive number of samples, got {self.data_num!r}")
         # the mse search holds a table of ~bins/8 candidate clips by ~bins/5 columns (100000 bins took
-        # 4.3 GB on a one-Conv model); 16384 bins resolve a 16-bit grid's clip well enough
+        # 4.3 GB on a one-Conv model, a million asked for 202 GiB)
         if not isinstance(self.bins, int) or not 16 <= self.bins <= MAX_BINS:
             raise ConfigError(f"--bins must be an integer from 16 to {MAX_BINS}, got {self.bins!r}; "
                               f"the default 2048 suits 8-bit grids")

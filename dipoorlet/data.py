@@ -447,8 +447,8 @@ class _Rows:
             f.seek(self.offset + i * self.row_bytes)
             buf = f.read(self.row_bytes)
         if len(buf) != self.row_bytes:
-            raise DataError(f"{self.path} ends inside row {i} of {self.shape[0]}: the .npz is truncated or its "
-                            f"header claims more samples than it stores; save it again with numpy.savez")
+            raise DataError(f"{self.path} ends inside row {i} of {self.shape[0]}: the .npz was truncated while "
+                            f"it was read; save it again with numpy.savez")
         return np.frombuffer(buf, dtype=self.dtype).reshape(self.shape[1:])
 
 
@@ -484,6 +484,11 @@ def _npz_arrays(path: Path) -> dict:
                 shape, fortran, dtype = readers[version](raw)
                 if dtype.hasobject:
                     raise ValueError(f"array {name!r} holds Python objects")
+                # a header that claims more than the member stores would read the zip's own records as samples
+                stored = info.file_size - (raw.tell() - start)
+                if dtype.itemsize * int(np.prod(shape, dtype=np.int64)) > stored:
+                    raise ValueError(f"array {name!r} is truncated: its header says {list(shape)} but the member "
+                                     f"stores {stored} bytes")
                 if fortran or not shape:
                     arrays[name] = np.memmap(path, dtype=dtype, mode="r", offset=raw.tell(), shape=shape,
                                              order="F" if fortran else "C")
