@@ -32,7 +32,7 @@ from dipoorlet.data import VALIDATION, DataSource, input_specs, shard, spread
 from dipoorlet.deploy import DeployContext, export_all
 from dipoorlet.dist import SingleProcess
 from dipoorlet.errors import ConfigError, DataError, ModelError, OutputError
-from dipoorlet.graph import Graph, node_attr, check_float, save_model
+from dipoorlet.graph import Graph, node_attr, check_float, opset_of, save_model
 from dipoorlet.qdq import insert_qdq
 from dipoorlet.qparams import MIN_SCALE, QuantPlan, bias_qparams, levels, make_qparams, share_scales
 from dipoorlet.ranges import NEEDS_HISTOGRAM, RANGE_METHODS, RangeParams, clip_range, power_of_two_clip
@@ -854,6 +854,7 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
     qmodel = insert_qdq(g, places, plan)
     _drop_shapeless_value_info(qmodel)
     _check(qmodel)
+    _loads_by_default(qmodel)      # every rank: the error profile below runs the model rank 0 writes
 
     targets_prof = layer_errors.profile_targets(g, places, layers=not cfg.skip_prof_layer)
     # --savefp: every rank writes its samples into one staging folder that rank 0 names.
@@ -1214,6 +1215,100 @@ def _check(qmodel) -> None:
             onnx.checker.check_model(qmodel, full_check=False)
     except Exception as exc:  # a bug of ours, not the user's input
         raise RuntimeError(f"the quantized model fails onnx.checker: {exc}") from exc
+
+
+# ops whose opset-21 version differs from their opset-20 one only by the tensor types it accepts
+# (int4/uint4/float8 and the like, which an 8-bit model does not hold) or, for Q/DQ, by attributes
+# (block_size, output_dtype) this tool does not write
+_TYPES_ONLY_AT_21 = frozenset({"Cast", "CastLike", "Constant", "ConstantOfShape", "DequantizeLinear", "Flatten",
+                               "Identity", "If", "Loop", "Pad", "QuantizeLinear", "Reshape", "Scan", "Shape",
+                               "Size", "Squeeze", "Transpose", "Unsqueeze"})
+_TYPES_AT_20 = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
+                          onnx.TensorProto.BFLOAT16, onnx.TensorProto.INT8, onnx.TensorProto.UINT8,
+                          onnx.TensorProto.INT16, onnx.TensorProto.UINT16, onnx.TensorProto.INT32,
+                          onnx.TensorProto.UINT32, onnx.TensorProto.INT64, onnx.TensorProto.UINT64,
+                          onnx.TensorProto.BOOL, onnx.TensorProto.STRING})
+
+
+def _as_opset_20(qmodel) -> bool:
+    """Lower an opset-21 QDQ model to opset 20 in place where that changes nothing: every default-
+    domain op means the same at 20, no tensor has a type opset 20 lacks, every Q/DQ grid is 8-bit
+    (a 16-bit one needs 21) and no Q/DQ carries an opset-21 attribute. Returns whether it did."""
+    from dipoorlet.graph import _all_nodes
+
+    if opset_of(qmodel) != 21 or qmodel.functions:
+        return False
+    consts = {t.name: t.data_type for t in qmodel.graph.initializer}
+    for node in _all_nodes(qmodel):
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        try:
+            since = onnx.defs.get_schema(node.op_type, 21, "").since_version
+        except Exception:  # noqa: BLE001 - not an onnx op
+            return False
+        if since == 21 and node.op_type not in _TYPES_ONLY_AT_21:
+            return False
+        if node.op_type in ("QuantizeLinear", "DequantizeLinear"):
+            if any(a.name in ("block_size", "output_dtype") for a in node.attribute):
+                return False
+            zp = node.input[2] if len(node.input) > 2 else ""
+            if not zp or consts.get(zp) not in (onnx.TensorProto.INT8, onnx.TensorProto.UINT8):
+                return False
+        if node.op_type == "Cast" and node_attr(node, "to", onnx.TensorProto.FLOAT) not in _TYPES_AT_20:
+            return False
+    graph = qmodel.graph
+    infos = list(graph.input) + list(graph.output) + list(graph.value_info)
+    if any(t.data_type not in _TYPES_AT_20 for t in graph.initializer) or any(
+            v.type.HasField("tensor_type") and v.type.tensor_type.elem_type not in _TYPES_AT_20 for v in infos):
+        return False
+    for imp in qmodel.opset_import:
+        if imp.domain in ("", "ai.onnx"):
+            imp.version = 20
+    return True
+
+
+def _loads_by_default(qmodel) -> None:
+    """onnxruntime (1.32 and earlier) rejects an opset-21+ QDQ model with int8 grids in a default
+    session: its QDQ propagation copies a Q/DQ pair across MaxPool, Reshape, Transpose... as a
+    QuantizeLinear whose output_dtype (int8) disagrees with the zero point it gives it (uint8), and
+    the session fails to load (the same model loads with optimizations off, as the tool runs it).
+    Check that a default session loads such a model; lower it to opset 20 where that changes
+    nothing (only types and attributes an 8-bit model does not use changed at 21), else say how to
+    run it. Models below opset 21 are not checked (the bug needs 21)."""
+    if opset_of(qmodel) < 21 or qmodel.ByteSize() >= 2**31 - 1 or not any(
+            n.op_type == "QuantizeLinear" for n in qmodel.graph.node):
+        return
+    from dipoorlet.runtime import _ort, ort_message, session_options
+
+    ort = _ort()
+
+    def failure(m) -> str:
+        try:
+            ort.InferenceSession(m.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])
+            return ""
+        except Exception as exc:  # noqa: BLE001 - onnxruntime raises several types
+            return ort_message(exc)
+
+    why = failure(qmodel)
+    if not why:
+        return
+    lowered = onnx.ModelProto()
+    lowered.CopyFrom(qmodel)
+    if _as_opset_20(lowered) and not failure(lowered):
+        try:
+            onnx.checker.check_model(lowered, full_check=True)
+        except Exception:  # noqa: BLE001 - keep the opset-21 model then
+            pass
+        else:
+            qmodel.CopyFrom(lowered)
+            log.info("quant_model.onnx is written at opset 20, not 21: onnxruntime %s's default session "
+                     "fails to load the opset-21 model (%s); nothing the model uses changed between the two",
+                     ort.__version__, why[:160])
+            return
+    log.warning("quant_model.onnx runs in onnxruntime with graph optimizations off (as this tool ran it), but "
+                "onnxruntime %s's default session fails to load it (%s); run it with "
+                "GraphOptimizationLevel.ORT_ENABLE_BASIC, or export the float model at opset 20 or lower",
+                ort.__version__, why[:200])
 
 
 def _readers_of_16bit(qmodel) -> list[str]:

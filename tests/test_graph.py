@@ -7,7 +7,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 import dipoorlet
-from conftest import (INT64, conv_model, initializer, input_feeds, is_dequantized, make_model, node, ort_run,
+from conftest import (INT64, conv_model, initializer, input_feeds, is_dequantized, make_model, node, ort_run, ort_session,
                       quantize_model, quantized_tensors, rand, tiny_cnn, vi, write_samples)
 from dipoorlet.errors import ModelError
 from dipoorlet.graph import Graph, load_model, save_model
@@ -292,3 +292,73 @@ def test_an_integer_input_dequantized_at_the_entrance_or_a_custom_op_named_like_
     assert [n.input[0] for n in q.graph.node if n.op_type == "QuantizeLinear"] == ["x"]   # the Conv's input
     ref, got = ort_run(model, feeds[0])[0], ort_run(q, feeds[0])[0]
     assert np.corrcoef(ref.ravel(), got.ravel())[0, 1] > 0.999
+
+
+def _conv_pool(opset: int) -> onnx.ModelProto:
+    """Conv -> MaxPool -> output: the pool's input gets Q/DQ, its output none (onnxruntime's QDQ
+    propagation copies the pair across the pool in a default session)."""
+    r = np.random.default_rng(3)
+    inits = {"w": (r.standard_normal((4, 3, 3, 3)) * 0.3).astype(np.float32),
+             "b": (r.standard_normal(4) * 0.1).astype(np.float32)}
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("MaxPool", ["c"], ["y"], name="pool", kernel_shape=[2, 2], strides=[2, 2])]
+    m = make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("y", [1, 4, 4, 4])], inits, opset=opset)
+    m.ir_version = 10
+    return m
+
+
+def _default_session_error(model) -> str:
+    try:
+        ort_session(model, optimize=True)
+        return ""
+    except Exception as exc:  # noqa: BLE001
+        return str(exc)
+
+
+def test_opset_21_int8_model_is_written_at_opset_20_when_a_default_session_rejects_21(tmp_path, caplog):
+    model = _conv_pool(21)
+    res, qm = quantize_model(tmp_path, model, n=3)
+    # the oracle: the same Q/DQ model left at opset 21 fails in onnxruntime's default session
+    at21 = onnx.ModelProto()
+    at21.CopyFrom(qm)
+    next(o for o in at21.opset_import if o.domain in ("", "ai.onnx")).version = 21
+    if not _default_session_error(at21):
+        pytest.skip("this onnxruntime loads opset-21 int8 Q/DQ across MaxPool; nothing to lower")
+    assert next(o.version for o in qm.opset_import if o.domain in ("", "ai.onnx")) == 20
+    onnx.checker.check_model(qm, full_check=True)
+    assert not _default_session_error(qm)
+    feed = input_feeds(model, 1)[0]
+    # same numbers at 20 as the opset-21 model with optimizations off
+    np.testing.assert_array_equal(ort_run(qm, feed)[0], ort_run(at21, feed)[0])
+    assert "opset 20" in (tmp_path / "out" / "dipoorlet.log").read_text()
+
+
+def test_opset_21_model_that_cannot_be_lowered_stays_at_21_and_says_how_to_run_it(tmp_path, monkeypatch):
+    from dipoorlet import pipeline
+
+    monkeypatch.setattr(pipeline, "_as_opset_20", lambda m: False)
+    res, qm = quantize_model(tmp_path, _conv_pool(21), n=3)
+    assert next(o.version for o in qm.opset_import if o.domain in ("", "ai.onnx")) == 21
+    log = (tmp_path / "out" / "dipoorlet.log").read_text()
+    assert ("ORT_ENABLE_BASIC" in log) == bool(_default_session_error(qm))
+
+
+def test_lowering_to_opset_20_refuses_16_bit_grids_and_ops_changed_at_21():
+    from dipoorlet.pipeline import _as_opset_20
+
+    def qdq(zp_dtype, extra=()):
+        nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
+                 helper.make_node("DequantizeLinear", ["q", "s", "z"], ["d"]), *extra]
+        out = extra[-1].output[0] if extra else "d"
+        m = make_model(nodes, [vi("x", [1, 4, 2, 2])], [vi(out, None)],
+                       {"s": np.float32(0.1), "z": np.zeros((), zp_dtype), "gs": np.ones(2, np.float32),
+                        "gb": np.zeros(2, np.float32)}, opset=21, check=False)
+        m.ir_version = 10
+        return m
+
+    ok = qdq(np.int8)
+    assert _as_opset_20(ok) and ok.opset_import[0].version == 20
+    assert not _as_opset_20(qdq(np.int16))
+    gn = helper.make_node("GroupNormalization", ["d", "gs", "gb"], ["y"], num_groups=2)
+    assert not _as_opset_20(qdq(np.int8, [gn]))
+    assert not _as_opset_20(conv_model(opset=20))       # only 21 is lowered
