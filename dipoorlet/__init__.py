@@ -9,11 +9,14 @@ def quantize(**kwargs):
     Takes the fields of :class:`dipoorlet.config.QuantConfig` or the CLI's long flag names
     (``eq_samples=4``, ``input_shape=["x:1,3,224,224"]``, ``layer_bits=["conv1=w4"]``,
     ``no_bc=True``); returns a :class:`dipoorlet.pipeline.Result` whose ``report`` is the dict written to
-    ``report.json``. Raises :class:`dipoorlet.errors.DipoorletError` on bad input.
+    ``report.json``. Raises :class:`dipoorlet.errors.DipoorletError` on bad input, and its subclass
+    :class:`dipoorlet.errors.BelowTargetError` (carrying ``.result``; the outputs are written) when
+    ``fail_below`` is given and a judged output scores below it.
     """
     from pathlib import Path
 
-    from dipoorlet.cli import RUN_LOG, name_run_log
+    from dipoorlet.cli import RUN_LOG, below_bar, name_run_log
+    from dipoorlet.errors import BelowTargetError
     from dipoorlet.config import config_from_kwargs
     from dipoorlet.pipeline import check_output_dir, quantize as _quantize
 
@@ -29,7 +32,13 @@ def quantize(**kwargs):
         try:
             with _run_log(out / RUN_LOG, cfg.debug):
                 result = _quantize(cfg)
-            ok = True
+                ok = True       # the outputs are written, a miss of fail_below included
+                low = below_bar(result.report, cfg.fail_below)
+                if low:
+                    import logging
+
+                    logging.getLogger("dipoorlet").error("dipoorlet: fail_below %s: %s", cfg.fail_below, low)
+                    raise BelowTargetError(f"fail_below {cfg.fail_below}: {low}", result)
             return result
         finally:
             name_run_log(out, ok)

@@ -19,7 +19,15 @@ def parse_layer_bits(items) -> dict:
         m = re.fullmatch(r"(?:w(\d+))?(?:a(\d+))?", spec.lower())
         if not sep or not node or not m or not spec:
             raise ConfigError(f"--layer_bits {item!r} is not NODE=wNaM; write e.g. conv1=w4a8 or fc=w4")
-        out[node] = (int(m.group(1)) if m.group(1) else None, int(m.group(2)) if m.group(2) else None)
+        got = (int(m.group(1)) if m.group(1) else None, int(m.group(2)) if m.group(2) else None)
+        if node in out:     # conv1=w4 conv1=a16 add up; two different widths for one grid do not
+            had = out[node]
+            clash = [k for k, a, b in (("w", had[0], got[0]), ("a", had[1], got[1])) if a and b and a != b]
+            if clash:
+                raise ConfigError(f"--layer_bits gives {node} two {clash[0]} widths ({clash[0]}{had[0 if clash[0] == 'w' else 1]} "
+                                  f"and {clash[0]}{got[0 if clash[0] == 'w' else 1]}); keep one")
+            got = (got[0] or had[0], got[1] or had[1])
+        out[node] = got
     return out
 
 
@@ -150,7 +158,7 @@ class QuantConfig:
             guess = did_you_mean(self.act_quant, RANGE_METHODS, other)[:1]
             raise ConfigError(f"unknown -A {self.act_quant!r}; " + (f"did you mean {guess[0]}? " if guess else "")
                               + f"valid: {', '.join(sorted(RANGE_METHODS))}")
-        if not isinstance(self.data_num, int) or self.data_num < 1:
+        if not isinstance(self.data_num, int) or isinstance(self.data_num, bool) or self.data_num < 1:
             raise ConfigError(f"-N must be a positive number of samples, got {self.data_num!r}")
         # the mse search holds a table of ~bins/8 candidate clips by ~bins/5 columns (100000 bins took
         # 4.3 GB on a one-Conv model, a million asked for 202 GiB)

@@ -27,3 +27,14 @@ class ConfigError(DipoorletError):
 
 class OutputError(DipoorletError):
     """The output folder cannot be written."""
+
+
+class BelowTargetError(DipoorletError):
+    """The run finished and wrote its outputs, but a judged output scored below ``fail_below``
+    (--fail_below; the CLI exits with code 3). ``result`` is the run's Result."""
+
+    exit_code = 3
+
+    def __init__(self, message: str, result=None):
+        super().__init__(message)
+        self.result = result
