@@ -625,6 +625,12 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
         log.warning("--layer_bits %s: %s not quantized on %s (kept float), so the setting does nothing",
                     ", ".join(unquantized[:5]), "this node is" if len(unquantized) == 1 else "these nodes are",
                     plat.name)
+    weighted = {name for name, _ in places.weights}
+    no_weight = sorted(n for n, (w, _) in cfg.layer_bits.items()
+                       if w and n in places.quantized_nodes and n not in weighted)
+    if no_weight:
+        log.warning("--layer_bits %s: no quantized weight (%s), so its w-width does nothing",
+                    ", ".join(no_weight[:5]), ", ".join(sorted({g.node_by_name[n].op_type for n in no_weight})))
     targets = list(places.activations)
     log.info("%d nodes quantized, %d activation tensors and %d weights get Q/DQ on %s",
              len(places.quantized_nodes), len(targets), len(places.weights), plat.name)

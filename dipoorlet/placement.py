@@ -188,6 +188,7 @@ def left_weight(g: Graph, node, index: int) -> bool:
 def place(g: Graph, platform: Platform, skip_layers=(), weight_only=()) -> Placement:
     plan = Placement()
     skip = set(skip_layers)
+    stray: dict[str, tuple[str, int, int]] = {}
     for node in g.topological_nodes():
         op = node.op_type
         if node.name in skip:
@@ -207,6 +208,11 @@ def place(g: Graph, platform: Platform, skip_layers=(), weight_only=()) -> Place
                 continue  # bias: platform.quantize_bias handles it in qdq
             elif not g.is_constant(name) and g.is_float(name):
                 act_inputs.append(i)
+            elif i == 1 and w_index not in (None, 1) and g.is_float(name) \
+                    and op in ("Conv", "ConvTranspose", "Gemm", "MatMul"):
+                # the spec names another input as the weight (a custom .toml's Conv = 0): this
+                # constant would stay float unnoticed
+                stray.setdefault(op, (node.name, i, w_index))
         if not act_inputs and not weights:
             plan.decisions.append(Decision(node.name, op, False, "no float activation or weight input"))
             continue
@@ -238,6 +244,10 @@ def place(g: Graph, platform: Platform, skip_layers=(), weight_only=()) -> Place
         if fused is not None:
             reason += f"; input {node.input[fused]!r} fused into its producer, kept float"
         plan.decisions.append(Decision(node.name, op, True, reason))
+    for op, (name, i, w_index) in stray.items():
+        log.warning("platform %s: its [ops] weights give %s input %d as the weight, but %s reads an activation "
+                    "there and a constant at input %d, which stays float; set weights = { %s = %d } in the spec",
+                    platform.name, op, w_index, name, i, op, i)
     _one_axis_per_weight(plan)
     if platform.quantize_network_output:
         quantized = set(plan.quantized_nodes)

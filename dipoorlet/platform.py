@@ -201,6 +201,14 @@ def parse(data: dict, source: str) -> Platform:
     if not isinstance(weights, dict) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
                                                 for v in weights.values()):
         raise ConfigError(f"platform spec {source} [ops]: 'weights' must map op types to input indices")
+    import onnx.defs
+
+    _check_op_types(list(weights), source + " [ops] weights")
+    for op, index in weights.items():
+        most = max(onnx.defs.get_schema(op).max_input, 0)
+        if index >= most:
+            raise ConfigError(f"platform spec {source} [ops]: weights {op} = {index}, but {op} has inputs 0.."
+                              f"{most - 1}; give the index of its weight input (Conv's is 1)")
     fusion = data["fusion"]
     _known(fusion, _FUSION_KEYS, source + " [fusion]")
     _known(data["bias"], {"quantize": bool}, source + " [bias]")

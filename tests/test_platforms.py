@@ -236,6 +236,8 @@ def test_user_spec_from_a_path(case, tmp_path):
     (lambda s: s.replace("[weight]\n", "[weight]\nquantize_network_output = true\n"), "belongs in [activation]"),
     (lambda s: s.replace("[activation]\n", "[activation]\nper_channel = true\n"), "per_channel applies to weights"),
     (lambda s: s.replace('deploy = ["trt", "reference"]', 'deploy = [["trt"]]'), "deploy format ['trt']"),
+    (lambda s: s.replace("weights = { Conv = 1,", "weights = { Conv = 3,"), "weights Conv = 3, but Conv has inputs 0..2"),
+    (lambda s: s.replace("weights = { Conv = 1,", "weights = { Cnv = 1,"), "'Cnv' is not an ONNX op type"),
 ])
 def test_bad_user_spec_names_the_key(tmp_path, edit, needle):
     spec = tmp_path / "bad.toml"
@@ -243,6 +245,18 @@ def test_bad_user_spec_names_the_key(tmp_path, edit, needle):
     with pytest.raises(ConfigError) as exc:
         platforms.load(str(spec))
     assert needle in str(exc.value) and "bad.toml" in str(exc.value)
+
+
+def test_user_spec_naming_an_activation_as_conv_weight_says_so(case, tmp_path, caplog):
+    src = (platforms.platforms_dir() / "trt.toml").read_text().replace("weights = { Conv = 1,", "weights = { Conv = 0,")
+    spec = tmp_path / "mychip.toml"
+    spec.write_text(src.replace('name = "trt"', 'name = "mychip"'))
+    caplog.set_level("WARNING", logger="dipoorlet")
+    res, _, _ = run(case, str(spec))
+    assert "give Conv input 0 as the weight" in caplog.text and "weights = { Conv = 1 }" in caplog.text
+    caplog.clear()
+    run(case, "trt")
+    assert "as the weight" not in caplog.text
 
 
 def test_unknown_platform_lists_the_valid_names(case, capsys):

@@ -136,6 +136,22 @@ def test_fail_below_exits_3_after_writing_outputs(tmp_path, capsys):
     assert main(argv + ["--fail_below", "-1"]) == 0
 
 
+def test_api_fail_below_raises_after_writing_outputs(tmp_path):
+    from dipoorlet.errors import BelowTargetError, DipoorletError
+
+    with pytest.raises(BelowTargetError, match="below 0.9999") as got:
+        quantize_model(tmp_path / "a", sensitive_model(), n=3, fail_below=0.9999, skip_prof_layer=True,
+                       equalize=False)
+    assert isinstance(got.value, DipoorletError) and got.value.exit_code == 3
+    out = tmp_path / "a" / "out"
+    cos = got.value.result.report["outputs"][0]["cosine"]
+    assert cos < 0.9999 and (out / "quant_model.onnx").exists()
+    assert "fail_below" in (out / "dipoorlet.log").read_text()
+    res, _ = quantize_model(tmp_path / "b", sensitive_model(), n=3, fail_below=-1, skip_prof_layer=True,
+                            equalize=False)
+    assert res.report["outputs"][0]["cosine"] == cos
+
+
 def test_fail_below_sqnr_gates_on_the_pooled_output_sqnr(tmp_path, capsys):
     """sqnr:DB judges the output's SQNR pooled over the profile's samples, computed here with
     onnxruntime from the float and the written model."""
@@ -200,6 +216,13 @@ def test_fail_below_sqnr_passes_an_output_without_error():
                                        ("a/b=a6", {"a/b": (None, 6)})])
 def test_layer_bits_parse(text, want):
     assert parse_layer_bits([text]) == want
+
+
+def test_layer_bits_for_one_node_twice_add_up_or_clash():
+    assert parse_layer_bits(["conv1=w4", "conv1=a16"]) == {"conv1": (4, 16)}
+    assert parse_layer_bits(["conv1=w4", "conv1=w4a8"]) == {"conv1": (4, 8)}
+    with pytest.raises(ConfigError, match="two w widths .*w4 and w6"):
+        parse_layer_bits(["conv1=w4", "conv1=w6"])
 
 
 @pytest.mark.parametrize("text", ["conv1", "conv1=x4", "=w4", "conv1="])
@@ -536,6 +559,15 @@ def test_layer_bits_on_a_node_left_float_is_reported(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="dipoorlet"):
         quantize_model(tmp_path, tiny_cnn(), n=3, layer_bits={"relu1": (4, 4)}, skip_prof_layer=True)
     assert "--layer_bits relu1" in caplog.text and "not quantized on trt" in caplog.text
+
+
+def test_layer_bits_weight_width_on_a_weightless_layer_is_reported(tmp_path, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="dipoorlet"):
+        quantize_model(tmp_path, tiny_cnn(), n=3, layer_bits={"pool1": (4, None), "conv1": (4, None)},
+                       skip_prof_layer=True)
+    assert "--layer_bits pool1: no quantized weight (MaxPool)" in caplog.text and "conv1:" not in caplog.text
 
 
 def test_advice_names_a_range_method_that_clips_far_inside_the_data():
