@@ -15,16 +15,27 @@ def quantize(**kwargs):
     """
     from pathlib import Path
 
-    from dipoorlet.cli import RUN_LOG, below_bar, name_run_log
-    from dipoorlet.errors import BelowTargetError
+    from dipoorlet.cli import RUN_LOG, name_run_log
     from dipoorlet.config import config_from_kwargs
+    from dipoorlet.dist import launched_by_mpi, make_comm
     from dipoorlet.pipeline import check_output_dir, quantize as _quantize
 
+    distributed = bool(kwargs.pop("mpirun", False)) | bool(kwargs.pop("slurm", False))
     cfg = config_from_kwargs(**kwargs)
     # the run's log goes into the output folder as from the CLI (dipoorlet.log; a failed run's beside
     # an earlier run's outputs is dipoorlet.failed.log); the caller sees what it saw before
     out = Path(cfg.output_dir)
     check_output_dir(out)
+    comm = make_comm(mpirun=True) if distributed else None
+    if comm is None and launched_by_mpi():
+        import logging
+
+        logging.getLogger("dipoorlet").warning(
+            "dipoorlet.quantize: this process is one of several an MPI launcher started, but the call runs in "
+            "it alone; pass mpirun=True (every rank calling with the same arguments) to share the samples "
+            "over the ranks, or give each rank its own output_dir")
+    if comm is not None and comm.world > 1:
+        return _quantize_distributed(cfg, comm, out)
     ok = False
     # one run at a time per process: the "dipoorlet" logger's setup and the custom-op libraries
     # of a run are process-wide (a second thread's call waits for the first)
@@ -33,21 +44,104 @@ def quantize(**kwargs):
             with _run_log(out / RUN_LOG, cfg.debug):
                 result = _quantize(cfg)
                 ok = True       # the outputs are written, a miss of fail_below included
-                low = below_bar(result.report, cfg.fail_below)
-                if low:
-                    import logging
-
-                    logging.getLogger("dipoorlet").error("dipoorlet: fail_below %s: %s", cfg.fail_below, low)
-                    raise BelowTargetError(f"fail_below {cfg.fail_below}: {low}", result)
+                _check_bar(result, cfg)
             return result
         finally:
             name_run_log(out, ok)
+
+
+def _check_bar(result, cfg) -> None:
+    from dipoorlet.cli import below_bar
+    from dipoorlet.errors import BelowTargetError
+
+    low = below_bar(result.report, cfg.fail_below)
+    if low:
+        import logging
+
+        logging.getLogger("dipoorlet").error("dipoorlet: fail_below %s: %s", cfg.fail_below, low)
+        raise BelowTargetError(f"fail_below {cfg.fail_below}: {low}", result)
+
+
+def _quantize_distributed(cfg, comm, out):
+    """``mpirun=True`` under a launcher: every rank calls with the same arguments and reads its
+    share of the samples; rank 0 logs into -O and writes the outputs (the other ranks' Result
+    lists no files). A rank that fails takes every rank down (MPI_Abort) with its one-line
+    message, as the CLI does, rather than leaving the others waiting in a collective."""
+    import sys
+
+    from dipoorlet.cli import RUN_LOG, name_run_log
+    from dipoorlet.errors import BelowTargetError, DipoorletError
+    from dipoorlet.pipeline import quantize as _quantize
+
+    ok = False
+    with _API_LOCK:
+        try:
+            if comm.rank == 0:
+                with _run_log(out / RUN_LOG, cfg.debug):
+                    import logging
+
+                    logging.getLogger("dipoorlet").info("dipoorlet.quantize: running as %d MPI processes", comm.world)
+                    result = _quantize(cfg, comm)
+                    ok = True
+            else:
+                with _quiet_log():
+                    result = _quantize(cfg, comm)
+        except BaseException as exc:  # noqa: BLE001 - every failure must end every rank
+            if comm.rank == 0:
+                name_run_log(out, ok)
+            else:
+                # an error every rank meets is printed once, by rank 0, whose abort ends the others
+                # in this wait (as from the CLI); one of this rank's share is printed after it
+                import time
+
+                from dipoorlet.cli import RANK_ERROR_DELAY_S
+
+                with _contextlib.suppress(BaseException):
+                    time.sleep(RANK_ERROR_DELAY_S)
+            what = str(exc) if isinstance(exc, DipoorletError) else f"{type(exc).__name__}: {exc}"
+            print(f"dipoorlet: error (rank {comm.rank}): {what}", file=sys.stderr, flush=True)
+            comm.abort(exc.exit_code if isinstance(exc, DipoorletError) else 1)
+            raise
+        if comm.rank == 0:
+            name_run_log(out, ok)
+    # every rank holds the same report's verdict only on rank 0: share it, then raise alike
+    low = comm.bcast(_miss(result, cfg) if comm.rank == 0 else None)
+    if low:
+        raise BelowTargetError(f"fail_below {cfg.fail_below}: {low}", result)
+    return result
+
+
+def _miss(result, cfg) -> str:
+    from dipoorlet.cli import below_bar
+
+    return below_bar(result.report, cfg.fail_below)
 
 
 import contextlib as _contextlib  # noqa: E402
 import threading as _threading  # noqa: E402
 
 _API_LOCK = _threading.RLock()
+
+
+@_contextlib.contextmanager
+def _quiet_log():
+    """A rank other than 0 of a distributed API call logs nothing (rank 0 logs for all)."""
+    import logging
+
+    logger = logging.getLogger("dipoorlet")
+    saved = (logger.propagate, list(logger.handlers))
+    for h in saved[1]:
+        logger.removeHandler(h)
+    quiet = logging.NullHandler()
+    logger.addHandler(quiet)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(quiet)
+        for h in saved[1]:
+            logger.addHandler(h)
+        logger.propagate = saved[0]
 
 
 @_contextlib.contextmanager

@@ -55,7 +55,12 @@ class SingleProcess:
 class MPIComm(SingleProcess):
     def __init__(self):
         try:
-            from mpi4py import MPI
+            import warnings
+
+            with warnings.catch_warnings():
+                # mpi4py warns of a launcher of another MPI in several lines; make_comm says it in one
+                warnings.filterwarnings("ignore", message="suspicious MPI execution environment")
+                from mpi4py import MPI
         except ImportError as exc:
             raise ConfigError("--mpirun/--slurm need mpi4py; install it with "
                               "pip install 'dipoorlet[mpi]' (mpi4py and the mpich wheel)") from exc
@@ -123,17 +128,41 @@ class MPIComm(SingleProcess):
         self.comm.Abort(code)
 
 
+def _launcher_size() -> tuple[int, str]:
+    """The number of processes the launcher says it started (1 when none says more), and the
+    variable that says so."""
+    best = (1, "")
+    # srun sets SLURM_STEP_NUM_TASKS for the tasks it starts; a batch script alone does not.
+    for var in _LAUNCHER_VARS + ("SLURM_STEP_NUM_TASKS",):
+        try:
+            n = int(os.environ.get(var, "1") or 1)
+        except ValueError:
+            continue
+        if n > best[0]:
+            best = (n, var)
+    return best
+
+
 def launched_by_mpi() -> bool:
     """True when started by mpirun/mpiexec/srun with more than one process."""
-    for var in _LAUNCHER_VARS:
-        if int(os.environ.get(var, "1") or 1) > 1:
-            return True
-    # srun sets SLURM_STEP_NUM_TASKS for the tasks it starts; a batch script alone does not.
-    return int(os.environ.get("SLURM_STEP_NUM_TASKS", "1") or 1) > 1
+    return _launcher_size()[0] > 1
 
 
 def make_comm(mpirun: bool = False, slurm: bool = False):
     """The communicator for this process: MPI when asked for or when launched under MPI/srun."""
     if mpirun or slurm or launched_by_mpi():
-        return MPIComm()
+        comm = MPIComm()
+        n, var = _launcher_size()
+        if comm.world == 1 and n > 1:
+            # each process would run alone into the same -O (mpi4py's MPI is not the launcher's,
+            # or srun was not given --mpi=pmi2/pmix for an MPI that needs it)
+            try:
+                lib = " ".join(comm.MPI.Get_library_version().split(",")[0].split("\n")[0].split())[:40]
+            except Exception:  # noqa: BLE001 - only for the message
+                lib = "its MPI"
+            raise ConfigError(f"the launcher started {n} processes ({var}={n}), but MPI sees each as alone (1 "
+                              f"process in COMM_WORLD): mpi4py's MPI library ({lib}) does not match this launcher; start "
+                              "with the mpirun/mpiexec of the MPI mpi4py was built with (python -c \"import "
+                              "mpi4py; print(mpi4py.get_config())\"), or with srun --mpi=pmi2 / --mpi=pmix")
+        return comm
     return SingleProcess()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -242,3 +243,73 @@ def test_sensitivity_and_rounding_identical_whatever_the_threads_per_process(tmp
     assert reports[0].read_bytes() == reports[1].read_bytes()
     for name in OUTPUTS:
         assert (tmp_path / "out1" / name).read_bytes() == (tmp_path / "out2" / name).read_bytes(), name
+
+
+_API_SCRIPT = """
+import sys, dipoorlet
+from dipoorlet.errors import DipoorletError
+root, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+calib = sys.argv[4] if len(sys.argv) > 4 else "calib"
+kw = {"mpirun": True} if mode == "mpi" else {}
+try:
+    res = dipoorlet.quantize(model=root + "/m.onnx", input_dir=root + "/" + calib, data_num=11, deploy="trt",
+                             output_dir=out, act_quant="mse", **kw)
+except DipoorletError as exc:
+    print("raised", type(exc).__name__, exc.exit_code, exc)
+    sys.exit(exc.exit_code)
+sys.stdout.write(f"<files={len(res.files)}>\\n")
+"""
+
+
+def test_api_call_with_mpirun_true_shares_samples_and_matches_one_process(case, tmp_path):
+    script = tmp_path / "api.py"
+    script.write_text(_API_SCRIPT)
+    single = _run(case, tmp_path / "one", "mse", 1)
+    assert single.returncode == 0, single.stderr
+    res = subprocess.run([MPIRUN, "-n", "2", sys.executable, str(script), str(case), str(tmp_path / "api"), "mpi"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    counts = sorted(int(n) for n in re.findall(r"<files=(\d+)>", res.stdout))
+    assert len(counts) == 2 and counts[0] == 0 < counts[1]       # rank 0 lists the files it wrote
+    for name in OUTPUTS:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "api" / name).read_bytes(), name
+    log = (tmp_path / "api" / "dipoorlet.log").read_text()
+    assert "running as 2 MPI processes" in log       # rank 0's log is in -O
+    assert not list((tmp_path / "api").glob("*rank*"))
+
+
+def test_api_call_under_a_launcher_without_mpirun_warns(case, tmp_path):
+    script = tmp_path / "api.py"
+    script.write_text(_API_SCRIPT)
+    res = subprocess.run([MPIRUN, "-n", "2", sys.executable, str(script), str(case), str(tmp_path / "api"), "one"],
+                         capture_output=True, text=True, timeout=120)
+    # both ranks ran alone into the same folder, as asked; each says how to share the samples
+    assert res.stderr.count("pass mpirun=True") == 2, res.stderr
+
+
+def test_a_launcher_whose_mpi_is_not_mpi4pys_is_one_line(case, tmp_path):
+    env = dict(os.environ, OMPI_COMM_WORLD_SIZE="2")   # as Open MPI's mpirun would set it
+    cmd = [sys.executable, "-m", "dipoorlet", "-M", str(case / "m.onnx"), "-I", str(case / "calib"), "-N", "11",
+           "-D", "trt", "-O", str(tmp_path / "o")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 2, res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "OMPI_COMM_WORLD_SIZE=2" in lines[0] and "mpi4py" in lines[0]
+    assert not (tmp_path / "o" / "quant_model.onnx").exists()
+
+
+def test_api_call_with_mpirun_true_stops_every_rank_on_one_ranks_bad_file(case, tmp_path):
+    bad = tmp_path / "calib_bad"
+    shutil.copytree(case / "calib", bad)
+    arr = np.fromfile(bad / "x" / "10.bin", dtype=np.float32)
+    arr[3] = np.inf
+    arr.tofile(bad / "x" / "10.bin")  # sample 10 lands on rank 1
+    shutil.copy(case / "m.onnx", tmp_path / "m.onnx")
+    script = tmp_path / "api.py"
+    script.write_text(_API_SCRIPT)
+    res = subprocess.run([MPIRUN, "-n", "2", sys.executable, str(script), str(tmp_path), str(tmp_path / "o"), "mpi",
+                          "calib_bad"], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
+    assert res.returncode != 0
+    assert "dipoorlet: error (rank 1)" in res.stderr and "10.bin" in res.stderr
+    assert not (tmp_path / "o" / "quant_model.onnx").exists()
