@@ -223,7 +223,9 @@ class DataSource:
     def _files(self, spec: InputSpec) -> list[Path]:
         folder, files = self.folders[spec.name], []
         names = set(os.listdir(folder))
-        both = [i for i in range(self.n) if f"{i}.npy" in names and f"{i}.bin" in names]
+        # from the names, not range(N): a huge -N must reach the missing-file error at once
+        both = sorted(int(k[:-4]) for k in names if k.endswith(".npy") and k[:-4].isdigit()
+                      and k[:-4] == str(int(k[:-4])) and int(k[:-4]) < self.n and f"{k[:-4]}.bin" in names)
         if both:
             log.warning("%s holds both %d.npy and %d.bin%s: the .npy files are read", folder, both[0], both[0],
                         f" (and {len(both) - 1} more such pairs)" if len(both) > 1 else "")
