@@ -292,6 +292,7 @@ class DataSource:
             want = self.input_shapes.get(spec.name, spec.shape)
             if path.suffix == ".npy" and want and len(want) == arr.ndim + 1 and want[0] in (1, None):
                 arr = arr[None]     # a sample saved without its batch axis, as an .npz row holds it
+                return self._check(spec, arr, where, added=True)
         return self._check(spec, arr, where)
 
     def _read_file(self, spec: InputSpec, path: Path) -> np.ndarray:
@@ -352,7 +353,7 @@ class DataSource:
                             + "check the file or --input_shape")
         return shape
 
-    def _check(self, spec: InputSpec, arr: np.ndarray, where: str) -> np.ndarray:
+    def _check(self, spec: InputSpec, arr: np.ndarray, where: str, added: bool = False) -> np.ndarray:
         if np.issubdtype(spec.dtype, np.floating):
             if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
                 raise DataError(f"{where} has dtype {arr.dtype}, input {spec.name!r} is {spec.dtype}; "
@@ -398,7 +399,9 @@ class DataSource:
                 turned = len(want) == arr.ndim >= 3 and (fits(arr.shape[:1] + arr.shape[-1:] + arr.shape[1:-1])
                                                          or fits(arr.shape[:1] + arr.shape[2:] + arr.shape[1:2]))
                 given = spec.name in self.input_shapes
-                raise DataError(f"{where} has shape {_fmt(arr.shape)} but input {spec.name!r} "
+                shape = (f"{_fmt(arr.shape[1:])} (read as {_fmt(arr.shape)}, a batch axis added)" if added
+                         else _fmt(arr.shape))
+                raise DataError(f"{where} has shape {shape} but input {spec.name!r} "
                                 f"expects {_fmt(want)}" + (" (from --input_shape)" if given else "") + "; "
                                 + ("the same sizes in another order (channels last?): transpose the data to "
                                    "the model's layout" if turned else

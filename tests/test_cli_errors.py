@@ -135,6 +135,15 @@ def far_too_many_files(c):
     return ["2.bin or 2.npy", "lower -N to 2"]
 
 
+def npy_without_batch_axis_channels_last(c):
+    d = c.tmp / "hwc" / "x"
+    d.mkdir(parents=True)
+    for i in range(2):
+        np.save(d / f"{i}.npy", np.zeros((8, 8, 3), np.float32))     # the model takes [1, 3, 8, 8]
+    c.args["-I"] = str(c.tmp / "hwc")
+    return ["0.npy has shape [8,8,3] (read as [1,8,8,3], a batch axis added)", "channels last?"]
+
+
 def bin_wrong_size(c):
     d = c.tmp / "bins" / "x"
     d.mkdir(parents=True)
@@ -578,7 +587,7 @@ def reference_update_bn(c):
     return ["--update_bn", "folded", "--bc"]
 
 
-CASES = [far_too_many_files, missing_model, model_is_a_folder, not_onnx, external_data_missing, custom_op, input_dir_missing, input_folder_missing,
+CASES = [far_too_many_files, npy_without_batch_axis_channels_last, missing_model, model_is_a_folder, not_onnx, external_data_missing, custom_op, input_dir_missing, input_folder_missing,
          too_few_files, bin_wrong_size, nan_in_sample, inf_in_npy, images_instead_of_samples,
          images_in_input_dir, samples_named_otherwise, samples_outside_input_folder, channels_last_sample,
          channels_last_sample_dynamic_batch, samples_zero_padded, too_few_files_beside_a_stray_file,
