@@ -1,3 +1,12 @@
-from dipoorlet.cli import main  # imports no numpy: main() sets the MPI thread share first
+import sys
 
-raise SystemExit(main())
+try:
+    from dipoorlet.cli import main  # imports no numpy: main() sets the MPI thread share first
+
+    code = main()
+except KeyboardInterrupt:
+    # Ctrl-C before the run's own handler is in place (while the CLI's modules load, ~0.3 s):
+    # one line, as later, not a traceback; nothing has been written yet
+    print("dipoorlet: interrupted; no output was written", file=sys.stderr, flush=True)
+    code = 130
+raise SystemExit(code)

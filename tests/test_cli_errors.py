@@ -920,3 +920,18 @@ def test_subprocess_error_before_logging_is_exactly_one_line(tmp_path):
     proc = _run_cli(case, tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("dipoorlet: error:")
+
+
+def test_ctrl_c_while_the_cli_loads_is_one_line(tmp_path):
+    """Ctrl-C in the first few tenths of a second (argparse and the CLI's imports, before the run's
+    own handler) is one line and exit 130, not a KeyboardInterrupt traceback."""
+    import subprocess
+
+    code = ("import runpy, dipoorlet.cli as c\n"
+            "def stop(*a, **k):\n    raise KeyboardInterrupt\n"
+            "c.build_parser = stop\n"
+            "runpy.run_module('dipoorlet', run_name='__main__')\n")
+    res = subprocess.run([sys.executable, "-c", code, "-M", "m.onnx"], capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path)
+    assert res.returncode == 130
+    assert res.stderr.strip() == "dipoorlet: interrupted; no output was written"
