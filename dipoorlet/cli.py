@@ -18,7 +18,10 @@ log = logging.getLogger("dipoorlet")
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse's own errors: one line, exit 2, like ours
-        self.exit(2, f"dipoorlet: error: {message} (see python -m dipoorlet --help)\n")
+        from dipoorlet.threads import launcher_rank
+
+        # under mpirun every rank meets it: rank 0 alone prints it
+        self.exit(2, f"dipoorlet: error: {message} (see python -m dipoorlet --help)\n" if launcher_rank() == 0 else None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -388,8 +391,8 @@ def _main(args, argv, state) -> int:
     try:
         from dipoorlet.dist import make_comm
 
-        _refuse_reference_flags(args)
         comm = make_comm(args.mpirun, args.slurm)
+        _refuse_reference_flags(args)      # with the communicator: printed once, by rank 0
         from dipoorlet.config import QuantConfig
         from dipoorlet.data import parse_input_shapes
         from dipoorlet.graph import check_model_path
@@ -438,11 +441,11 @@ def _main(args, argv, state) -> int:
         log.debug("done in %.2f s", time.perf_counter() - start)
         return 0
     except DipoorletError as exc:
-        if debug and (comm is None or comm.world == 1):
-            import traceback
+        import traceback
 
-            traceback.print_exc()    # --debug: the traceback, and still the exit code of bad input
-        return _fail(comm, state, str(exc), exc.exit_code)
+        # --debug: the traceback, and still the exit code of bad input (under MPI printed by the
+        # rank that prints the line)
+        return _fail(comm, state, str(exc), exc.exit_code, traceback.format_exc() if debug else "")
     except Exception as exc:
         if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
             # the disk, not the tool: one line (the outputs are written into staging and published
@@ -474,18 +477,25 @@ def _remove_other_rank_logs(out_dir: Path, world: int) -> None:
                 pass
 
 
-def _fail(comm, state, message: str, code: int) -> int:
+def _fail(comm, state, message: str, code: int, trace: str = "") -> int:
     """One error line; under MPI every rank is taken down. An error every rank meets (a bad flag,
     a missing model) is printed by rank 0 alone: the others wait a moment first, and rank 0's
     MPI_Abort ends them before they print; an error of one rank's share of the data is printed
-    by that rank after the wait."""
+    by that rank after the wait. Before the communicator exists (it could not be made), only the
+    launcher's rank 0 prints."""
+    from dipoorlet.threads import launcher_rank
+
     multi = comm is not None and comm.world > 1
     if multi and comm.rank != 0:
         try:
             time.sleep(RANK_ERROR_DELAY_S)
         except BaseException:  # noqa: BLE001 - Ctrl-C/SIGTERM in the wait: this rank aborts all the same
             pass
+    if comm is None and launcher_rank() != 0:
+        return code
     where = f" (rank {comm.rank})" if multi else ""
+    if trace:
+        print(trace.rstrip(), file=sys.stderr, flush=True)
     print(f"dipoorlet: error{where}: {message}", file=sys.stderr, flush=True)
     logging.getLogger("dipoorlet").debug("error: %s", message)
     _log_to_file(f"dipoorlet: error{where}: {message}")

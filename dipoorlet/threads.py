@@ -32,6 +32,22 @@ def _slurm_local() -> int:
     return counts[node] if 0 <= node < len(counts) else 1
 
 
+_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+
+
+def launcher_rank() -> int:
+    """This process's rank as the launcher (mpirun/mpiexec/srun) numbered it, read from its
+    variables before MPI starts (0 outside one): errors met before the communicator exists are
+    printed by rank 0 alone."""
+    for var in _RANK_VARS:
+        v = os.environ.get(var, "")
+        if v.isdigit():
+            return int(v)
+    if int(os.environ.get("SLURM_STEP_NUM_TASKS", "1") or 1) > 1 and os.environ.get("SLURM_PROCID", "").isdigit():
+        return int(os.environ["SLURM_PROCID"])
+    return 0
+
+
 def local_processes() -> int:
     """How many processes of this MPI/srun job share this node (1 outside one)."""
     for var in _LOCAL_SIZE_VARS:

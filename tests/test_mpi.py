@@ -104,6 +104,19 @@ def test_an_error_every_rank_meets_is_printed_once(case):
     assert len(lines) == 1 and "nope" in lines[0], res.stderr
 
 
+@pytest.mark.parametrize("flags,needle", [("minmax --bogus", "--bogus"), ("minmax --update_bn", "--update_bn"),
+                                          ("minmax --skip_layers nope --debug", "nope")])
+def test_errors_before_and_after_the_communicator_are_printed_once(case, flags, needle):
+    """argparse's errors (before MPI starts) and the reference-flag refusals are printed by rank 0
+    alone; --debug's traceback comes with the one line under MPI too."""
+    res = _run(case, case / "allbad2-out", flags, 3)
+    assert res.returncode == 2
+    lines = [l for l in res.stderr.splitlines() if "dipoorlet: error" in l]
+    assert len(lines) == 1 and needle in lines[0], res.stderr
+    assert ("Traceback" in res.stderr) == ("--debug" in flags)
+    assert res.stderr.count("Traceback") <= 1
+
+
 def test_a_failed_run_keeps_the_log_of_the_outputs_in_the_folder(case):
     out = case / "log-out"
     assert _run(case, out, "minmax", 2).returncode == 0
