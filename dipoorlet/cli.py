@@ -513,6 +513,13 @@ def _stop(comm, state, what: str, code: int) -> int:
     done = f"after the outputs were written into {PUBLISHED[-1]}" if PUBLISHED else "no output was written"
     if PUBLISHED:
         state["ok"] = True          # the log describes the outputs -O now holds
+    if comm is not None and comm.world > 1 and comm.rank != 0:
+        # mpirun passes Ctrl-C to every rank: rank 0 says it and its abort ends this wait (a
+        # signal sent to this rank alone is said after it)
+        try:
+            time.sleep(RANK_ERROR_DELAY_S)
+        except BaseException:  # noqa: BLE001 - a second Ctrl-C: this rank aborts all the same
+            pass
     print(f"dipoorlet: {what}; {done}", file=sys.stderr, flush=True)
     if comm is not None and comm.world > 1:
         finish_log(state["out_dir"], False)
