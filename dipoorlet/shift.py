@@ -13,7 +13,8 @@ and ``x'`` quantized on the symmetric grid of scale ``s`` is exactly ``x`` on th
 one the range method gives for the tensor's own statistics on the levels -127..127 (254 steps,
 as on an asymmetric backend, less the level -128 so that ``x'`` stays inside the +-127 s range
 the side files state); so no new statistics pass is needed. The quantized consumers' biases are
-``b - W_q d`` with ``W_q`` the dequantized weights (the float graph keeps ``b - W d``).
+``b - W_q d`` with ``W_q`` the dequantized weights, and so are transformed_model.onnx's (written
+from the plan's values); the in-memory float graph keeps ``b - W d``.
 
 A shift is applied where it shrinks the step by at least ``MIN_RATIO`` (here 1.2x, 1.6 dB of that
 tensor's rounding noise); a ReLU output gains close to 2x (6 dB). Padded Convs are left alone: their
