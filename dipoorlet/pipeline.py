@@ -867,6 +867,8 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
     staging = out_dir / comm.bcast(f".dipoorlet-staging-{uuid.uuid4().hex[:12]}")
     savefp = _fp_saver(staging, g.output_names) if cfg.savefp else None
     try:
+        if savefp is not None and comm.world > 1:
+            _check_shared_output(staging, comm)
         t = time.perf_counter()
         if val is not None:
             prof_data, k, prof_indices = val
@@ -1357,6 +1359,32 @@ def _to_qop(qmodel, feed: dict):
                     "default session fails (%s); run it with GraphOptimizationLevel.ORT_ENABLE_BASIC, or "
                     "quantize with -D ort", fused_error[:200])
     return model
+
+
+def _sees(path: Path) -> bool:
+    return path.is_file()
+
+
+def _check_shared_output(staging: Path, comm) -> None:
+    """--savefp under MPI: each rank writes its own samples' outputs into rank 0's staging
+    folder, so -O must be on a file system every rank shares; on node-local disks the other
+    nodes' samples would be missing from -O without a word. Rank 0 leaves a mark there and
+    every rank looks for it before the profile pass (all ranks raise alike)."""
+    import socket
+
+    mark = staging / ".rank0"
+    if comm.rank == 0:
+        staging.mkdir(parents=True, exist_ok=True)
+        mark.write_text(socket.gethostname())
+    comm.barrier()
+    seen = comm.allgather((_sees(mark), socket.gethostname()))
+    blind = [f"{r} ({host})" for r, (ok, host) in enumerate(seen) if not ok]
+    if blind:
+        raise OutputError(f"--savefp under MPI: rank {', '.join(blind[:4])} cannot see -O {staging.parent} as rank 0 "
+                          f"({seen[0][1]}) writes it, so its samples' outputs would be missing; put -O on a file "
+                          "system every rank shares, or run without --savefp")
+    if comm.rank == 0:
+        mark.unlink(missing_ok=True)
 
 
 def _fp_saver(staging: Path, outputs: list[str]):

@@ -326,3 +326,24 @@ def test_api_call_with_mpirun_true_stops_every_rank_on_one_ranks_bad_file(case, 
     assert res.returncode != 0
     assert "dipoorlet: error (rank 1)" in res.stderr and "10.bin" in res.stderr
     assert not (tmp_path / "o" / "quant_model.onnx").exists()
+
+
+def test_savefp_under_mpi_refuses_an_output_folder_a_rank_cannot_see(case, tmp_path):
+    """-O on node-local disks: rank 1 (made blind to rank 0's mark here) would write its samples'
+    outputs where rank 0 never publishes them; every rank stops with one line instead."""
+    script = tmp_path / "blind.py"
+    script.write_text(
+        "import sys\nfrom mpi4py import MPI\nimport dipoorlet, dipoorlet.pipeline as p\n"
+        "if MPI.COMM_WORLD.Get_rank() == 1:\n    p._sees = lambda path: False\n"
+        "root, out = sys.argv[1], sys.argv[2]\n"
+        "dipoorlet.quantize(model=root + '/m.onnx', input_dir=root + '/calib', data_num=11, deploy='trt',\n"
+        "                   output_dir=out, act_quant='minmax', savefp=True, mpirun=True)\n")
+    res = subprocess.run([MPIRUN, "-n", "2", sys.executable, str(script), str(case), str(tmp_path / "o")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert "--savefp under MPI: rank 1" in res.stderr and "shares" in res.stderr
+    assert not (tmp_path / "o" / "quant_model.onnx").exists()
+    assert not list((tmp_path / "o").glob(".dipoorlet-staging-*"))
+    ok = _run(case, tmp_path / "ok", "minmax --savefp", 2)      # a shared -O: every sample's outputs
+    assert ok.returncode == 0, ok.stderr
+    assert len(list((tmp_path / "ok" / "output").rglob("onnx-output-*.bin"))) == 11
