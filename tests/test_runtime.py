@@ -57,3 +57,17 @@ def test_simulate_folds_the_constant_weights():
     assert runner.session.get_session_options().graph_optimization_level == \
         ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     assert runner.session.get_session_options().get_session_config_entry("session.disable_quant_qdq") == "1"
+
+
+def test_progress_bars_follow_the_terminal_unless_dipoorlet_progress_says(monkeypatch):
+    from dipoorlet.dist import SingleProcess
+    from dipoorlet.progress import progress
+
+    class Rank1(SingleProcess):
+        rank = 1
+
+    monkeypatch.setattr("sys.stderr.isatty", lambda: False, raising=False)
+    for env, rank0_shown in (("", False), ("1", True), ("0", False), ("yes", False)):
+        monkeypatch.setenv("DIPOORLET_PROGRESS", env)
+        assert progress([], "x").disable is not rank0_shown
+        assert progress([], "x", Rank1()).disable           # other ranks never show bars
