@@ -625,6 +625,10 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
         log.warning("--layer_bits %s: %s not quantized on %s (kept float), so the setting does nothing",
                     ", ".join(unquantized[:5]), "this node is" if len(unquantized) == 1 else "these nodes are",
                     plat.name)
+    nested = _nested_quantizable(g, plat)
+    if nested:
+        log.warning("%d ops inside If/Loop/Scan bodies stay float (%s): this tool quantizes the main graph only",
+                    sum(nested.values()), ", ".join(f"{op} x{n}" for op, n in sorted(nested.items())))
     weighted = {name for name, _ in places.weights}
     no_weight = sorted(n for n, (w, _) in cfg.layer_bits.items()
                        if w and n in places.quantized_nodes and n not in weighted)
@@ -641,8 +645,10 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
             raise ModelError(f"nothing in {cfg.model.name} is quantizable on {plat.name}: its "
                              f"{', '.join(double[:6])} ops compute in float64 (double), and dipoorlet quantizes "
                              "float32 models (float16 ones are widened); export or convert the model to float32")
+        inside = (f"; its {', '.join(sorted(nested))} ops sit inside If/Loop/Scan bodies, which this tool "
+                  "leaves float: export the branch that runs as the graph itself") if nested else ""
         raise ModelError(f"nothing in {cfg.model.name} is quantizable on {plat.name} "
-                         f"(its ops: {sorted({n.op_type for n in g.graph.node})[:12]}); "
+                         f"(its ops: {sorted({n.op_type for n in g.graph.node})[:12]}{inside}); "
                          "check the platform or the --skip_layers list")
 
     t = time.perf_counter()
@@ -1359,6 +1365,20 @@ def _to_qop(qmodel, feed: dict):
                     "default session fails (%s); run it with GraphOptimizationLevel.ORT_ENABLE_BASIC, or "
                     "quantize with -D ort", fused_error[:200])
     return model
+
+
+def _nested_quantizable(g: Graph, plat) -> dict[str, int]:
+    """Ops of the backend's quantize list inside subgraphs (If/Loop/Scan bodies), by type."""
+    from dipoorlet.graph import subgraphs
+
+    found: dict[str, int] = {}
+    todo = [sub for node in g.graph.node for sub in subgraphs(node)]
+    while todo:
+        for inner in todo.pop().node:
+            todo.extend(subgraphs(inner))
+            if inner.op_type in plat.quantize_ops and inner.domain in ("", "ai.onnx"):
+                found[inner.op_type] = found.get(inner.op_type, 0) + 1
+    return found
 
 
 def _sees(path: Path) -> bool:

@@ -362,3 +362,38 @@ def test_lowering_to_opset_20_refuses_16_bit_grids_and_ops_changed_at_21():
     gn = helper.make_node("GroupNormalization", ["d", "gs", "gb"], ["y"], num_groups=2)
     assert not _as_opset_20(qdq(np.int8, [gn]))
     assert not _as_opset_20(conv_model(opset=20))       # only 21 is lowered
+
+
+def producer_op(model, tensor):
+    return next((n.op_type for n in model.graph.node if tensor in n.output), None)
+
+
+def _if_model(top_conv: bool) -> onnx.ModelProto:
+    r = np.random.default_rng(0)
+    info = lambda n: vi(n, [1, 4, 8, 8])
+    then = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["t"], name="conv_then", pads=[1] * 4)], "then",
+                             [], [info("t")])
+    other = helper.make_graph([helper.make_node("Relu", ["x"], ["e0"], name="relu_else"),
+                               helper.make_node("Conv", ["e0", "w"], ["e"], name="conv_else", pads=[1] * 4)],
+                              "else", [], [info("e")])
+    nodes = [helper.make_node("If", ["c"], ["y"], name="if", then_branch=then, else_branch=other)]
+    outs = [info("y")]
+    if top_conv:
+        nodes.append(helper.make_node("Conv", ["x", "w"], ["z"], name="conv_top", pads=[1] * 4))
+        outs.append(info("z"))
+    m = make_model(nodes, [vi("x", [1, 3, 8, 8]), vi("c", [], onnx.TensorProto.BOOL)], outs,
+                   {"w": (r.standard_normal((4, 3, 3, 3)) * 0.3).astype(np.float32)})
+    return m
+
+
+def test_ops_inside_if_branches_are_named_as_left_float(tmp_path, caplog):
+    import logging
+
+    feeds = [{"x": rand((1, 3, 8, 8), i), "c": np.array(i % 2 == 0)} for i in range(3)]
+    with caplog.at_level(logging.WARNING, logger="dipoorlet"):
+        res, qm = quantize_model(tmp_path / "a", _if_model(True), feeds=feeds)
+    assert "2 ops inside If/Loop/Scan bodies stay float (Conv x2)" in caplog.text
+    top = node(qm, "conv_top")                # the main graph's Conv is quantized
+    assert is_dequantized(qm, top.input[0]) and producer_op(qm, top.input[1]) == "DequantizeLinear"
+    with pytest.raises(ModelError, match="its Conv ops sit inside If/Loop/Scan bodies"):
+        quantize_model(tmp_path / "b", _if_model(False), feeds=feeds)
