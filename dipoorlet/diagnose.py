@@ -21,6 +21,7 @@ import math
 import numpy as np
 
 from dipoorlet.graph import node_attr
+from dipoorlet.util import sqnr_db
 
 DIAGNOSE_LAYERS = 5
 MIN_LOSS = 1e-4          # layers whose isolated output cosine is above 1 - MIN_LOSS are fine
@@ -111,7 +112,7 @@ def _weight_sqnr(g, places, plan, node: str) -> float | None:
         w_hat = dequantize_array(quantize_array(w, qp), qp)
         err = float(((w - w_hat) ** 2).sum())
         sig = float((w ** 2).sum())
-        return math.inf if err == 0 else 10 * math.log10(sig / err) if sig > 0 else None
+        return sqnr_db(sig, err, no_signal=None)
     return None
 
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from dipoorlet.data import sample_name
 from dipoorlet.progress import progress
+from dipoorlet.util import sqnr_db
 from dipoorlet.qdq import dq_source
 from dipoorlet.runtime import SIMULATE, Runner
 
@@ -409,9 +410,7 @@ def summarize(stats: dict, targets: dict, outputs: list[str], quantized=()) -> l
         if not st.n:
             continue
         err, sig = st.err.value(), st.sig.value()
-        sqnr = math.inf if err == 0 else (10 * math.log10(sig / err) if sig > 0 else -math.inf)
-        if err != err or sig != sig:
-            sqnr = math.nan
+        sqnr = sqnr_db(sig, err)
         node, op = targets[t]
         mean_cos, min_cos = st.cosine()
         values = (mean_cos, min_cos, sqnr, st.max_abs)

@@ -39,6 +39,7 @@ import numpy as np
 from dipoorlet.progress import progress
 from dipoorlet.data import sample_name, with_extra
 from dipoorlet.layer_errors import TINY, nonfinite, pooled_cosine, sample_sums, warn_left_out
+from dipoorlet.util import sqnr_db
 from dipoorlet.qdq import Switchboard
 from dipoorlet.runtime import Runner
 from dipoorlet.threads import session_threads, usable_cores
@@ -186,7 +187,7 @@ class Scorer:
                 cos = math.fsum(r[1][k][0] for r in rows) / max(len(rows), 1)
             err = math.fsum(r[1][k][1] for r in rows)
             sig = math.fsum(r[1][k][2] for r in rows)
-            sqnr = math.inf if err == 0 else (10 * math.log10(sig / err) if sig > 0 else -math.inf)
+            sqnr = sqnr_db(sig, err)
             mx = max((r[1][k][3] for r in rows), default=0.0)
             s = OutputScore(cos, sqnr, mx)
             if worst is None or s.value(self.criterion) < worst.value(self.criterion):

@@ -60,3 +60,22 @@ def did_you_mean(name: str, choices, aliases: dict) -> list[str]:
     if key in aliases:
         return list(aliases[key])
     return difflib.get_close_matches(str(name).lower(), list(choices), n=2, cutoff=0.6)
+
+
+def sqnr_db(sig: float, err: float, no_signal=float("-inf")) -> float:
+    """``10 log10(sig / err)`` for any float inputs, never raising: NaN where either is NaN, +inf
+    where there is no error, ``no_signal`` where the signal is 0 (or below), -inf where the ratio
+    is 0 (an infinite error: a quantized copy that overflowed float32, e.g. an attention mask's
+    float32-lowest constant times a grid step)."""
+    import math
+
+    if sig != sig or err != err:
+        return math.nan
+    if err == 0:
+        return math.inf
+    if sig <= 0:
+        return no_signal
+    ratio = sig / err
+    if ratio != ratio:          # inf / inf
+        return math.nan
+    return 10 * math.log10(ratio) if ratio > 0 else -math.inf

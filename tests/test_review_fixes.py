@@ -296,3 +296,40 @@ def test_a_nan_inside_the_model_that_the_output_hides_is_named(tmp_path, caplog)
     said = [r.getMessage() for r in caplog.records]
     assert any(m.startswith("error profile of y") and "left out" in m for m in said), said
     assert not any("outputs do not show" in m for m in said), said
+
+
+def test_sqnr_of_a_tensor_whose_quantized_copy_overflows_is_minus_inf():
+    import math
+
+    from dipoorlet.util import sqnr_db
+
+    assert sqnr_db(1e80, math.inf) == -math.inf        # log10(0) raised a ValueError
+    assert sqnr_db(1.0, 0.0) == math.inf and math.isnan(sqnr_db(math.nan, 1.0))
+    assert math.isnan(sqnr_db(math.inf, math.inf)) and sqnr_db(0.0, 1.0) == -math.inf
+    assert sqnr_db(0.0, 1.0, no_signal=None) is None
+    assert sqnr_db(100.0, 1.0) == pytest.approx(20.0)
+
+
+@pytest.mark.parametrize("flags", [{"deploy": "trt"}, {"deploy": "qnn", "a_bits": 16}])
+def test_attention_mask_of_float32_lowest_does_not_break_the_report(tmp_path, flags):
+    """HF's (1 - mask) * float32.min: the masked scores' grid step times its integers overflows
+    float32 in the quantized model (-inf, which the Softmax takes as 0): the report says -inf
+    dB (None in report.json), the run does not crash with a math domain error."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["s"], name="mm"),
+             helper.make_node("Sub", ["one", "mask"], ["inv"], name="sub"),
+             helper.make_node("Mul", ["inv", "lowest"], ["neg"], name="mul"),
+             helper.make_node("Add", ["s", "neg"], ["a"], name="madd"),
+             helper.make_node("Softmax", ["a"], ["y"], name="softmax", axis=-1)]
+    model = make_model(nodes, [vi("x", [1, 8]), vi("mask", [1, 8])], [vi("y", [1, 8])],
+                       {"w": rand((8, 8), 1), "one": np.float32(1), "lowest": np.float32(np.finfo(np.float32).min)})
+    mask = np.ones((1, 8), np.float32)
+    mask[0, 6:] = 0
+    feeds = [{"x": rand((1, 8), i + 3), "mask": mask} for i in range(4)]
+    result, qm = quantize_model(tmp_path, model, feeds=feeds, act_quant="minmax", **flags)
+    rows = {r["tensor"]: r for r in result.report["layers"]} if "layers" in result.report else {}
+    assert all(r.get("sqnr_db") is None or r["sqnr_db"] == r["sqnr_db"] for r in rows.values())
+    f = feeds[0]
+    got, want = ort_run(qm, f)[0], ort_run(model, f)[0]
+    assert np.all(got[0, 6:] == 0) and np.isfinite(got).all()
+    if flags["deploy"] == "trt":        # trt leaves the Softmax input float
+        assert result.report["outputs"][0]["cosine"] > 0.99 and np.abs(got - want).max() < 0.05
