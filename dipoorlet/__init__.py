@@ -67,27 +67,34 @@ def _quantize_distributed(cfg, comm, out):
     share of the samples; rank 0 logs into -O and writes the outputs (the other ranks' Result
     lists no files). A rank that fails takes every rank down (MPI_Abort) with its one-line
     message, as the CLI does, rather than leaving the others waiting in a collective."""
+    import logging
     import sys
 
-    from dipoorlet.cli import RUN_LOG, name_run_log
+    from dipoorlet.cli import name_run_log, note_in_log, rank0_log
     from dipoorlet.errors import BelowTargetError, DipoorletError
     from dipoorlet.pipeline import quantize as _quantize
 
     ok = False
+    # as from the CLI: another rank's abort can end rank 0 before it names a temporary log, so
+    # rank 0 logs into dipoorlet.log directly unless -O holds an earlier run's outputs and log
+    log_path = rank0_log(out)
     with _API_LOCK:
         try:
             if comm.rank == 0:
-                with _run_log(out / RUN_LOG, cfg.debug):
-                    import logging
-
+                with _run_log(log_path, cfg.debug):
                     logging.getLogger("dipoorlet").info("dipoorlet.quantize: running as %d MPI processes", comm.world)
                     result = _quantize(cfg, comm)
                     ok = True
+                    low = _miss(result, cfg)
+                    if low:
+                        logging.getLogger("dipoorlet").error("dipoorlet: fail_below %s: %s", cfg.fail_below, low)
             else:
                 with _quiet_log():
                     result = _quantize(cfg, comm)
         except BaseException as exc:  # noqa: BLE001 - every failure must end every rank
+            what = str(exc) if isinstance(exc, DipoorletError) else f"{type(exc).__name__}: {exc}"
             if comm.rank == 0:
+                note_in_log(log_path, f"dipoorlet: error (rank 0): {what}")
                 name_run_log(out, ok)
             else:
                 # an error every rank meets is printed once, by rank 0, whose abort ends the others
@@ -98,14 +105,15 @@ def _quantize_distributed(cfg, comm, out):
 
                 with _contextlib.suppress(BaseException):
                     time.sleep(RANK_ERROR_DELAY_S)
-            what = str(exc) if isinstance(exc, DipoorletError) else f"{type(exc).__name__}: {exc}"
+            if comm.rank != 0:
+                note_in_log(log_path, f"dipoorlet: error (rank {comm.rank}): {what}")
             print(f"dipoorlet: error (rank {comm.rank}): {what}", file=sys.stderr, flush=True)
             comm.abort(exc.exit_code if isinstance(exc, DipoorletError) else 1)
             raise
         if comm.rank == 0:
             name_run_log(out, ok)
-    # every rank holds the same report's verdict only on rank 0: share it, then raise alike
-    low = comm.bcast(_miss(result, cfg) if comm.rank == 0 else None)
+    # only rank 0 holds the report: its verdict is shared, and every rank raises alike
+    low = comm.bcast(low if comm.rank == 0 else None)
     if low:
         raise BelowTargetError(f"fail_below {cfg.fail_below}: {low}", result)
     return result

@@ -203,6 +203,23 @@ def finish_log(out_dir: Path | None, ok: bool) -> None:
     name_run_log(out_dir, ok)
 
 
+def rank0_log(out_dir: Path) -> Path:
+    """The file rank 0 of an MPI run logs into (setup_logging's choice): another rank that fails
+    adds its error line there, since its abort ends rank 0 before rank 0 can."""
+    return out_dir / (RUN_LOG if _earlier_outputs(out_dir) else "dipoorlet.log")
+
+
+def note_in_log(path: Path | None, line: str) -> None:
+    """Append ``line`` to another process's log where this process sees it (a shared -O)."""
+    if path is None or not path.is_file():
+        return
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+    except OSError:
+        pass
+
+
 def _earlier_outputs(out_dir: Path) -> bool:
     """-O holds an earlier run's outputs and their log."""
     from dipoorlet.pipeline import MANIFEST
@@ -424,6 +441,7 @@ def _main(args, argv, state) -> int:
         check_output_dir(cfg.output_dir)
         setup_logging(cfg.output_dir, debug, comm.rank, args.log_all_ranks, comm.world)
         state["out_dir"] = cfg.output_dir if comm.rank == 0 else None
+        state["rank0_log"] = rank0_log(cfg.output_dir)
         log.info("dipoorlet %s: %s", __version__, " ".join(sys.argv[1:] if argv is None else argv))
         _note_reference_flags(args)
         if comm.world > 1:
@@ -494,6 +512,8 @@ def _fail(comm, state, message: str, code: int, trace: str = "") -> int:
     if comm is None and launcher_rank() != 0:
         return code
     where = f" (rank {comm.rank})" if multi else ""
+    if multi and comm.rank != 0:
+        note_in_log(state.get("rank0_log"), f"dipoorlet: error{where}: {message}")
     if trace:
         print(trace.rstrip(), file=sys.stderr, flush=True)
     print(f"dipoorlet: error{where}: {message}", file=sys.stderr, flush=True)
@@ -508,8 +528,9 @@ def _fail(comm, state, message: str, code: int, trace: str = "") -> int:
 def _stop(comm, state, what: str, code: int) -> int:
     """Ctrl-C or SIGTERM: the staging folder is gone (the exception unwound through the pipeline);
     under MPI the other ranks are taken down too, or they would wait in a collective forever."""
-    from dipoorlet.pipeline import PUBLISHED
-
+    # not imported here: Ctrl-C may have cut the pipeline's own import short (a module left half
+    # initialized), and a pipeline that never loaded published nothing
+    PUBLISHED = getattr(sys.modules.get("dipoorlet.pipeline"), "PUBLISHED", None) or []
     done = f"after the outputs were written into {PUBLISHED[-1]}" if PUBLISHED else "no output was written"
     if PUBLISHED:
         state["ok"] = True          # the log describes the outputs -O now holds
@@ -520,7 +541,14 @@ def _stop(comm, state, what: str, code: int) -> int:
             time.sleep(RANK_ERROR_DELAY_S)
         except BaseException:  # noqa: BLE001 - a second Ctrl-C: this rank aborts all the same
             pass
-    print(f"dipoorlet: {what}; {done}", file=sys.stderr, flush=True)
+    from dipoorlet.threads import launcher_rank
+
+    if comm is not None or launcher_rank() == 0:     # before MPI started: the launcher's rank 0
+        print(f"dipoorlet: {what}; {done}", file=sys.stderr, flush=True)
+    if comm is None:
+        from dipoorlet.threads import abort_launch
+
+        abort_launch(code)
     if comm is not None and comm.world > 1:
         finish_log(state["out_dir"], False)
         comm.abort(code)

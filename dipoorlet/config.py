@@ -22,11 +22,12 @@ def parse_layer_bits(items) -> dict:
         got = (int(m.group(1)) if m.group(1) else None, int(m.group(2)) if m.group(2) else None)
         if node in out:     # conv1=w4 conv1=a16 add up; two different widths for one grid do not
             had = out[node]
-            clash = [k for k, a, b in (("w", had[0], got[0]), ("a", had[1], got[1])) if a and b and a != b]
+            clash = [k for k, a, b in (("w", had[0], got[0]), ("a", had[1], got[1]))
+                     if a is not None and b is not None and a != b]
             if clash:
                 raise ConfigError(f"--layer_bits gives {node} two {clash[0]} widths ({clash[0]}{had[0 if clash[0] == 'w' else 1]} "
                                   f"and {clash[0]}{got[0 if clash[0] == 'w' else 1]}); keep one")
-            got = (got[0] or had[0], got[1] or had[1])
+            got = tuple(h if n is None else n for h, n in zip(had, got))
         out[node] = got
     return out
 

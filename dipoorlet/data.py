@@ -17,6 +17,7 @@ Only the shard of sample indices a process is given is ever read.
 from __future__ import annotations
 
 import logging
+import re
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -224,8 +225,8 @@ class DataSource:
         folder, files = self.folders[spec.name], []
         names = set(os.listdir(folder))
         # from the names, not range(N): a huge -N must reach the missing-file error at once
-        both = sorted(int(k[:-4]) for k in names if k.endswith(".npy") and k[:-4].isdigit()
-                      and k[:-4] == str(int(k[:-4])) and int(k[:-4]) < self.n and f"{k[:-4]}.bin" in names)
+        both = sorted(int(k[:-4]) for k in names if re.fullmatch(r"(0|[1-9][0-9]*)\.npy", k)
+                      and int(k[:-4]) < self.n and f"{k[:-4]}.bin" in names)
         if both:
             log.warning("%s holds both %d.npy and %d.bin%s: the .npy files are read", folder, both[0], both[0],
                         f" (and {len(both) - 1} more such pairs)" if len(both) > 1 else "")

@@ -11,7 +11,6 @@ non-zero exit code, instead of leaving the others waiting in a collective.
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 
@@ -20,7 +19,7 @@ import numpy as np
 from dipoorlet.errors import ConfigError
 from dipoorlet.stats import TensorStats
 
-_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE")
+from dipoorlet.threads import _launcher_size, launched_by_mpi  # noqa: F401 - launched_by_mpi re-exported
 
 
 class SingleProcess:
@@ -126,26 +125,6 @@ class MPIComm(SingleProcess):
         # and a message still in transit was lost now and then (seen under load with 3 ranks)
         time.sleep(0.5)
         self.comm.Abort(code)
-
-
-def _launcher_size() -> tuple[int, str]:
-    """The number of processes the launcher says it started (1 when none says more), and the
-    variable that says so."""
-    best = (1, "")
-    # srun sets SLURM_STEP_NUM_TASKS for the tasks it starts; a batch script alone does not.
-    for var in _LAUNCHER_VARS + ("SLURM_STEP_NUM_TASKS",):
-        try:
-            n = int(os.environ.get(var, "1") or 1)
-        except ValueError:
-            continue
-        if n > best[0]:
-            best = (n, var)
-    return best
-
-
-def launched_by_mpi() -> bool:
-    """True when started by mpirun/mpiexec/srun with more than one process."""
-    return _launcher_size()[0] > 1
 
 
 def make_comm(mpirun: bool = False, slurm: bool = False):

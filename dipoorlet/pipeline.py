@@ -602,7 +602,7 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
         if one_pass_minmax(cfg):
             # -A minmax: the ranges of the transformed tensors follow from per-channel ranges of
             # the untransformed ones, so one pass over all N samples serves both stages
-            candidates = list(placement_mod.place(g, plat, cfg.skip_layers).activations)
+            candidates = list(placement_mod.place(g, plat, cfg.skip_layers, warn=False).activations)
             equalized, stats = equalize.equalize_and_calibrate(g, data, indices, comm, cfg.device, smooth,
                                                                cfg.skip_layers, candidates,
                                                                eq_subset=set(spread(k, cfg.data_num, 0, 1)))
@@ -671,7 +671,7 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
         shifted = shift_mod.apply(g, places, plan, stats, RANGE_METHODS[cfg.act_quant], cfg.threshold,
                                   cfg.percentile)
         if shifted:   # same weights, new tensor names: the weight grids stay as planned
-            places = placement_mod.place(g, plat, cfg.skip_layers)
+            places = placement_mod.place(g, plat, cfg.skip_layers, warn=False)
     fit_biases(g, places, plan)    # before the steps that fit weights or biases to these grids
     corrections = None
 
@@ -927,7 +927,9 @@ def _write_staging(cfg, g, plan, places, plat, data, indices, qmodel, staging: P
     else:
         files = [save_model(qmodel, staging / "quant_model.onnx")]
     renamed = any(t not in g.source_names for t in [*plan.activations, *plan.weights])
-    if equalized or shifted or plan.values or renamed or g.prepared["float16_widened"] \
+    # a node the input model leaves unnamed (or names twice) gets a name here, which layer-keyed
+    # side files (atlas, rk, rv, stpu) use: the graph that holds those names must ship
+    if equalized or shifted or plan.values or renamed or g.prepared["float16_widened"] or g.prepared["nodes_named"] \
             or g.prepared["batchnorms_folded"] or g.prepared["elementwise_folded"] \
             or g.prepared.get("layernorms_fused") or g.prepared.get("hardswish_fused"):
         files.append(_save_transformed(g, plan, staging / "transformed_model.onnx"))
@@ -1266,7 +1268,10 @@ def _as_opset_20(qmodel) -> bool:
             if any(a.name in ("block_size", "output_dtype") for a in node.attribute):
                 return False
             zp = node.input[2] if len(node.input) > 2 else ""
-            if not zp or consts.get(zp) not in (onnx.TensorProto.INT8, onnx.TensorProto.UINT8):
+            # 8-bit grids, and the int32 grids of biases (DequantizeLinear only, since opset 10)
+            fits = (onnx.TensorProto.INT8, onnx.TensorProto.UINT8) + (
+                (onnx.TensorProto.INT32,) if node.op_type == "DequantizeLinear" else ())
+            if not zp or consts.get(zp) not in fits:
                 return False
         if node.op_type == "Cast" and node_attr(node, "to", onnx.TensorProto.FLOAT) not in _TYPES_AT_20:
             return False

@@ -185,7 +185,8 @@ def left_weight(g: Graph, node, index: int) -> bool:
             and not g.is_constant(node.input[1]))
 
 
-def place(g: Graph, platform: Platform, skip_layers=(), weight_only=()) -> Placement:
+def place(g: Graph, platform: Platform, skip_layers=(), weight_only=(), warn: bool = True) -> Placement:
+    """Where Q/DQ go on ``platform``; ``warn``: log what the spec leaves float by mistake (once a run)."""
     plan = Placement()
     skip = set(skip_layers)
     stray: dict[str, tuple[str, int, int]] = {}
@@ -244,7 +245,7 @@ def place(g: Graph, platform: Platform, skip_layers=(), weight_only=()) -> Place
         if fused is not None:
             reason += f"; input {node.input[fused]!r} fused into its producer, kept float"
         plan.decisions.append(Decision(node.name, op, True, reason))
-    for op, (name, i, w_index) in stray.items():
+    for op, (name, i, w_index) in stray.items() if warn else ():
         log.warning("platform %s: its [ops] weights give %s input %d as the weight, but %s reads an activation "
                     "there and a constant at input %d, which stays float; set weights = { %s = %d } in the spec",
                     platform.name, op, w_index, name, i, op, i)

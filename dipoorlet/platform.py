@@ -205,10 +205,16 @@ def parse(data: dict, source: str) -> Platform:
 
     _check_op_types(list(weights), source + " [ops] weights")
     for op, index in weights.items():
-        most = max(onnx.defs.get_schema(op).max_input, 0)
+        if not onnx.defs.has(op, ""):
+            raise ConfigError(f"platform spec {source} [ops]: weights {op}: not an op of the default ONNX domain, "
+                              "which is all this tool quantizes; name ops such as Conv or MatMul")
+        most = max(onnx.defs.get_schema(op, "").max_input, 0)
         if index >= most:
             raise ConfigError(f"platform spec {source} [ops]: weights {op} = {index}, but {op} has inputs 0.."
                               f"{most - 1}; give the index of its weight input (Conv's is 1)")
+        if op in ("Conv", "ConvTranspose", "Gemm") and index == 2:
+            raise ConfigError(f"platform spec {source} [ops]: weights {op} = 2 names its bias ([bias] quantize "
+                              f"decides biases); give the index of its weight input, 1")
     fusion = data["fusion"]
     _known(fusion, _FUSION_KEYS, source + " [fusion]")
     _known(data["bias"], {"quantize": bool}, source + " [bias]")

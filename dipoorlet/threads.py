@@ -28,10 +28,17 @@ def _slurm_local() -> int:
         if not m:
             return 1
         counts += [int(m.group(1))] * int(m.group(2) or 1)
-    node = int(os.environ.get("SLURM_NODEID", "0") or 0)
+    node = _env_int("SLURM_NODEID", 0)
     return counts[node] if 0 <= node < len(counts) else 1
 
 
+def _env_int(var: str, default: int = 1) -> int:
+    """A launcher's integer variable; ``default`` where it is unset or not a number."""
+    v = os.environ.get(var, "").strip()
+    return int(v) if v.isascii() and v.isdigit() else default
+
+
+_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE")
 _RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
 
 
@@ -40,21 +47,19 @@ def launcher_rank() -> int:
     variables before MPI starts (0 outside one): errors met before the communicator exists are
     printed by rank 0 alone."""
     for var in _RANK_VARS:
-        v = os.environ.get(var, "")
-        if v.isdigit():
-            return int(v)
-    if int(os.environ.get("SLURM_STEP_NUM_TASKS", "1") or 1) > 1 and os.environ.get("SLURM_PROCID", "").isdigit():
-        return int(os.environ["SLURM_PROCID"])
+        if _env_int(var, -1) >= 0:
+            return _env_int(var)
+    if _env_int("SLURM_STEP_NUM_TASKS") > 1:
+        return _env_int("SLURM_PROCID", 0)
     return 0
 
 
 def local_processes() -> int:
     """How many processes of this MPI/srun job share this node (1 outside one)."""
     for var in _LOCAL_SIZE_VARS:
-        v = os.environ.get(var, "")
-        if v.isdigit() and int(v) > 0:
-            return int(v)
-    if int(os.environ.get("SLURM_STEP_NUM_TASKS", "1") or 1) > 1:
+        if _env_int(var, 0) > 0:
+            return _env_int(var)
+    if _env_int("SLURM_STEP_NUM_TASKS") > 1:
         return max(1, _slurm_local())
     return 1
 
@@ -70,11 +75,11 @@ def share_cores() -> int | None:
     # a launcher that binds each process to its own cores (srun -c 8) already divided them
     per = max(1, min(bound, node // n))
     # a thread count the user (or a cluster module) set for one library is their intent for all
-    given = next((os.environ[v] for v in _BLAS_VARS if os.environ.get(v, "").isdigit()), None)
+    given = next((os.environ[v].strip() for v in _BLAS_VARS if _env_int(v, 0) > 0), None)
     for var in _BLAS_VARS:
         os.environ.setdefault(var, given or str(per))
     os.environ.setdefault(ENV, given or str(per))
-    return int(os.environ[ENV]) if os.environ[ENV].isdigit() else per
+    return _env_int(ENV, per) or per
 
 
 def usable_cores() -> int:
@@ -86,5 +91,41 @@ def usable_cores() -> int:
 
 def session_threads() -> int:
     """onnxruntime intra-op threads for a session: the MPI share, 0 (onnxruntime's default) outside."""
-    v = os.environ.get(ENV, "")
-    return int(v) if v.isdigit() and int(v) > 0 else 0
+    return max(_env_int(ENV, 0), 0)
+
+
+def _launcher_size() -> tuple[int, str]:
+    """The number of processes the launcher says it started (1 when none says more), and the
+    variable that says so."""
+    best = (1, "")
+    # srun sets SLURM_STEP_NUM_TASKS for the tasks it starts; a batch script alone does not.
+    for var in _LAUNCHER_VARS + ("SLURM_STEP_NUM_TASKS",):
+        n = _env_int(var)
+        if n > best[0]:
+            best = (n, var)
+    return best
+
+
+def launched_by_mpi() -> bool:
+    """True when started by mpirun/mpiexec/srun with more than one process."""
+    return _launcher_size()[0] > 1
+
+
+def abort_launch(code: int) -> None:
+    """Ctrl-C before this process made its communicator, under a launcher: the other ranks may
+    already wait in MPI's start-up for this one, and would wait forever after it exits (mpirun
+    waits for them). Join the start-up and abort, which ends every rank; nothing outside one."""
+    if not launched_by_mpi():
+        return
+    try:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="suspicious MPI execution environment")
+            from mpi4py import MPI
+        import sys
+
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(code)
+    except BaseException:  # noqa: BLE001 - no MPI to join (or a second Ctrl-C): exit as asked
+        pass

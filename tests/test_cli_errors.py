@@ -129,6 +129,13 @@ def too_few_files(c):
     return ["2.bin or 2.npy", "lower -N to 2 (samples 0..1 are there)"]
 
 
+def sample_named_with_a_non_ascii_digit(c):
+    # '\u00b2'.isdigit() is True but int('\u00b2') raises: a stray file so named is not a sample
+    np.save(c.data / "x" / "\u00b2.npy", np.zeros((1, 3, 8, 8), np.float32))
+    c.args["-N"] = "3"
+    return ["2.bin or 2.npy", "lower -N to 2"]
+
+
 def far_too_many_files(c):
     # found from the folder's names: a loop over every index up to -N never ended
     c.args["-N"] = str(10**12)
@@ -587,7 +594,7 @@ def reference_update_bn(c):
     return ["--update_bn", "folded", "--bc"]
 
 
-CASES = [far_too_many_files, npy_without_batch_axis_channels_last, missing_model, model_is_a_folder, not_onnx, external_data_missing, custom_op, input_dir_missing, input_folder_missing,
+CASES = [sample_named_with_a_non_ascii_digit, far_too_many_files, npy_without_batch_axis_channels_last, missing_model, model_is_a_folder, not_onnx, external_data_missing, custom_op, input_dir_missing, input_folder_missing,
          too_few_files, bin_wrong_size, nan_in_sample, inf_in_npy, images_instead_of_samples,
          images_in_input_dir, samples_named_otherwise, samples_outside_input_folder, channels_last_sample,
          channels_last_sample_dynamic_batch, samples_zero_padded, too_few_files_beside_a_stray_file,

@@ -94,6 +94,8 @@ def test_bad_file_on_one_rank_stops_every_rank(case):
     assert "10.bin" in res.stderr and "NaN/Inf" in res.stderr
     leftovers = [p.name for p in out.iterdir()] if out.exists() else []
     assert not [n for n in leftovers if n != "dipoorlet.log"], leftovers
+    # the failing rank's line reaches rank 0's log too (its abort ends rank 0 before rank 0 could)
+    assert "error (rank 2)" in (out / "dipoorlet.log").read_text() and "10.bin" in (out / "dipoorlet.log").read_text()
 
 
 def test_an_error_every_rank_meets_is_printed_once(case):
@@ -263,7 +265,9 @@ import sys, dipoorlet
 from dipoorlet.errors import DipoorletError
 root, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 calib = sys.argv[4] if len(sys.argv) > 4 else "calib"
-kw = {"mpirun": True} if mode == "mpi" else {}
+kw = {"mpirun": True} if mode.startswith("mpi") else {}
+if mode == "mpi-bar":
+    kw["fail_below"] = 1.0
 try:
     res = dipoorlet.quantize(model=root + "/m.onnx", input_dir=root + "/" + calib, data_num=11, deploy="trt",
                              output_dir=out, act_quant="mse", **kw)
@@ -326,6 +330,20 @@ def test_api_call_with_mpirun_true_stops_every_rank_on_one_ranks_bad_file(case, 
     assert res.returncode != 0
     assert "dipoorlet: error (rank 1)" in res.stderr and "10.bin" in res.stderr
     assert not (tmp_path / "o" / "quant_model.onnx").exists()
+    # rank 0's log is dipoorlet.log (no temporary name another rank's abort would leave) and
+    # holds the failing rank's line
+    assert "error (rank 1)" in (tmp_path / "o" / "dipoorlet.log").read_text()
+
+
+def test_api_call_with_mpirun_true_raises_and_logs_a_missed_fail_below_on_every_rank(case, tmp_path):
+    script = tmp_path / "api.py"
+    script.write_text(_API_SCRIPT)
+    res = subprocess.run([MPIRUN, "-n", "2", sys.executable, str(script), str(case), str(tmp_path / "o"), "mpi-bar"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 3, res.stderr
+    assert res.stdout.count("raised BelowTargetError 3") == 2
+    assert "fail_below 1.0" in (tmp_path / "o" / "dipoorlet.log").read_text()
+    assert (tmp_path / "o" / "quant_model.onnx").exists()
 
 
 def test_savefp_under_mpi_refuses_an_output_folder_a_rank_cannot_see(case, tmp_path):

@@ -333,3 +333,26 @@ def test_attention_mask_of_float32_lowest_does_not_break_the_report(tmp_path, fl
     assert np.all(got[0, 6:] == 0) and np.isfinite(got).all()
     if flags["deploy"] == "trt":        # trt leaves the Softmax input float
         assert result.report["outputs"][0]["cosine"] > 0.99 and np.abs(got - want).max() < 0.05
+
+
+@pytest.mark.parametrize("deploy", ["atlas", "stpu"])
+def test_layer_keyed_side_files_name_nodes_of_a_model_that_ships(tmp_path, deploy):
+    """An input model with unnamed nodes: the names the tool gives them key atlas_record.json /
+    stpu_minmax.json, so transformed_model.onnx (which holds them) is written even where no
+    weight transform ran (--no_bc --no_equalize)."""
+    import json
+
+    from conftest import tiny_cnn
+
+    model = tiny_cnn()
+    for n in model.graph.node:
+        n.name = ""
+    quantize_model(tmp_path, model, n=3, deploy=deploy, bias_correction=False, equalize=False, skip_prof_layer=True)
+    out = tmp_path / "out"
+    names = {n.name for n in onnx.load(str(out / "transformed_model.onnx")).graph.node}
+    if deploy == "atlas":
+        keys = set(json.loads((out / "atlas_record.json").read_text()))
+    else:
+        keys = {k.rsplit("_", 1)[0] for k in json.loads((out / "stpu_minmax.json").read_text())
+                if k.endswith(("_weights", "_bias"))}
+    assert keys and keys <= names

@@ -223,6 +223,8 @@ def test_layer_bits_for_one_node_twice_add_up_or_clash():
     assert parse_layer_bits(["conv1=w4", "conv1=w4a8"]) == {"conv1": (4, 8)}
     with pytest.raises(ConfigError, match="two w widths .*w4 and w6"):
         parse_layer_bits(["conv1=w4", "conv1=w6"])
+    with pytest.raises(ConfigError, match="two w widths .*w4 and w0"):
+        parse_layer_bits(["conv1=w4", "conv1=w0"])
 
 
 @pytest.mark.parametrize("text", ["conv1", "conv1=x4", "=w4", "conv1="])

@@ -96,3 +96,15 @@ def test_sample_sums_from_several_threads_at_once_equal_the_serial_ones():
         with ThreadPoolExecutor(max_workers=4) as pool:
             got = list(pool.map(lambda p: sample_sums(*p), pairs))
         assert got == want
+
+
+@pytest.mark.parametrize("value", ["x", "\u00b2", " ", "-1"])
+def test_launcher_variables_that_are_not_numbers_are_ignored(monkeypatch, value):
+    from dipoorlet import threads
+
+    for var in ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_RANK", "MPI_LOCALNRANKS", "DIPOORLET_THREADS",
+                "SLURM_PROCID", "SLURM_NODEID"):
+        monkeypatch.setenv(var, value)
+    assert threads.launcher_rank() == 0
+    assert threads.local_processes() == 1
+    assert threads.session_threads() == 0
