@@ -1239,6 +1239,14 @@ def _check(qmodel) -> None:
 _TYPES_ONLY_AT_21 = frozenset({"Cast", "CastLike", "Constant", "ConstantOfShape", "DequantizeLinear", "Flatten",
                                "Identity", "If", "Loop", "Pad", "QuantizeLinear", "Reshape", "Scan", "Shape",
                                "Size", "Squeeze", "Transpose", "Unsqueeze"})
+# ops whose opset-22 version only added bfloat16 to the types it accepts (ONNX 1.17)
+_BFLOAT16_AT_22 = frozenset({
+    "Acos", "Acosh", "Asin", "Asinh", "Atan", "Atanh", "AveragePool", "Bernoulli", "Conv", "ConvTranspose", "Cos",
+    "Cosh", "DeformConv", "Det", "Dropout", "Elu", "EyeLike", "GRU", "GlobalAveragePool", "GlobalLpPool",
+    "GlobalMaxPool", "GridSample", "HardSigmoid", "HardSwish", "InstanceNormalization", "LSTM", "LpNormalization",
+    "LpPool", "MaxPool", "MaxRoiPool", "MaxUnpool", "Mish", "Multinomial", "NegativeLogLikelihoodLoss", "RNN",
+    "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "RoiAlign", "Round", "Selu", "Sin",
+    "Sinh", "Softplus", "Softsign", "Tan", "ThresholdedRelu"})
 _TYPES_AT_20 = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
                           onnx.TensorProto.BFLOAT16, onnx.TensorProto.INT8, onnx.TensorProto.UINT8,
                           onnx.TensorProto.INT16, onnx.TensorProto.UINT16, onnx.TensorProto.INT32,
@@ -1247,22 +1255,25 @@ _TYPES_AT_20 = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.
 
 
 def _as_opset_20(qmodel) -> bool:
-    """Lower an opset-21 QDQ model to opset 20 in place where that changes nothing: every default-
-    domain op means the same at 20, no tensor has a type opset 20 lacks, every Q/DQ grid is 8-bit
-    (a 16-bit one needs 21) and no Q/DQ carries an opset-21 attribute. Returns whether it did."""
+    """Lower an opset-21 or -22 QDQ model to opset 20 in place where that changes nothing: every
+    default-domain op means the same at 20, no tensor has a type opset 20 lacks (bfloat16 either,
+    from 22), every Q/DQ grid is 8-bit (a 16-bit one needs 21) and no Q/DQ carries an opset-21
+    attribute. Returns whether it did."""
     from dipoorlet.graph import _all_nodes
 
-    if opset_of(qmodel) != 21 or qmodel.functions:
+    version = opset_of(qmodel)
+    if version not in (21, 22) or qmodel.functions:
         return False
+    types = _TYPES_AT_20 - ({onnx.TensorProto.BFLOAT16} if version == 22 else set())
     consts = {t.name: t.data_type for t in qmodel.graph.initializer}
     for node in _all_nodes(qmodel):
         if node.domain not in ("", "ai.onnx"):
             continue
         try:
-            since = onnx.defs.get_schema(node.op_type, 21, "").since_version
+            since = onnx.defs.get_schema(node.op_type, version, "").since_version
         except Exception:  # noqa: BLE001 - not an onnx op
             return False
-        if since == 21 and node.op_type not in _TYPES_ONLY_AT_21:
+        if since == 21 and node.op_type not in _TYPES_ONLY_AT_21 or since == 22 and node.op_type not in _BFLOAT16_AT_22:
             return False
         if node.op_type in ("QuantizeLinear", "DequantizeLinear"):
             if any(a.name in ("block_size", "output_dtype") for a in node.attribute):
@@ -1273,12 +1284,12 @@ def _as_opset_20(qmodel) -> bool:
                 (onnx.TensorProto.INT32,) if node.op_type == "DequantizeLinear" else ())
             if not zp or consts.get(zp) not in fits:
                 return False
-        if node.op_type == "Cast" and node_attr(node, "to", onnx.TensorProto.FLOAT) not in _TYPES_AT_20:
+        if node.op_type == "Cast" and node_attr(node, "to", onnx.TensorProto.FLOAT) not in types:
             return False
     graph = qmodel.graph
     infos = list(graph.input) + list(graph.output) + list(graph.value_info)
-    if any(t.data_type not in _TYPES_AT_20 for t in graph.initializer) or any(
-            v.type.HasField("tensor_type") and v.type.tensor_type.elem_type not in _TYPES_AT_20 for v in infos):
+    if any(t.data_type not in types for t in graph.initializer) or any(
+            v.type.HasField("tensor_type") and v.type.tensor_type.elem_type not in types for v in infos):
         return False
     for imp in qmodel.opset_import:
         if imp.domain in ("", "ai.onnx"):
@@ -1311,18 +1322,19 @@ def _loads_by_default(qmodel) -> None:
     why = failure(qmodel)
     if not why:
         return
+    was = opset_of(qmodel)
     lowered = onnx.ModelProto()
     lowered.CopyFrom(qmodel)
     if _as_opset_20(lowered) and not failure(lowered):
         try:
             onnx.checker.check_model(lowered, full_check=True)
-        except Exception:  # noqa: BLE001 - keep the opset-21 model then
+        except Exception:  # noqa: BLE001 - keep the model at its opset then
             pass
         else:
             qmodel.CopyFrom(lowered)
-            log.info("quant_model.onnx is written at opset 20, not 21: onnxruntime %s's default session "
-                     "fails to load the opset-21 model (%s); nothing the model uses changed between the two",
-                     ort.__version__, why[:160])
+            log.info("quant_model.onnx is written at opset 20, not %d: onnxruntime %s's default session "
+                     "fails to load the opset-%d model (%s); nothing the model uses changed between the two",
+                     was, ort.__version__, was, why[:160])
             return
     log.warning("quant_model.onnx runs in onnxruntime with graph optimizations off (as this tool ran it), but "
                 "onnxruntime %s's default session fails to load it (%s); run it with "

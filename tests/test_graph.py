@@ -315,13 +315,14 @@ def _default_session_error(model) -> str:
         return str(exc)
 
 
-def test_opset_21_int8_model_is_written_at_opset_20_when_a_default_session_rejects_21(tmp_path, caplog):
-    model = _conv_pool(21)
+@pytest.mark.parametrize("opset", [21, 22])
+def test_opset_21_int8_model_is_written_at_opset_20_when_a_default_session_rejects_21(tmp_path, caplog, opset):
+    model = _conv_pool(opset)
     res, qm = quantize_model(tmp_path, model, n=3)
     # the oracle: the same Q/DQ model left at opset 21 fails in onnxruntime's default session
     at21 = onnx.ModelProto()
     at21.CopyFrom(qm)
-    next(o for o in at21.opset_import if o.domain in ("", "ai.onnx")).version = 21
+    next(o for o in at21.opset_import if o.domain in ("", "ai.onnx")).version = opset
     if not _default_session_error(at21):
         pytest.skip("this onnxruntime loads opset-21 int8 Q/DQ across MaxPool; nothing to lower")
     assert next(o.version for o in qm.opset_import if o.domain in ("", "ai.onnx")) == 20
@@ -330,7 +331,7 @@ def test_opset_21_int8_model_is_written_at_opset_20_when_a_default_session_rejec
     feed = input_feeds(model, 1)[0]
     # same numbers at 20 as the opset-21 model with optimizations off
     np.testing.assert_array_equal(ort_run(qm, feed)[0], ort_run(at21, feed)[0])
-    assert "opset 20" in (tmp_path / "out" / "dipoorlet.log").read_text()
+    assert f"opset 20, not {opset}" in (tmp_path / "out" / "dipoorlet.log").read_text()
 
 
 def test_opset_21_model_with_int32_bias_grids_is_lowered_too(tmp_path):
@@ -380,7 +381,13 @@ def test_lowering_to_opset_20_refuses_16_bit_grids_and_ops_changed_at_21():
     assert not _as_opset_20(qdq(np.int16))
     gn = helper.make_node("GroupNormalization", ["d", "gs", "gb"], ["y"], num_groups=2)
     assert not _as_opset_20(qdq(np.int8, [gn]))
-    assert not _as_opset_20(conv_model(opset=20))       # only 21 is lowered
+    assert not _as_opset_20(conv_model(opset=20))       # only 21 and 22 are lowered
+    at22 = qdq(np.int8)
+    at22.opset_import[0].version = 22
+    assert _as_opset_20(at22)
+    at23 = qdq(np.int8)
+    at23.opset_import[0].version = 23
+    assert not _as_opset_20(at23)
 
 
 def producer_op(model, tensor):
