@@ -356,3 +356,21 @@ def test_layer_keyed_side_files_name_nodes_of_a_model_that_ships(tmp_path, deplo
         keys = {k.rsplit("_", 1)[0] for k in json.loads((out / "stpu_minmax.json").read_text())
                 if k.endswith(("_weights", "_bias"))}
     assert keys and keys <= names
+
+
+def test_weight_clip_val_of_a_dead_channel_rebuilds_its_floored_grid(tmp_path):
+    """A channel of ~1e-30 weights gets a grid built on MIN_SCALE; weight_clip_val.json gives that
+    range (max |.| / 127 is the model's scale), not the values' own (a step 10^22 times too fine)."""
+    import json
+
+    from conftest import conv_model, initializer
+
+    model = conv_model(cin=3, cout=4, bias=False)
+    w = numpy_helper.to_array(model.graph.initializer[0]).copy()
+    w[1] = 1e-30
+    model.graph.initializer[0].CopyFrom(numpy_helper.from_array(w, "w"))
+    quantize_model(tmp_path, model, n=3, skip_prof_layer=True)
+    lo, hi = json.loads((tmp_path / "out" / "weight_clip_val.json").read_text())["w"]
+    scale = initializer(onnx.load(str(tmp_path / "out" / "quant_model.onnx")), "w_scale")
+    rebuilt = np.maximum(np.abs(lo), np.abs(hi)) / 127
+    np.testing.assert_allclose(rebuilt, scale, rtol=1e-6)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from dipoorlet.deploy import register
+from dipoorlet.qparams import MIN_SCALE
 from dipoorlet.util import write_json
 
 
@@ -22,6 +23,20 @@ def _channel_range(w: np.ndarray, axis):
         return [float(w.min())], [float(w.max())]
     moved = np.moveaxis(w, axis, 0).reshape(w.shape[axis], -1)
     return moved.min(axis=1).astype(float).tolist(), moved.max(axis=1).astype(float).tolist()
+
+
+def _floored(qp, lo: list, hi: list) -> tuple[list, list]:
+    """A channel whose range is narrower than MIN_SCALE (a dead channel, weights ~1e-30), whose
+    grid make_qparams built on MIN_SCALE instead: that range, which rebuilds the grid (the values'
+    own range rebuilt a step ~10^22 times too fine)."""
+    symmetric = not np.any(np.asarray(qp.zero_point))
+    out_lo, out_hi = list(lo), list(hi)
+    for c, (a, b) in enumerate(zip(lo, hi)):
+        if symmetric and max(-a, b) < MIN_SCALE:
+            out_lo[c], out_hi[c] = -MIN_SCALE, MIN_SCALE
+        elif not symmetric and b - a < MIN_SCALE:
+            out_hi[c] = a + MIN_SCALE
+    return out_lo, out_hi
 
 
 @register("reference")
@@ -38,6 +53,7 @@ def export(ctx, folder):
                 # or a fitted rounding took a channel's extreme value (up to 25% finer grids)
                 lo, hi = ([float(v) for v in np.broadcast_to(np.asarray(r, np.float64), np.shape(lo))]
                           for r in (qp.lo, qp.hi))
+                lo, hi = _floored(qp, lo, hi)
             weights[wp.tensor] = [lo, hi]
     return [write_json(folder / "act_clip_val.json", acts),
             write_json(folder / "weight_clip_val.json", weights)]
