@@ -278,6 +278,9 @@ def plan_grids(g: Graph, stats, cfg: QuantConfig, plat, places) -> QuantPlan:
     return plan
 
 
+MAX_AMAX = 1e30    # beyond it an activation stays float (see plan_activations)
+
+
 def plan_activations(stats, cfg: QuantConfig, plat, places=None) -> QuantPlan:
     method = RANGE_METHODS[cfg.act_quant]
     plan = QuantPlan()
@@ -287,6 +290,13 @@ def plan_activations(stats, cfg: QuantConfig, plat, places=None) -> QuantPlan:
         if not math.isfinite(st.minmax.amax):
             log.warning("tensor %s reaches %s/%s on the calibration data; it stays float", t,
                         st.minmax.lo, st.minmax.hi)
+            continue
+        if st.minmax.amax > MAX_AMAX:
+            # float32's lowest (HF attention masks write (1 - mask) * finfo.min) or the like: a
+            # grid over it has steps of 1e28 and up, and its end levels dequantize to inf
+            log.warning("tensor %s reaches %.4g..%.4g on the calibration data (a mask of float32's lowest "
+                        "value?): no integer grid can hold that range and it stays float; export the mask "
+                        "with a moderate constant (e.g. -1e4) to quantize it", t, st.minmax.lo, st.minmax.hi)
             continue
         point = places.activations.get(t) if places is not None else None
         # the nodes whose --layer_bits decide this grid: its readers, and the producer of a network
