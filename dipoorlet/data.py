@@ -392,6 +392,12 @@ class DataSource:
                     # a plain cast wraps around: token id 2^32 + 3 became 3
                     raise DataError(f"{where} holds values {lo}..{hi}, beyond the range of input {spec.name!r} "
                                     f"({spec.dtype}: {info.min}..{info.max}); fix or remove that sample")
+            if spec.dtype == np.bool_ and arr.dtype != np.bool_ and arr.size:
+                lo, hi = int(arr.min()), int(arr.max())
+                if lo < 0 or hi > 1:
+                    # a cast makes every nonzero True: a mask of 0..2 (or token ids) read as all-ones
+                    raise DataError(f"{where} holds values {lo}..{hi} but input {spec.name!r} is bool; give "
+                                    "0/1 (or save it as np.bool_)")
             arr = arr.astype(spec.dtype, copy=False)
         if spec.shape is not None:
             want = self.input_shapes.get(spec.name, spec.shape)

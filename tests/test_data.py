@@ -555,3 +555,13 @@ def test_float32_bin_with_many_tiny_values_is_not_taken_for_float64(tmp_path):
     _bin(tmp_path, "x", 0, x)
     src = DataSource(tmp_path, [InputSpec("x", F32, (1, 3, 8, None))], 1)
     np.testing.assert_array_equal(src.sample(0)["x"], x)
+
+
+def test_bool_input_given_integers_other_than_0_and_1_is_refused(tmp_path):
+    (tmp_path / "mask").mkdir()
+    np.save(tmp_path / "mask" / "0.npy", np.array([[1, 1, 0, 0]], np.int64))
+    np.save(tmp_path / "mask" / "1.npy", np.array([[0, 2, 1, 0]], np.int64))    # a cast made the 2 True
+    src = DataSource(tmp_path, [InputSpec("mask", np.dtype(np.bool_), (1, 4))], 2)
+    np.testing.assert_array_equal(src.sample(0)["mask"], [[True, True, False, False]])
+    with pytest.raises(DataError, match=r"1.npy holds values 0..2 but input 'mask' is bool; give 0/1"):
+        src.sample(1)
