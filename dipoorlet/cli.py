@@ -178,7 +178,7 @@ def setup_logging(out_dir: Path | None, debug: bool, rank: int = 0, all_ranks: b
         # writes dipoorlet.log directly into a folder without an earlier run's outputs (so a
         # failed run leaves its log), and the temporary file where it would replace their log.
         name = (RUN_LOG if world == 1 or _earlier_outputs(out_dir) else "dipoorlet.log") if rank == 0 \
-            else f"dipoorlet.rank{rank}.log"
+            else rank_log(out_dir, rank).name
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
             fh = logging.FileHandler(out_dir / name, mode="w", encoding="utf-8")
@@ -201,6 +201,29 @@ def finish_log(out_dir: Path | None, ok: bool) -> None:
             h.close()
             root.removeHandler(h)
     name_run_log(out_dir, ok)
+
+
+def rank_log(out_dir: Path, rank: int) -> Path:
+    """--log_all_ranks: where rank ``rank`` (> 0) logs. Beside an earlier run's outputs, a
+    temporary name that finish_rank_log gives the rank's log once the run has written its
+    outputs: a failed run must not replace the earlier run's dipoorlet.rank<N>.log."""
+    final = out_dir / f"dipoorlet.rank{rank}.log"
+    return out_dir / f".dipoorlet-run.rank{rank}.log" if _earlier_outputs(out_dir) else final
+
+
+def finish_rank_log(out_dir: Path, rank: int) -> None:
+    """After a run that wrote its outputs: close this rank's log and give it its name."""
+    root = logging.getLogger("dipoorlet")
+    for h in list(root.handlers):
+        if isinstance(h, logging.FileHandler):
+            h.close()
+            root.removeHandler(h)
+    tmp = out_dir / f".dipoorlet-run.rank{rank}.log"
+    if tmp.is_file():
+        try:
+            os.replace(tmp, out_dir / f"dipoorlet.rank{rank}.log")
+        except OSError:
+            pass
 
 
 def rank0_log(out_dir: Path) -> Path:
@@ -449,6 +472,8 @@ def _main(args, argv, state) -> int:
         start = time.perf_counter()
         result = quantize(cfg, comm)
         state["ok"] = True   # the outputs are written (--fail_below's exit 3 included)
+        if comm.rank != 0 and args.log_all_ranks:
+            finish_rank_log(cfg.output_dir, comm.rank)
         if comm.rank == 0:
             _remove_other_rank_logs(cfg.output_dir, comm.world if args.log_all_ranks else 1)
             log.info(summary(result, cfg))

@@ -143,6 +143,16 @@ def test_a_rerun_removes_the_earlier_runs_rank_logs(case):
     assert not list(out.glob("dipoorlet.rank*.log"))
 
 
+def test_a_failed_run_keeps_the_earlier_runs_rank_logs(case):
+    out = case / "ranklogs-fail-out"
+    assert _run(case, out, "minmax --log_all_ranks", 2).returncode == 0
+    before = (out / "dipoorlet.rank1.log").read_text()
+    assert _run(case, out, "minmax --log_all_ranks --skip_layers nope", 2).returncode == 2
+    assert (out / "dipoorlet.rank1.log").read_text() == before          # the failed run's is kept aside
+    assert _run(case, out, "minmax --log_all_ranks", 2).returncode == 0
+    assert (out / "dipoorlet.rank1.log").read_text() != before
+
+
 def test_more_ranks_than_samples_with_bias_correction(case):
     """3 ranks, 2 samples: one rank has none, yet every collective (equalization MAX, the bias
     correction sums, the histogram merge) lines up and the outputs equal one process's."""
