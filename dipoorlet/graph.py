@@ -64,6 +64,25 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     return model
 
 
+def model_files(path: str | os.PathLike) -> list[Path]:
+    """The model file and the external-data files its tensors name (read without the data): a
+    run must never remove or replace any of them (an -M inside -O whose weights sit beside it)."""
+    p = Path(path)
+    files = [p]
+    try:
+        from onnx.external_data_helper import _get_all_tensors
+
+        m = onnx.load(str(p), load_external_data=False)
+        for t in _get_all_tensors(m):
+            if t.data_location == onnx.TensorProto.EXTERNAL:
+                loc = next((e.value for e in t.external_data if e.key == "location"), "")
+                if loc and p.parent / loc not in files:
+                    files.append(p.parent / loc)
+    except Exception:  # noqa: BLE001 - the model itself was read before; keep what is known
+        pass
+    return files
+
+
 # Ops of an already quantized model: ONNX's (any QLinear* too) and onnxruntime's contrib ops
 QUANTIZED_OPS = {"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "ConvInteger", "MatMulInteger"}
 ORT_QUANTIZED_OPS = {"QGemm", "QAttention", "QEmbedLayerNormalization", "DynamicQuantizeLSTM",
@@ -416,4 +435,10 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike, external: bool |
                 os.replace(os.path.join(tmp, data_name), tmp_data)
             else:  # no tensor at all: an empty data file keeps the pair consistent
                 open(tmp_data, "wb").close()
+            # the files onnx made replaced the ones atomic_path gave the umask's mode (onnx's data
+            # file came out 0600): both get the mode any new file gets here, as every output does
+            from dipoorlet.util import _umask
+
+            for f in (tmp_model, tmp_data):
+                os.chmod(f, 0o666 & ~_umask())
     return path

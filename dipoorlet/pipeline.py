@@ -32,7 +32,7 @@ from dipoorlet.data import VALIDATION, DataSource, input_specs, shard, spread
 from dipoorlet.deploy import DeployContext, export_all
 from dipoorlet.dist import SingleProcess
 from dipoorlet.errors import ConfigError, DataError, ModelError, OutputError
-from dipoorlet.graph import Graph, node_attr, check_float, opset_of, save_model
+from dipoorlet.graph import Graph, node_attr, check_float, model_files, opset_of, save_model
 from dipoorlet.qdq import insert_qdq
 from dipoorlet.qparams import MIN_SCALE, QuantPlan, bias_qparams, levels, make_qparams, share_scales
 from dipoorlet.ranges import NEEDS_HISTOGRAM, RANGE_METHODS, RangeParams, clip_range, power_of_two_clip
@@ -916,7 +916,8 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
             raise OutputError(f"could not write the outputs into {out_dir} ({exc.strerror or exc}{what}); free "
                               f"space there or choose another -O; nothing in it was changed") from exc
         timings["total_s"] = time.perf_counter() - t0
-        final = _publish(staging, out_dir, keep=(cfg.model, *data.paths(), *(val[0].paths() if val else ())))
+        final = _publish(staging, out_dir, keep=(*model_files(cfg.model), *data.paths(),
+                                                 *(val[0].paths() if val else ())))
         return Result(out_dir, final, rep, rows, timings)
     finally:
         if comm.rank == 0:

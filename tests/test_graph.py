@@ -236,6 +236,30 @@ def test_models_past_the_protobuf_limit_go_through_external_data(tmp_path, monke
     feed = input_feeds(model, 1)[0]
     assert np.abs(ort_run(qm, feed)[0] - ort_run(model, feed)[0]).max() < 0.1
     assert result.report["outputs"][0]["cosine"] > 0.99
+    import stat
+
+    from dipoorlet.util import _umask
+
+    for name in ("quant_model.onnx", "quant_model.onnx.data"):   # the mode any new file gets here
+        assert stat.S_IMODE((out / name).stat().st_mode) == 0o666 & ~_umask(), name
+
+
+def test_a_rerun_from_an_earlier_runs_external_data_model_keeps_its_data_file(tmp_path, monkeypatch):
+    """-M out/transformed_model.onnx whose weights sit in out/transformed_model.onnx.data: a rerun
+    that writes no transformed model removed that data file as stale, breaking its own input."""
+    from conftest import input_feeds, tiny_cnn, write_samples
+    from dipoorlet import graph as graph_mod
+
+    monkeypatch.setattr(graph_mod, "EXTERNAL_THRESHOLD", 1000)
+    model = save_model(tiny_cnn(), tmp_path / "m.onnx")
+    data = write_samples(tmp_path / "d", input_feeds(tiny_cnn(), 3))
+    out = tmp_path / "out"
+    dipoorlet.quantize(model=model, input_dir=data, data_num=3, deploy="trt", output_dir=out, skip_prof_layer=True)
+    assert (out / "transformed_model.onnx.data").is_file()
+    dipoorlet.quantize(model=out / "transformed_model.onnx", input_dir=data, data_num=3, deploy="trt",
+                       output_dir=out, skip_prof_layer=True, no_bc=True, no_equalize=True, no_shift=True)
+    assert (out / "transformed_model.onnx.data").is_file()
+    onnx.load(str(out / "transformed_model.onnx"))        # with its weights
 
 
 # ---- an already quantized model as -M ---------------------------------------------------------
