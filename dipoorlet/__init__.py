@@ -42,7 +42,14 @@ def quantize(**kwargs):
     with _API_LOCK:
         try:
             with _run_log(out / RUN_LOG, cfg.debug):
-                result = _quantize(cfg)
+                try:
+                    result = _quantize(cfg)
+                except Exception as exc:
+                    # the failed run's log says why, as from the CLI (the caller gets the exception)
+                    from dipoorlet.cli import _log_to_file
+
+                    _log_to_file(f"dipoorlet: error: {exc}")
+                    raise
                 ok = True       # the outputs are written, a miss of fail_below included
                 _check_bar(result, cfg)
             return result
@@ -182,7 +189,9 @@ def _run_log(path, debug: bool = False):
             if not found and logging.lastResort is not None and record.levelno >= logging.lastResort.level:
                 logging.lastResort.handle(record)
 
-    fh = logging.FileHandler(path, mode="w", encoding="utf-8")
+    from dipoorlet.util import QuietFileHandler
+
+    fh = QuietFileHandler(path, mode="w", encoding="utf-8")
     fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     for h in saved[2]:
         logger.removeHandler(h)

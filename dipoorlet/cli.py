@@ -181,7 +181,9 @@ def setup_logging(out_dir: Path | None, debug: bool, rank: int = 0, all_ranks: b
             else rank_log(out_dir, rank).name
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
-            fh = logging.FileHandler(out_dir / name, mode="w", encoding="utf-8")
+            from dipoorlet.util import QuietFileHandler
+
+            fh = QuietFileHandler(out_dir / name, mode="w", encoding="utf-8")
             fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
             root.addHandler(fh)
         except OSError:

@@ -1438,11 +1438,28 @@ def _check_shared_output(staging: Path, comm) -> None:
 def _fp_saver(staging: Path, outputs: list[str]):
     """--savefp: the float model's outputs per sample, ``output/<tensor>/onnx-output-<i>.bin`` as
     the reference tool writes them; each rank writes its own samples into the staging folder."""
+    folders, taken = {}, set()
+    for name in outputs:
+        # the reference tool's folder name; two outputs that differ by '/' against '_' get their
+        # own folders (one overwrote the other's samples)
+        base = folder = name.replace("/", "_")
+        k = 1
+        while folder in taken:
+            folder, k = f"{base}_{k}", k + 1
+        if folder != base:
+            log.warning("--savefp: outputs %r and another both map to folder output/%s; %r's samples go into "
+                        "output/%s", name, base, name, folder)
+        taken.add(folder)
+        folders[name] = folder
+
     def save(i, tensors):
         for name in outputs:
-            folder = staging / "output" / name.replace("/", "_")
+            folder = staging / "output" / folders[name]
             folder.mkdir(parents=True, exist_ok=True)
-            np.ascontiguousarray(tensors[name]).tofile(folder / f"onnx-output-{i}.bin")
+            # file.write, not ndarray.tofile: a full disk is then an OSError with its errno (tofile
+            # raised one without, which the CLI could not tell from a bug)
+            with open(folder / f"onnx-output-{i}.bin", "wb") as f:
+                f.write(np.ascontiguousarray(tensors[name]).reshape(-1).view(np.uint8).data)
     return save
 
 

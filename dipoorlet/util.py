@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -47,8 +48,35 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
     return Path(path)
 
 
+def finite_json(obj):
+    """``obj`` with every non-finite float as None: JSON has no Infinity or NaN (Python writes
+    them, strict parsers such as JavaScript's JSON.parse reject the file)."""
+    if isinstance(obj, float):
+        return obj if obj == obj and obj not in (float("inf"), float("-inf")) else None
+    if isinstance(obj, dict):
+        return {k: finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_json(v) for v in obj]
+    return obj
+
+
 def write_json(path: str | os.PathLike, obj) -> Path:
-    return write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    return write_text(path, json.dumps(finite_json(obj), indent=2, sort_keys=False, allow_nan=False) + "\n")
+
+
+class QuietFileHandler(logging.FileHandler):
+    """A log file that goes quiet when it cannot be written (a full disk): the run's own error
+    says what went wrong, not a '--- Logging error ---' traceback per record, nor one more from
+    closing the file."""
+
+    def handleError(self, record):
+        pass
+
+    def close(self):
+        try:
+            super().close()
+        except OSError:
+            pass
 
 
 def did_you_mean(name: str, choices, aliases: dict) -> list[str]:

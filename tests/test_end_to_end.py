@@ -280,6 +280,10 @@ def test_a_failed_rerun_keeps_the_log_of_the_outputs_in_the_folder(tmp_path):
     dipoorlet.quantize(model=tmp_path / "model.onnx", input_dir=tmp_path / "data", data_num=N, deploy="trt",
                        output_dir=out, act_quant="minmax", skip_prof_layer=True)
     assert not (out / "dipoorlet.failed.log").exists()
+    with pytest.raises(dipoorlet.errors.DataError) as exc:     # an API call's failed log says why too
+        dipoorlet.quantize(model=tmp_path / "model.onnx", input_dir=tmp_path / "data", data_num=N + 5,
+                           deploy="trt", output_dir=out)
+    assert f"dipoorlet: error: {exc.value}" in (out / "dipoorlet.failed.log").read_text()
 
 
 def test_profile_reads_prof_samples_spread_over_n_and_savefp_all(tmp_path):

@@ -382,3 +382,63 @@ def test_weight_clip_val_of_a_dead_channel_rebuilds_its_floored_grid(tmp_path):
     scale = initializer(onnx.load(str(tmp_path / "out" / "quant_model.onnx")), "w_scale")
     rebuilt = np.maximum(np.abs(lo), np.abs(hi)) / 127
     np.testing.assert_allclose(rebuilt, scale, rtol=1e-6)
+
+
+def test_json_outputs_hold_no_infinity_or_nan(tmp_path):
+    import json
+
+    from dipoorlet.util import write_json
+
+    path = write_json(tmp_path / "r.json", {"spread": float("inf"), "x": [1.0, float("nan"), -float("inf")], "k": 2})
+    assert json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(c)) == \
+        {"spread": None, "x": [1.0, None, None], "k": 2}
+
+
+def test_savefp_gives_outputs_differing_by_slash_and_underscore_their_own_folders(tmp_path):
+    nodes = [helper.make_node("Conv", ["x", "w"], ["feat/out"], name="c1", pads=[1] * 4),
+             helper.make_node("Relu", ["feat/out"], ["feat_out"], name="r")]
+    model = make_model(nodes, [vi("x", [1, 3, 6, 6])], [vi("feat/out", [1, 4, 6, 6]), vi("feat_out", [1, 4, 6, 6])],
+                       {"w": rand((4, 3, 3, 3), 0, 0.3)})
+    feeds = input_feeds(model, 2)
+    quantize_model(tmp_path, model, feeds=feeds, savefp=True, skip_prof_layer=True)
+    out = tmp_path / "out" / "output"
+    conv = np.fromfile(out / "feat_out" / "onnx-output-0.bin", np.float32)
+    relu = np.fromfile(out / "feat_out_1" / "onnx-output-0.bin", np.float32)
+    want = ort_run(model, feeds[0])
+    np.testing.assert_allclose(conv, want[0].ravel(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(relu, want[1].ravel(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="needs /dev/full")
+def test_savefp_on_a_full_disk_raises_an_oserror_with_its_errno(tmp_path):
+    """ndarray.tofile raised OSError('... requested and ... written') without an errno, which the
+    CLI's full-disk line (exit 2) did not recognise: a traceback, exit 1."""
+    import errno
+
+    from dipoorlet.pipeline import _fp_saver
+
+    folder = tmp_path / "output" / "y"
+    folder.mkdir(parents=True)
+    (folder / "onnx-output-0.bin").symlink_to("/dev/full")      # every write: ENOSPC
+    save = _fp_saver(tmp_path, ["y"])
+    with pytest.raises(OSError) as exc:
+        save(0, {"y": np.ones((64, 1024), np.float32)})
+    assert exc.value.errno == errno.ENOSPC
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_log_file_on_a_full_disk_goes_quiet(capsys):
+    import logging
+
+    from dipoorlet.util import QuietFileHandler
+
+    h = QuietFileHandler("/dev/full", mode="w", encoding="utf-8")
+    logger = logging.getLogger("dipoorlet.test_full")
+    logger.addHandler(h)
+    try:
+        for _ in range(3):
+            logger.error("x" * 10000)
+    finally:
+        logger.removeHandler(h)
+        h.close()                      # the flush fails too: no exception
+    assert "Logging error" not in capsys.readouterr().err
