@@ -18,7 +18,7 @@ def quantize(**kwargs):
     from dipoorlet.cli import RUN_LOG, name_run_log
     from dipoorlet.config import config_from_kwargs
     from dipoorlet.dist import launched_by_mpi, make_comm
-    from dipoorlet.pipeline import check_output_dir, quantize as _quantize
+    from dipoorlet.pipeline import OutputLock, check_output_dir, quantize as _quantize
 
     distributed = bool(kwargs.pop("mpirun", False)) | bool(kwargs.pop("slurm", False))
     cfg = config_from_kwargs(**kwargs)
@@ -34,12 +34,14 @@ def quantize(**kwargs):
             "dipoorlet.quantize: this process is one of several an MPI launcher started, but the call runs in "
             "it alone; pass mpirun=True (every rank calling with the same arguments) to share the samples "
             "over the ranks, or give each rank its own output_dir")
-    if comm is not None and comm.world > 1:
-        return _quantize_distributed(cfg, comm, out)
-    ok = False
     # one run at a time per process: the "dipoorlet" logger's setup and the custom-op libraries
-    # of a run are process-wide (a second thread's call waits for the first)
+    # of a run are process-wide (a second thread's call waits for the first); one run at a time
+    # per output folder across processes (OutputLock)
     with _API_LOCK:
+        if comm is not None and comm.world > 1:
+            return _quantize_distributed(cfg, comm, out)
+        ok = False
+        lock = OutputLock(out)
         try:
             with _run_log(out / RUN_LOG, cfg.debug):
                 try:
@@ -55,6 +57,7 @@ def quantize(**kwargs):
             return result
         finally:
             name_run_log(out, ok)
+            lock.release()
 
 
 def _check_bar(result, cfg) -> None:
@@ -79,15 +82,17 @@ def _quantize_distributed(cfg, comm, out):
 
     from dipoorlet.cli import name_run_log, note_in_log, rank0_log
     from dipoorlet.errors import BelowTargetError, DipoorletError
-    from dipoorlet.pipeline import quantize as _quantize
+    from dipoorlet.pipeline import OutputLock, quantize as _quantize
 
     ok = False
     # as from the CLI: another rank's abort can end rank 0 before it names a temporary log, so
     # rank 0 logs into dipoorlet.log directly unless -O holds an earlier run's outputs and log
     log_path = rank0_log(out)
+    lock = None
     with _API_LOCK:
         try:
             if comm.rank == 0:
+                lock = OutputLock(out)
                 with _run_log(log_path, cfg.debug):
                     logging.getLogger("dipoorlet").info("dipoorlet.quantize: running as %d MPI processes", comm.world)
                     result = _quantize(cfg, comm)
@@ -101,8 +106,9 @@ def _quantize_distributed(cfg, comm, out):
         except BaseException as exc:  # noqa: BLE001 - every failure must end every rank
             what = str(exc) if isinstance(exc, DipoorletError) else f"{type(exc).__name__}: {exc}"
             if comm.rank == 0:
-                note_in_log(log_path, f"dipoorlet: error (rank 0): {what}")
-                name_run_log(out, ok)
+                if lock is not None:     # (a run that found -O locked must not write into the other's log)
+                    note_in_log(log_path, f"dipoorlet: error (rank 0): {what}")
+                    name_run_log(out, ok)
             else:
                 # an error every rank meets is printed once, by rank 0, whose abort ends the others
                 # in this wait (as from the CLI); one of this rank's share is printed after it
@@ -119,6 +125,7 @@ def _quantize_distributed(cfg, comm, out):
             raise
         if comm.rank == 0:
             name_run_log(out, ok)
+            lock.release()
     # only rank 0 holds the report: its verdict is shared, and every rank raises alike
     low = comm.bcast(low if comm.rank == 0 else None)
     if low:

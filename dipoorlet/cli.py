@@ -370,6 +370,8 @@ def main(argv=None) -> int:
         return _main(args, argv, state)
     finally:
         finish_log(state["out_dir"], state["ok"])
+        if state.get("lock") is not None:
+            state["lock"].release()
         if installed:
             # None: the handler before was not set from Python; the default is the closest
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
@@ -464,6 +466,10 @@ def _main(args, argv, state) -> int:
                           device=args.device, custom_op_libs=tuple(args.custom_op_lib), debug=debug)
         check_model_path(cfg.model)  # before -O (default <model dir>/results) is created
         check_output_dir(cfg.output_dir)
+        if comm.rank == 0:     # one run at a time into -O (before its log is opened there)
+            from dipoorlet.pipeline import OutputLock
+
+            state["lock"] = OutputLock(cfg.output_dir)
         setup_logging(cfg.output_dir, debug, comm.rank, args.log_all_ranks, comm.world)
         state["out_dir"] = cfg.output_dir if comm.rank == 0 else None
         state["rank0_log"] = rank0_log(cfg.output_dir)

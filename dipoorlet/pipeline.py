@@ -69,6 +69,79 @@ def check_output_dir(path: Path) -> None:
                           "pass -O with a folder you can write to") from exc
 
 
+LOCK = ".dipoorlet.lock"
+
+
+class OutputLock:
+    """One run at a time per -O: an exclusive lock (flock) on ``-O/.dipoorlet.lock`` for the
+    run's life, the file removed when the run ends. Two runs into one folder shared the temporary
+    log name and could publish into each other; the second now stops with one line. Holding it, a
+    run also removes the staging folders runs killed by SIGKILL left behind (none can be live),
+    except one that keeps earlier outputs it could not put back. A file system without flock
+    runs unlocked."""
+
+    def __init__(self, out_dir: Path):
+        self.fd, self.path = None, Path(out_dir) / LOCK
+        try:
+            import fcntl
+        except ImportError:   # not POSIX
+            return
+        for _ in range(5):
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            except OSError:
+                return
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                try:
+                    holder = os.read(fd, 64).decode("ascii", "replace").strip()
+                except OSError:
+                    holder = ""
+                os.close(fd)
+                raise OutputError(f"another dipoorlet run{' (pid ' + holder + ')' if holder.isdigit() else ''} "
+                                  f"is writing into -O {out_dir}; wait for it to finish or choose another -O") from None
+            except OSError:   # no flock here (some network file systems): run unlocked
+                os.close(fd)
+                return
+            try:              # the file a run that just ended removed is no lock: open the new one
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except OSError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        else:
+            return
+        self.fd = fd
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, str(os.getpid()).encode())
+        except OSError:
+            pass
+        _sweep_staging(Path(out_dir))
+
+    def release(self) -> None:
+        if self.fd is not None:
+            try:
+                os.unlink(self.path)     # while held: a run that opened it meanwhile sees it gone
+            except OSError:
+                pass
+            os.close(self.fd)            # closing the descriptor drops the lock
+            self.fd = None
+
+
+def _sweep_staging(out_dir: Path) -> None:
+    for folder in out_dir.glob(".dipoorlet-staging-*"):
+        if not folder.is_dir() or folder.is_symlink():
+            continue
+        held = folder / ".replaced"
+        if held.is_dir() and any(p.is_file() for p in held.rglob("*")):
+            log.warning("%s holds earlier outputs a killed run could not put back; left in place", folder)
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def guard_inputs(model, input_dir, out_dir: Path, savefp: bool = False) -> None:
     """Refuse, before any work, a run whose outputs would replace its own model or data: -M is a
     model this tool writes into -O (an earlier run's quant_model.onnx quantized again in place),

@@ -491,3 +491,31 @@ def test_lowest_sample_ignores_nan_and_infinite_samples():
     assert got == {"min_cosine_sample": 3, "min_cosine_energy_ratio": 1e-6, "min_cosine_nearly_empty": True,
                    "nearly_empty_samples": 1, "cosine_without_nearly_empty": 0.985}
     assert json.loads(json.dumps(got, allow_nan=False)) == got
+
+
+def test_a_second_run_into_a_locked_output_folder_stops_with_one_line(tmp_path, capsys):
+    """Two runs into one -O shared the temporary log name and could publish into each other: the
+    one that finds -O locked stops before writing anything there."""
+    import dipoorlet
+    from dipoorlet.pipeline import LOCK, OutputLock
+
+    model, data, out = run_cli(tmp_path, "minmax")
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != LOCK}
+    held = OutputLock(out)                  # stands for a run in progress in another process
+    stale = out / ".dipoorlet-staging-0123456789ab"     # what a run killed by SIGKILL leaves
+    (stale / "output").mkdir(parents=True)
+    try:
+        assert held.fd is not None
+        rc = main(["-M", str(tmp_path / "model.onnx"), "-I", str(tmp_path / "data"), "-N", str(N), "-D", "trt",
+                   "-O", str(out)])
+        err = capsys.readouterr().err
+        assert rc == 2 and "another dipoorlet run" in err and "is writing into -O" in err
+        with pytest.raises(dipoorlet.errors.OutputError, match="another dipoorlet run"):
+            dipoorlet.quantize(model=tmp_path / "model.onnx", input_dir=tmp_path / "data", data_num=N, deploy="trt",
+                               output_dir=out)
+    finally:
+        held.release()
+        _close_logs()
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != LOCK} == before
+    run_cli(tmp_path, "minmax")                                   # unlocked: runs, and sweeps the stale folder
+    assert not stale.exists()
