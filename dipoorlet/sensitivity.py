@@ -382,8 +382,14 @@ def _promote_search(scorer: Scorer, places, plan, order: list, score, criterion:
         # even ``cap`` layers miss it: keep them all. Not the best prefix tried: the score over a
         # few samples is not monotone in k (weight and activation errors partly cancel), and on
         # the PP-OCRv5 recognizer (qnn) the best-scoring prefix, 16 of 165 layers, read 0.44
-        # exact match where all 165 read 0.65
+        # exact match where all 165 read 0.65. But never a set that scores below none at all on the
+        # very samples searched (a --auto_a16 search on the PP-OCR classifier kept 3 layers scoring
+        # 0.9973 against 0.9987 without them): then none
         hi = cap
+        if trial(cap).value(criterion) < before.value(criterion):
+            log.warning(f"auto_{kind}: even {cap} layers miss the target and score below none at all "
+                        f"(%.6g against %.6g); none is kept", trial(cap).value(criterion), before.value(criterion))
+            hi = 0
     res.float_layers = order[:hi]
     res.after = tried[hi]
     res.met = ok(hi)

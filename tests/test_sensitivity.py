@@ -815,3 +815,26 @@ def test_isolated_score_of_a_conv_behind_a_pad_equals_its_run(tmp_path):
     got = [ort_run(q, f)[0].astype(np.float64) for f in feeds]
     sqnr = 10 * np.log10(sum((a ** 2).sum() for a in ref) / sum(((a - b) ** 2).sum() for a, b in zip(ref, got)))
     assert iso == pytest.approx(sqnr, abs=0.01)
+
+
+@pytest.mark.parametrize("cap_score,kept", [(0.9973, 0), (0.9990, 3)])
+def test_promote_search_missing_the_target_never_keeps_a_set_scoring_below_none(cap_score, kept):
+    """Every prefix misses the target: all max_layers are kept (the score is not monotone in k),
+    unless they score below no promotion at all on the same samples; then none."""
+    from dipoorlet.sensitivity import OutputScore, _promote_search
+
+    class Board:
+        owners = set()
+
+    class FakeScorer:
+        def board(self, places, plan):
+            return Board(), None
+
+        def score_variant(self, *a):
+            return OutputScore(0.9987, 30.0, 0.1)
+
+    scores = {1: 0.99766, 2: 0.99770, 3: cap_score}
+    res = _promote_search(FakeScorer(), None, None, ["a", "b", "c"],
+                          lambda wide: OutputScore(scores[len(wide)], 30.0, 0.1), "cosine", 0.9999, 3, "a16", "%d")
+    assert len(res.float_layers) == kept and not res.met
+    assert res.after.cosine == (0.9987 if kept == 0 else cap_score)
