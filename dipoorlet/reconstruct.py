@@ -831,6 +831,16 @@ def zero_share(arrays) -> float:
 def _sparse_summary(g, plan, layers, changed, gains, magnitude, skipped, sparse, total, n_passes) -> dict:
     """What --sparse did: layers pruned with compensation (their output error against dense
     nearest rounding), by magnitude, or left dense, and the zero share of the pruned weights."""
+    # a layer whose every weight is a pinned grid end (two inputs per row: each row's largest
+    # weights, which a rate never prunes) was fitted but kept no zero: it is left dense
+    by_node = {lay.node: lay for lay in layers}
+    kept_dense = {n for n, _, _ in changed
+                  if n in by_node and not np.any(np.asarray(plan.values[by_node[n].weight]) == 0)}
+    if kept_dense:
+        changed = [c for c in changed if c[0] not in kept_dense]
+        gains = [r for r in gains if r[0] not in kept_dense]
+        skipped = {**skipped, **{n: "every weight is its row's largest, which a rate never prunes (too few inputs "
+                                    "per output)" for n in sorted(kept_dense)}}
     pruned = [n for n, _, _ in changed] + list(magnitude)
     share = zero_share(plan.values[lay.weight] for lay in layers if lay.node in pruned)
     pattern = f"{sparse[0]}:{sparse[1]}" if isinstance(sparse, tuple) else f"{sparse:g}"

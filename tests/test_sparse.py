@@ -232,3 +232,24 @@ def test_weight_clip_val_rebuilds_the_grid_of_a_pruned_asymmetric_weight(tmp_pat
     rebuilt = (hi - lo) / 255
     np.testing.assert_allclose(rebuilt, scale, rtol=1e-5)
     np.testing.assert_array_equal(np.clip(np.round(-128 - lo / rebuilt), -128, 127), zp)
+
+
+def test_a_rate_on_a_layer_of_two_inputs_per_output_is_reported_dense(tmp_path):
+    """A 1x1 Conv with 2 input channels: both weights of each row are its grid's ends, which a
+    rate never prunes, so the layer keeps no zero; it was listed as pruned (and counted in
+    sparse.layers) with no reason."""
+    r = np.random.default_rng(2)
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["a"], name="narrow"),
+             helper.make_node("Conv", ["a", "w2"], ["y"], name="wide", pads=[1, 1, 1, 1])]
+    model = make_model(nodes, [vi("x", [1, 2, 8, 8])], [vi("y", [1, 6, 8, 8])],
+                       {"w1": (r.standard_normal((8, 2, 1, 1)) * 0.3).astype(np.float32),
+                        "w2": (r.standard_normal((6, 8, 3, 3)) * 0.2).astype(np.float32)})
+    feeds = [{"x": r.standard_normal((1, 2, 8, 8)).astype(np.float32)} for _ in range(16)]
+    res = dipoorlet.quantize(model=save(model, tmp_path / "m.onnx"), input_dir=write_samples(tmp_path / "d", feeds),
+                             data_num=16, deploy="trt", output_dir=tmp_path / "o", act_quant="minmax",
+                             skip_prof_layer=True, sparse="0.5")
+    sp = res.report["sparse"]
+    qm = onnx.load(str(tmp_path / "o" / "quant_model.onnx"))
+    assert not np.any(weight_ints(qm, "w1") == 0) and np.mean(weight_ints(qm, "w2") == 0) > 0.4
+    assert "narrow" in sp["skipped"] and "never prunes" in sp["skipped"]["narrow"]
+    assert sp["layers"] == 1 and {g["node"] for g in sp["gain_db"]} == {"wide"}
