@@ -433,7 +433,8 @@ def test_a_log_file_on_a_full_disk_goes_quiet(capsys):
     from dipoorlet.util import QuietFileHandler
 
     h = QuietFileHandler("/dev/full", mode="w", encoding="utf-8")
-    logger = logging.getLogger("dipoorlet.test_full")
+    logger = logging.getLogger("dipoorlet_test_full")     # (no parent handlers an earlier test left)
+    logger.propagate = False
     logger.addHandler(h)
     try:
         for _ in range(3):
