@@ -8,12 +8,10 @@ except KeyboardInterrupt:
     # Ctrl-C before the run's own handler is in place (while the CLI's modules load, ~0.3 s):
     # one line, as later, not a traceback; nothing has been written yet (under mpirun, which
     # passes Ctrl-C to every rank, the launcher's rank 0 says it)
-    from dipoorlet.threads import launcher_rank
+    from dipoorlet.threads import abort_launch, launcher_rank
 
     if launcher_rank() == 0:
         print("dipoorlet: interrupted; no output was written", file=sys.stderr, flush=True)
-    from dipoorlet.threads import abort_launch
-
     abort_launch(130)
     code = 130
 raise SystemExit(code)

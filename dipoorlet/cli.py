@@ -177,8 +177,7 @@ def setup_logging(out_dir: Path | None, debug: bool, rank: int = 0, all_ranks: b
         # Under MPI another rank's MPI_Abort can end rank 0 anywhere, before it names the log: it
         # writes dipoorlet.log directly into a folder without an earlier run's outputs (so a
         # failed run leaves its log), and the temporary file where it would replace their log.
-        name = (RUN_LOG if world == 1 or _earlier_outputs(out_dir) else "dipoorlet.log") if rank == 0 \
-            else rank_log(out_dir, rank).name
+        name = (RUN_LOG if world == 1 else rank0_log(out_dir).name) if rank == 0 else rank_log(out_dir, rank).name
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
             from dipoorlet.util import QuietFileHandler
@@ -197,30 +196,33 @@ def finish_log(out_dir: Path | None, ok: bool) -> None:
     """Close the log file and name it: ``dipoorlet.log`` after a run that wrote its outputs, or
     when -O holds no earlier run's outputs; else ``dipoorlet.failed.log``, next to the earlier
     run's files and log."""
+    _close_log_files()
+    name_run_log(out_dir, ok)
+
+
+def _close_log_files() -> None:
     root = logging.getLogger("dipoorlet")
     for h in list(root.handlers):
         if isinstance(h, logging.FileHandler):
             h.close()
             root.removeHandler(h)
-    name_run_log(out_dir, ok)
 
 
 def rank_log(out_dir: Path, rank: int) -> Path:
     """--log_all_ranks: where rank ``rank`` (> 0) logs. Beside an earlier run's outputs, a
     temporary name that finish_rank_log gives the rank's log once the run has written its
     outputs: a failed run must not replace the earlier run's dipoorlet.rank<N>.log."""
-    final = out_dir / f"dipoorlet.rank{rank}.log"
-    return out_dir / f".dipoorlet-run.rank{rank}.log" if _earlier_outputs(out_dir) else final
+    return _rank_run_log(out_dir, rank) if _earlier_outputs(out_dir) else out_dir / f"dipoorlet.rank{rank}.log"
+
+
+def _rank_run_log(out_dir: Path, rank: int) -> Path:
+    return out_dir / f".dipoorlet-run.rank{rank}.log"
 
 
 def finish_rank_log(out_dir: Path, rank: int) -> None:
     """After a run that wrote its outputs: close this rank's log and give it its name."""
-    root = logging.getLogger("dipoorlet")
-    for h in list(root.handlers):
-        if isinstance(h, logging.FileHandler):
-            h.close()
-            root.removeHandler(h)
-    tmp = out_dir / f".dipoorlet-run.rank{rank}.log"
+    _close_log_files()
+    tmp = _rank_run_log(out_dir, rank)
     if tmp.is_file():
         try:
             os.replace(tmp, out_dir / f"dipoorlet.rank{rank}.log")
@@ -574,13 +576,11 @@ def _stop(comm, state, what: str, code: int) -> int:
             time.sleep(RANK_ERROR_DELAY_S)
         except BaseException:  # noqa: BLE001 - a second Ctrl-C: this rank aborts all the same
             pass
-    from dipoorlet.threads import launcher_rank
+    from dipoorlet.threads import abort_launch, launcher_rank
 
     if comm is not None or launcher_rank() == 0:     # before MPI started: the launcher's rank 0
         print(f"dipoorlet: {what}; {done}", file=sys.stderr, flush=True)
     if comm is None:
-        from dipoorlet.threads import abort_launch
-
         abort_launch(code)
     if comm is not None and comm.world > 1:
         finish_log(state["out_dir"], False)

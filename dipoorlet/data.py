@@ -17,8 +17,8 @@ Only the shard of sample indices a process is given is ever read.
 from __future__ import annotations
 
 import logging
-import re
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 

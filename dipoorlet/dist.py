@@ -19,7 +19,7 @@ import numpy as np
 from dipoorlet.errors import ConfigError
 from dipoorlet.stats import TensorStats
 
-from dipoorlet.threads import _launcher_size, launched_by_mpi  # noqa: F401 - launched_by_mpi re-exported
+from dipoorlet.threads import _launcher_size, import_mpi, launched_by_mpi  # noqa: F401 - launched_by_mpi re-exported
 
 
 class SingleProcess:
@@ -54,12 +54,7 @@ class SingleProcess:
 class MPIComm(SingleProcess):
     def __init__(self):
         try:
-            import warnings
-
-            with warnings.catch_warnings():
-                # mpi4py warns of a launcher of another MPI in several lines; make_comm says it in one
-                warnings.filterwarnings("ignore", message="suspicious MPI execution environment")
-                from mpi4py import MPI
+            MPI = import_mpi()
         except ImportError as exc:
             raise ConfigError("--mpirun/--slurm need mpi4py; install it with "
                               "pip install 'dipoorlet[mpi]' (mpi4py and the mpich wheel)") from exc

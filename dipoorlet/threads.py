@@ -118,14 +118,21 @@ def abort_launch(code: int) -> None:
     if not launched_by_mpi():
         return
     try:
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="suspicious MPI execution environment")
-            from mpi4py import MPI
         import sys
 
+        MPI = import_mpi()
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(code)
     except BaseException:  # noqa: BLE001 - no MPI to join (or a second Ctrl-C): exit as asked
         pass
+
+
+def import_mpi():
+    """mpi4py's MPI module (which starts MPI). mpi4py warns of a launcher of another MPI in several
+    lines; make_comm says it in one."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="suspicious MPI execution environment")
+        from mpi4py import MPI
+    return MPI
