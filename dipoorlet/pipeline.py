@@ -88,7 +88,8 @@ class OutputLock:
             return
         for _ in range(5):
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+                # never through a symbolic link: the pid written into it would replace a file elsewhere
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o666)
             except OSError:
                 return
             try:

@@ -519,3 +519,15 @@ def test_a_second_run_into_a_locked_output_folder_stops_with_one_line(tmp_path, 
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != LOCK} == before
     run_cli(tmp_path, "minmax")                                   # unlocked: runs, and sweeps the stale folder
     assert not stale.exists()
+
+
+def test_a_lock_file_that_is_a_symlink_is_not_followed(tmp_path):
+    from dipoorlet.pipeline import LOCK, OutputLock
+
+    (tmp_path / "o").mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (tmp_path / "o" / LOCK).symlink_to(victim)
+    lock = OutputLock(tmp_path / "o")        # runs unlocked rather than write its pid into the target
+    lock.release()
+    assert victim.read_text() == "precious"
