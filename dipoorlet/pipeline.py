@@ -951,6 +951,8 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
     _drop_shapeless_value_info(qmodel)
     _check(qmodel)
     _loads_by_default(qmodel)      # every rank: the error profile below runs the model rank 0 writes
+    if comm.rank == 0:
+        _runs_batched_by_default(g, places, qmodel, data, indices)
 
     targets_prof = layer_errors.profile_targets(g, places, layers=not cfg.skip_prof_layer)
     # --savefp: every rank writes its samples into one staging folder that rank 0 names.
@@ -1435,6 +1437,33 @@ def _readers_of_16bit(qmodel) -> list[str]:
             if n.op_type == "DequantizeLinear" and len(n.input) > 2 and n.input[2] in wide_zp}
     return [n.name for n in qmodel.graph.node
             if n.op_type not in ("QuantizeLinear", "DequantizeLinear") and wide & set(n.input)]
+
+
+def _runs_batched_by_default(g: Graph, places, qmodel, data, indices) -> None:
+    """A MatMul weight of rank > 2 with per-column grids (backends whose spec keeps
+    per_channel_batched): onnxruntime's CPU optimizer fuses some of them into
+    MatMulIntegerToFloat, whose kernel rejects those grids when it runs (not when the session
+    loads), depending on the activations' grids. Run a default session once on one sample and
+    say how to run the file where it fails; the tool's own sessions run with optimizations off."""
+    matmuls = {n.name for n in g.graph.node if n.op_type == "MatMul"}
+    batched = sorted({wp.node for wp in places.weights.values() if wp.axis is not None and wp.node in matmuls
+                      and len(g.shape(wp.tensor) or []) > 2})
+    if not batched or not len(indices) or qmodel.ByteSize() >= 2**31 - 1:
+        return
+    from dipoorlet.runtime import _ort, ort_message, session_options
+
+    ort = _ort()
+    try:
+        sess = ort.InferenceSession(qmodel.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])
+        feed = data.sample(indices[0])
+        sess.run(None, {i.name: feed[i.name] for i in sess.get_inputs()})
+    except Exception as exc:  # noqa: BLE001 - onnxruntime raises several types
+        log.warning("MatMul %s: its weight of rank > 2 has per-column grids, which a default onnxruntime "
+                    "session fails to run (%s); run quant_model.onnx in onnxruntime at ORT_ENABLE_BASIC, as "
+                    "the tool does, or set per_channel_batched = false under [weight] in a copy of the "
+                    "backend's spec for one grid per weight", ", ".join(batched[:4]) + (" ..." if len(batched) > 4
+                                                                                       else ""),
+                    ort_message(exc)[:160])
 
 
 def _to_qop(qmodel, feed: dict):

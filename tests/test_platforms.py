@@ -216,6 +216,36 @@ def test_qop_with_gemm_alpha_beta_and_batched_matmul_weights(tmp_path, plat, alp
             assert _cos(ort_run(qop, f, optimize=optimize)[0], b) > KERNEL_COS
 
 
+@pytest.mark.parametrize("batched", [True, False])
+def test_batched_matmul_weight_a_default_session_rejects_is_named(tmp_path, caplog, batched):
+    # trt keeps per-column grids on a rank-3 MatMul weight; onnxruntime's optimizer fuses that
+    # MatMul into MatMulIntegerToFloat, whose kernel rejects them at run time: the log says how to
+    # run the file, and the spec key it names gives one grid per weight, which a default session runs
+    model = _gemm_model(1.0, 1.0, 3)
+    feeds = input_feeds(model, 4, seed=5)
+    data = write_samples(tmp_path / "data", feeds)
+    spec = "trt"
+    if not batched:
+        spec = tmp_path / "trt_flat.toml"
+        spec.write_text((platforms.platforms_dir() / "trt.toml").read_text()
+                        .replace("[weight]\n", "[weight]\nper_channel_batched = false\n", 1))
+    caplog.set_level("WARNING", logger="dipoorlet")
+    out = tmp_path / "out"
+    dipoorlet.quantize(model=save(model, tmp_path / "m.onnx"), input_dir=data, data_num=4, deploy=str(spec),
+                       output_dir=out, skip_prof_layer=True)
+    warned = "MatMul mm: its weight of rank > 2 has per-column grids" in caplog.text
+    qdq = onnx.load(str(out / "quant_model.onnx"))
+    try:
+        ort_run(qdq, feeds[0], optimize=True)
+        default_runs = True
+    except Exception:  # noqa: BLE001 - onnxruntime's own error types
+        default_runs = False
+    assert warned == (not default_runs) == batched, (warned, default_runs)
+    assert "per_channel_batched = false" in caplog.text or not batched
+    ref = ort_run(model, feeds[0])[0]
+    assert _cos(ort_run(qdq, feeds[0])[0], ref) > 0.99
+
+
 def test_user_spec_from_a_path(case, tmp_path):
     src = (platforms.platforms_dir() / "trt.toml").read_text().replace('name = "trt"', 'name = "mychip"')
     spec = tmp_path / "mychip.toml"
