@@ -1082,6 +1082,14 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, pl
     scorer = sensitivity.Scorer(g, source, indices, comm, cfg.device, crit, outputs=cfg.score_outputs)
     out["sens_samples"] = n
     out["sens_held_out"] = val is not None
+    logits = [(o, t) for o, t in zip(cfg.score_outputs or g.output_names, scorer.outputs) if o != t]
+    if logits:
+        out["sens_scored_on"] = dict(logits)
+        log.info("sensitivity%s: %s scored on %s, the Softmax's logits (probabilities barely move until a "
+                 "decision flips); the report's output cosine is taken on the probabilities, over %s",
+                 " and " + ("--auto_skip" if cfg.auto_skip else "--auto_a16" if cfg.auto_a16 else "--auto_w8")
+                 if auto else "", ", ".join(o for o, _ in logits), ", ".join(repr(t) for _, t in logits),
+                 "the held-out samples" if val is not None else "the profile's samples")
     if scorer.count == 0:
         log.warning("sensitivity: no sample left to score (the float model's scored output is NaN on every "
                     "one); no sensitivity analysis%s", ", and no --auto_skip/--auto_a16/--auto_w8 search" if auto else "")
@@ -1146,8 +1154,9 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, pl
     if out.get("auto_skip") is not None and not out["auto_skip"].met:
         a = out["auto_skip"]
         log.warning("auto_skip: target %s %s not met (%s %.6f with %d layers float over the %d sensitivity "
-                    "samples); a larger --max_float_layers may meet it", a.criterion, a.target, a.criterion,
-                    a.after.value(a.criterion), len(a.float_layers), n)
+                    "samples%s); a larger --max_float_layers may meet it", a.criterion, a.target, a.criterion,
+                    a.after.value(a.criterion), len(a.float_layers), n,
+                    ", on the logits" if out.get("sens_scored_on") else "")
     return out
 
 

@@ -154,6 +154,8 @@ def build(rows, places, meta: dict, analysis: dict | None = None, stats=None, pl
     if "sens_samples" in analysis:
         rep["sensitivity_samples"] = analysis["sens_samples"]
         rep["sensitivity_held_out"] = bool(analysis.get("sens_held_out"))
+        if analysis.get("sens_scored_on"):
+            rep["sensitivity_scored_on"] = analysis["sens_scored_on"]   # output -> the logits scored
     if "bias_correction" in analysis:
         rep["bias_correction"] = analysis["bias_correction"]
     for key in ("gptq", "adaround", "sparse", "brecq", "qdrop"):

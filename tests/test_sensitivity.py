@@ -692,6 +692,10 @@ def test_a_few_logits_are_scored_by_one_cosine_over_the_samples(tmp_path):
     per_sample = np.mean([a @ b / np.sqrt((a @ a) * (b @ b)) for a, b in zip(f.reshape(-1, 2), q.reshape(-1, 2))])
     assert before["cosine"] == pytest.approx(pooled, abs=1e-5)
     assert abs(pooled - per_sample) > 1e-4          # the two differ here: the test tells them apart
+    # the search's figures are on the logits, the report's output cosine on the probabilities: the
+    # report and the log say which tensor the search read
+    assert res.report["sensitivity_scored_on"] == {"p": "logits"}
+    assert "scored on 'logits', the Softmax's logits" in (tmp_path / "out" / "dipoorlet.log").read_text()
 
 
 def test_advice_for_a_layer_the_rounding_left_alone_says_so():
