@@ -517,6 +517,25 @@ def test_trt_files_agree_for_an_always_zero_tensor(tmp_path):
         assert scale > 0 and blob[t] == pytest.approx(127 * scale, rel=1e-6)
 
 
+def test_trt_cache_lines_of_tensor_names_with_a_colon_or_a_line_break(tmp_path, caplog):
+    """The cache has no escape: a name with a line break is left out (it would split its line and
+    the next reader's parse), one with ':' is kept and named in a warning; the json has both."""
+    from conftest import input_feeds, quantize_model, rand
+
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["a: b"], name="c1"),
+             helper.make_node("Conv", ["a: b", "w2"], ["c\nd"], name="c2"),
+             helper.make_node("Conv", ["c\nd", "w3"], ["y"], name="c3")]
+    model = make_model(nodes, [vi("x", [1, 2, 4, 4])], [vi("y", [1, 2, 4, 4])],
+                       {f"w{i}": rand((2, 2, 1, 1), i) for i in (1, 2, 3)})
+    caplog.set_level("WARNING", logger="dipoorlet")
+    quantize_model(tmp_path, model, feeds=input_feeds(model, 2), skip_prof_layer=True)
+    blob = json.loads((tmp_path / "out" / "trt_clip_val.json").read_text())["blob_range"]
+    lines = (tmp_path / "out" / "trt_calib.cache").read_text().splitlines()[1:]
+    assert {"x", "a: b", "c\nd"} <= set(blob)
+    assert sorted(line.rsplit(": ", 1)[0] for line in lines) == ["a: b", "x"]
+    assert "1 tensor names hold a line break" in caplog.text and "1 tensor names hold ':'" in caplog.text
+
+
 def test_rockchip_fills_in_every_fused_activation_and_the_corrected_bias(tmp_path):
     """RKNN fuses Conv+Clip (ReLU6) as it fuses Conv+Relu: the Conv output gets the Clip output's
     range. With --bc the bias entry describes the corrected bias the model holds."""

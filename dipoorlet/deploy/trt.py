@@ -38,8 +38,19 @@ def export(ctx, folder):
     lines = [f"TRT-{version}-EntropyCalibration2"]
     # TensorRT's grid is int8 symmetric whatever the plan says: its scale is amax / 127 (for a
     # 6-bit or asymmetric plan, the plan's own scale would state a 4x wider range than the json)
+    broken = [t for t in ctx.plan.activations if "\n" in t or "\r" in t]
+    colon = [t for t in ctx.plan.activations if ":" in t and t not in broken]
     for t in ctx.plan.activations:
-        lines.append(f"{t}: {cache_hex(amax[t] / 127.0)}")
+        if t not in broken:     # a line break would start a line of its own: every reader misparses it
+            lines.append(f"{t}: {cache_hex(amax[t] / 127.0)}")
+    if broken:
+        log.warning("trt: %d tensor names hold a line break (e.g. %r) and are left out of trt_calib.cache, "
+                    "whose lines they would split; trt_clip_val.json has them; rename them in the model",
+                    len(broken), broken[0])
+    if colon:
+        log.warning("trt: %d tensor names hold ':' (e.g. %r); trt_calib.cache lines are 'name: scale' with no "
+                    "escape, so a reader that splits at the first ':' misreads them; trt_clip_val.json and "
+                    "quant_model.onnx are not affected", len(colon), colon[0])
     odd = [t for t, qp in ctx.plan.activations.items() if not (is_symmetric(qp) and qp.qmax == 127)]
     if odd:
         log.warning("trt: %d activation grids are not int8 symmetric (e.g. %s); TensorRT quantizes "
