@@ -128,6 +128,13 @@ class QuantConfig:
     debug: bool = False
 
     def __post_init__(self):
+        # an empty path (an unset shell variable: -O "$OUT") would be "." or the default folder
+        wanted = {"-M": (self.model, "the model file"), "-I": (self.input_dir, "the calibration data folder"),
+                  "-O": (self.output_dir, "an output folder, or leave -O out for <model dir>/results"),
+                  "--val_dir": (self.val_dir, "the held-out data folder, or leave --val_dir out")}
+        for flag, (value, what) in wanted.items():
+            if isinstance(value, str) and not value.strip():
+                raise ConfigError(f"{flag} is an empty path; give {what}")
         object.__setattr__(self, "model", Path(self.model))
         object.__setattr__(self, "input_dir", Path(self.input_dir))
         out = Path(self.output_dir) if self.output_dir else self.model.parent / "results"

@@ -594,7 +594,18 @@ def reference_update_bn(c):
     return ["--update_bn", "folded", "--bc"]
 
 
-CASES = [sample_named_with_a_non_ascii_digit, far_too_many_files, npy_without_batch_axis_channels_last, missing_model, model_is_a_folder, not_onnx, external_data_missing, custom_op, input_dir_missing, input_folder_missing,
+def output_dir_empty(c):
+    # an unset shell variable (-O "$OUT"): it used to write into <model dir>/results
+    c.args["-O"] = ""
+    return ["-O is an empty path", "leave -O out"]
+
+
+def input_dir_empty(c):
+    c.args["-I"] = ""
+    return ["-I is an empty path", "calibration data folder"]
+
+
+CASES = [output_dir_empty, input_dir_empty, sample_named_with_a_non_ascii_digit, far_too_many_files, npy_without_batch_axis_channels_last, missing_model, model_is_a_folder, not_onnx, external_data_missing, custom_op, input_dir_missing, input_folder_missing,
          too_few_files, bin_wrong_size, nan_in_sample, inf_in_npy, images_instead_of_samples,
          images_in_input_dir, samples_named_otherwise, samples_outside_input_folder, channels_last_sample,
          channels_last_sample_dynamic_batch, samples_zero_padded, too_few_files_beside_a_stray_file,
