@@ -1439,13 +1439,17 @@ def _loads_by_default(qmodel) -> None:
 
 
 def _readers_of_16bit(qmodel) -> list[str]:
-    """Nodes (other than Q/DQ) reading a DequantizeLinear whose zero point is 16-bit."""
+    """Nodes (other than Q/DQ) reading a DequantizeLinear whose zero point is 16-bit, or
+    writing into a QuantizeLinear onto such a grid (a 16-bit output grid keeps a layer QDQ too)."""
     wide_zp = {t.name for t in qmodel.graph.initializer
                if t.data_type in (onnx.TensorProto.UINT16, onnx.TensorProto.INT16)}
-    wide = {n.output[0] for n in qmodel.graph.node
-            if n.op_type == "DequantizeLinear" and len(n.input) > 2 and n.input[2] in wide_zp}
+    wide_in = {n.output[0] for n in qmodel.graph.node
+               if n.op_type == "DequantizeLinear" and len(n.input) > 2 and n.input[2] in wide_zp}
+    wide_out = {n.input[0] for n in qmodel.graph.node
+                if n.op_type == "QuantizeLinear" and len(n.input) > 2 and n.input[2] in wide_zp}
     return [n.name for n in qmodel.graph.node
-            if n.op_type not in ("QuantizeLinear", "DequantizeLinear") and wide & set(n.input)]
+            if n.op_type not in ("QuantizeLinear", "DequantizeLinear")
+            and (wide_in & set(n.input) or wide_out & set(n.output))]
 
 
 def _runs_batched_by_default(g: Graph, places, qmodel, data, indices) -> None:
@@ -1472,7 +1476,7 @@ def _runs_batched_by_default(g: Graph, places, qmodel, data, indices) -> None:
                     "the tool does, or set per_channel_batched = false under [weight] in a copy of the "
                     "backend's spec for one grid per weight", ", ".join(batched[:4]) + (" ..." if len(batched) > 4
                                                                                        else ""),
-                    ort_message(exc)[:160])
+                    ort_message(exc))
 
 
 def _to_qop(qmodel, feed: dict):
@@ -1487,12 +1491,13 @@ def _to_qop(qmodel, feed: dict):
     unq = qop.unquantized_outputs(qmodel)
     if unq:
         log.info("--quant_format QOP: %d Conv/MatMul/Gemm stay QDQ because this backend leaves their "
-                 "output float (a QLinear op needs an output grid); their readers: %s", sum(unq.values()),
+                 "output float or it is also a network output (a QLinear op writes one quantized tensor, "
+                 "which its readers alone take); their readers: %s", sum(unq.values()),
                  ", ".join(f"{k} x{n}" for k, n in sorted(unq.items(), key=lambda kv: -kv[1])[:5]))
     wide = _readers_of_16bit(qmodel)
     if wide:
-        log.info("--quant_format QOP: %d ops read 16-bit grids and stay QDQ (onnxruntime's QLinear ops take "
-                 "8-bit tensors only): %s", len(wide), ", ".join(wide[:5]))
+        log.info("--quant_format QOP: %d ops read or write 16-bit grids and stay QDQ (onnxruntime's QLinear ops "
+                 "take 8-bit tensors only): %s", len(wide), ", ".join(wide[:5]))
     if excluded:
         log.warning("--quant_format QOP: onnxruntime has no integer kernel for %d ops as converted; "
                     "they stay QDQ (%s)", len(excluded), ", ".join(excluded[:5]))

@@ -10,14 +10,14 @@ onnxruntime's CPU provider implements.
 Op mapping (domain): Conv → QLinearConv (ai.onnx), MatMul → QLinearMatMul (ai.onnx),
 Gemm → QGemm, Add → QLinearAdd, Mul → QLinearMul, GlobalAveragePool → QLinearGlobalAveragePool,
 AveragePool → QLinearAveragePool, Sigmoid → QLinearSigmoid, LeakyRelu → QLinearLeakyRelu,
-Concat → QLinearConcat (com.microsoft); MaxPool runs on the integers as is (same grid in and out).
+Concat, MaxPool and the reshaping ops stay QDQ between them.
 """
 from __future__ import annotations
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
-from dipoorlet.graph import _subgraph_outer_refs
+from dipoorlet.graph import _subgraph_outer_refs, drop_unused_initializers
 
 MS = "com.microsoft"
 _PLAIN = {"Add": "QLinearAdd", "Mul": "QLinearMul", "GlobalAveragePool": "QLinearGlobalAveragePool",
@@ -76,7 +76,8 @@ def unquantized_outputs(model: onnx.ModelProto) -> dict[str, int]:
         if node.op_type in ("Conv", "MatMul", "Gemm") and v.dq(node.input[0]) is not None \
                 and _output_q(v, node)[0] is None:
             users = v.cons.get(node.output[0], [])
-            key = "/".join(sorted({u.op_type for u in users})) or "network output"
+            key = "/".join(sorted({u.op_type for u in users}) + (["network output"] if node.output[0] in v.outputs
+                                                                 else []))
             readers[key] = readers.get(key, 0) + 1
     return readers
 
@@ -200,7 +201,16 @@ def _int32_bias(v: _View, node, dqs, extra_inits):
         return False
     scale = (xs.astype(np.float64) * ws.astype(np.float64)).reshape(-1)
     q = np.clip(np.rint(b.astype(np.float64) / np.maximum(scale, 1e-30)), -2**31 + 1, 2**31 - 1).astype(np.int32)
-    name = node.input[2] + "_int32"
+    # layers sharing one float bias have their own s_in * s_w: one int32 tensor per distinct value
+    # (two initializers of one name failed onnx.checker, and onnxruntime gave both layers one)
+    taken = {t.name for t in extra_inits} | set(v.init)
+    name, k = node.input[2] + "_int32", 1
+    while name in taken:
+        same = next((t for t in extra_inits if t.name == name), None)
+        if same is not None and np.array_equal(numpy_helper.to_array(same), q):
+            return name
+        k += 1
+        name = f"{node.input[2]}_int32_{k}"
     extra_inits.append(numpy_helper.from_array(q, name))
     return name
 
@@ -216,10 +226,9 @@ def _drop_dead(model: onnx.ModelProto) -> None:
             break
         for n in dead:
             g.node.remove(n)
-    used = {i for n in g.node for i in n.input} | {r for n in g.node for r in _subgraph_outer_refs(n)}
-    keep = [t for t in g.initializer if t.name in used]
-    del g.initializer[:]
-    g.initializer.extend(keep)
+    # initializers too, with the graph-input entries old IR versions give them (a float bias left
+    # listed as an input became a required input), keeping those that are network outputs
+    drop_unused_initializers(g)
 
 
 def convert_checked(model: onnx.ModelProto, feed: dict, max_tries: int = 50):

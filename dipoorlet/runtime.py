@@ -53,8 +53,22 @@ def ort_message(exc: BaseException) -> str:
     """onnxruntime's error without its C++ file/function prefix, on one line."""
     msg = " ".join(str(exc).split())
     msg = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", msg)
-    if "onnxruntime::" in msg and ") " in msg:
-        msg = msg.rsplit(") ", 1)[-1]
+    # "<path>.cc:97 <return type> onnxruntime::Class::Fn(<args>) const <message>": drop up to the
+    # parenthesis that closes the signature's argument list (the message may hold parentheses too)
+    loc = re.search(r"\.(?:cc|cpp|h):\d+ ", msg)
+    if loc and "onnxruntime::" in msg[loc.end():]:
+        start = msg.find("(", loc.end())
+        depth, end = 0, -1
+        for k in range(start, len(msg) if start >= 0 else 0):
+            depth += {"(": 1, ")": -1}.get(msg[k], 0)
+            if depth == 0:
+                end = k
+                break
+        if end >= 0:
+            rest = msg[end + 1:].lstrip()
+            rest = rest[len("const"):].lstrip() if rest.startswith("const ") else rest
+            head = msg[:msg.rfind(" ", 0, loc.start()) + 1]     # "... node. Name:'mm' Status Message: "
+            msg = head + rest
     return msg[:300]
 
 

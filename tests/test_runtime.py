@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
@@ -71,3 +72,23 @@ def test_progress_bars_follow_the_terminal_unless_dipoorlet_progress_says(monkey
         monkeypatch.setenv("DIPOORLET_PROGRESS", env)
         assert progress([], "x").disable is not rank0_shown
         assert progress([], "x", Rank1()).disable           # other ranks never show bars
+
+
+@pytest.mark.parametrize("raw, want", [
+    # the C++ signature holds parentheses, and so does the message after it
+    ("[ONNXRuntimeError] : 1 : FAIL : Non-zero status code returned while running MatMulIntegerToFloat node. "
+     "Name:'mm' Status Message: /src/onnxruntime/contrib_ops/cpu/quantization/dynamic_quantize_matmul.cc:97 "
+     "onnxruntime::common::Status onnxruntime::contrib::Base::ComputeCommon(onnxruntime::OpKernelContext*, "
+     "const uint8_t*, float) const IsBQuantParamSupported(b->Shape(), c) was false. b zero point is not valid",
+     "Non-zero status code returned while running MatMulIntegerToFloat node. Name:'mm' Status Message: "
+     "IsBQuantParamSupported(b->Shape(), c) was false. b zero point is not valid"),
+    # a message with ") " in it and no C++ location: kept whole (it used to lose "Graph output (anchors")
+    ("[ONNXRuntimeError] : 10 : INVALID_GRAPH : This is an invalid model. Graph output (anchors) does not exist "
+     "in the graph.", "This is an invalid model. Graph output (anchors) does not exist in the graph."),
+    ("[ONNXRuntimeError] : 1 : FAIL : /src/onnxruntime/core/graph/graph.cc:12 void onnxruntime::Graph::F(int) "
+     "Graph output (anchors) does not exist in the graph.", "Graph output (anchors) does not exist in the graph."),
+])
+def test_ort_message_drops_only_the_cpp_location_and_signature(raw, want):
+    from dipoorlet.runtime import ort_message
+
+    assert ort_message(RuntimeError(raw)) == want

@@ -1,0 +1,104 @@
+"""--quant_format QOP on graphs the conversion used to get wrong: each QOP model passes
+onnx.checker, keeps its QLinear ops, and computes what the QDQ model computes (onnxruntime)."""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+import dipoorlet
+from conftest import make_model, ort_run, rand, save, vi, write_samples
+
+
+def _cos(a, b) -> float:
+    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def _qop(tmp_path, model, feeds, deploy):
+    data = write_samples(tmp_path / "data", feeds)
+    out = tmp_path / "out"
+    dipoorlet.quantize(model=save(model, tmp_path / "m.onnx"), input_dir=data, data_num=len(feeds), deploy=deploy,
+                       output_dir=out, quant_format="QOP", skip_prof_layer=True)
+    qop, qdq = onnx.load(str(out / "quant_model.onnx")), onnx.load(str(out / "quant_model_qdq.onnx"))
+    onnx.checker.check_model(qop)
+    assert not [k for k, c in Counter(t.name for t in qop.graph.initializer).items() if c > 1]
+    for f in feeds:
+        for a, b in zip(ort_run(qop, f), ort_run(qdq, f)):
+            assert _cos(a, b) > 0.9999
+    return qop
+
+
+def test_layers_sharing_a_float_bias_get_their_own_int32_bias(tmp_path):
+    # weight-tied layers: one float bias, two input scales, so two int32 biases; both were
+    # written under one name (onnx.checker failed, onnxruntime gave both layers one: cosine 0.77)
+    nodes = [helper.make_node("Conv", ["x1", "w", "b"], ["y1"], name="convA", pads=[1] * 4),
+             helper.make_node("Conv", ["x2", "w", "b"], ["y2"], name="convB", pads=[1] * 4)]
+    model = make_model(nodes, [vi("x1", [1, 3, 8, 8]), vi("x2", [1, 3, 8, 8])],
+                       [vi("y1", [1, 8, 8, 8]), vi("y2", [1, 8, 8, 8])],
+                       {"w": rand((8, 3, 3, 3), 1, 0.3), "b": rand((8,), 2)})
+    feeds = [{"x1": rand((1, 3, 8, 8), s), "x2": rand((1, 3, 8, 8), 100 + s, 20.0)} for s in range(4)]
+    qop = _qop(tmp_path, model, feeds, "imx")
+    biases = [n.input[8] for n in qop.graph.node if n.op_type == "QLinearConv"]
+    assert len(biases) == 2 and len(set(biases)) == 2
+
+
+def _conv_with_constant_output(as_inputs: bool):
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c"], name="conv1", pads=[1] * 4),
+             helper.make_node("Relu", ["c"], ["r"], name="relu"),
+             helper.make_node("Conv", ["r", "w2", "b2"], ["y"], name="conv2", pads=[1] * 4)]
+    inits = {"w1": rand((4, 3, 3, 3), 1, 0.3), "b1": rand((4,), 2, 0.1), "w2": rand((4, 4, 3, 3), 3, 0.3),
+             "b2": rand((4,), 4, 0.1), "anchors": rand((6, 4), 5)}
+    outputs = [vi("y", [1, 4, 8, 8]), vi("anchors", [6, 4])]
+    model = make_model(nodes, [vi("x", [1, 3, 8, 8])], outputs, inits, check=False)
+    if as_inputs:   # old exporters (torch's keep_initializers_as_inputs) list initializers as graph inputs too
+        model.graph.input.extend(helper.make_tensor_value_info(k, onnx.TensorProto.FLOAT, list(v.shape))
+                                 for k, v in inits.items())
+    return model
+
+
+@pytest.mark.parametrize("as_inputs", [False, True])
+def test_constant_network_output_and_initializers_listed_as_inputs_keep_the_conversion(tmp_path, as_inputs):
+    # a detector's anchors as a network output: the conversion dropped that initializer and
+    # onnxruntime refused the model, so nothing was converted; a float bias listed as a graph input, once
+    # replaced by its int32 copy, stayed listed as a graph input and became a required feed
+    model = _conv_with_constant_output(as_inputs)
+    feeds = [{"x": rand((1, 3, 8, 8), s)} for s in range(4)]
+    qop = _qop(tmp_path, model, feeds, "imx")
+    assert [n.op_type for n in qop.graph.node].count("QLinearConv") >= 1
+    assert "anchors" in {t.name for t in qop.graph.initializer}
+    inits = {t.name for t in qop.graph.initializer}
+    assert all(i.name in inits for i in qop.graph.input if i.name != "x")
+
+
+def _chain(outputs):
+    nodes = [helper.make_node("Conv", [src, f"w{i}", f"b{i}"], [dst], name=f"conv{i}", pads=[1] * 4)
+             for i, (src, dst) in enumerate([("x", "c1"), ("c1", "c2"), ("c2", "c3"), ("c3", "y")], start=1)]
+    inits = {f"w{i}": rand((8, 3 if i == 1 else 8, 3, 3), i, 0.2) for i in range(1, 5)}
+    inits.update({f"b{i}": rand((8,), 10 + i, 0.1) for i in range(1, 5)})
+    return make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi(o, [1, 8, 8, 8]) for o in outputs], inits)
+
+
+@pytest.mark.parametrize("case", ["a16_output", "network_output"])
+def test_log_says_why_each_layer_stays_qdq(tmp_path, caplog, case):
+    # conv1 writes conv2's 16-bit input grid (it was named nowhere); conv2's output is a network
+    # output and conv3's quantized input (it was said to be left float)
+    model = _chain(["y"] if case == "a16_output" else ["y", "c2"])
+    feeds = [{"x": rand((1, 3, 8, 8), 20 + s)} for s in range(4)]
+    caplog.set_level("INFO", logger="dipoorlet")
+    data = write_samples(tmp_path / "data", feeds)
+    dipoorlet.quantize(model=save(model, tmp_path / "m.onnx"), input_dir=data, data_num=4, deploy="ort",
+                       output_dir=tmp_path / "out", quant_format="QOP", skip_prof_layer=True,
+                       layer_bits=["conv2=a16"] if case == "a16_output" else None)
+    qop = onnx.load(str(tmp_path / "out" / "quant_model.onnx"))
+    left = {n.name for n in qop.graph.node if n.op_type == "Conv"}
+    lines = [r.getMessage() for r in caplog.records if "--quant_format QOP" in r.getMessage()]
+    if case == "a16_output":
+        assert "conv1" in left
+        assert any("read or write 16-bit grids" in m and "conv1" in m for m in lines), lines
+    else:
+        assert "conv2" in left
+        assert any("also a network output" in m and "QuantizeLinear/network output x1" in m for m in lines), lines
