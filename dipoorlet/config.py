@@ -6,6 +6,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from dipoorlet.errors import ConfigError
 from dipoorlet.ranges import RANGE_METHODS
 from dipoorlet.util import did_you_mean
@@ -135,6 +137,16 @@ class QuantConfig:
         for flag, (value, what) in wanted.items():
             if isinstance(value, str) and not value.strip():
                 raise ConfigError(f"{flag} is an empty path; give {what}")
+            if not (isinstance(value, (str, os.PathLike)) or value is None and flag in ("-O", "--val_dir")):
+                raise ConfigError(f"{flag} must be a path (str or pathlib.Path), got {type(value).__name__}"
+                                  + ("; save the ModelProto with onnx.save and pass its path"
+                                     if type(value).__name__ == "ModelProto" else f" {value!r}"[:80]))
+        for name in ("skip_layers", "score_outputs", "custom_op_libs", "layer_bits", "input_shapes"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, os.PathLike, list, tuple, dict, set, frozenset)):
+                raise ConfigError(f"{name} must be a name or a list of them, got {type(value).__name__} {value!r}")
+        if not isinstance(self.act_quant, str):
+            raise ConfigError(f"-A must be a method name, got {self.act_quant!r}; one of {', '.join(sorted(RANGE_METHODS))}")
         object.__setattr__(self, "model", Path(self.model))
         object.__setattr__(self, "input_dir", Path(self.input_dir))
         out = Path(self.output_dir) if self.output_dir else self.model.parent / "results"
@@ -142,6 +154,8 @@ class QuantConfig:
         for name in ("skip_layers", "score_outputs", "custom_op_libs"):   # a single name is one name
             value = getattr(self, name) or ()
             object.__setattr__(self, name, (value,) if isinstance(value, (str, Path)) else tuple(value))
+        if self.layer_bits is None:                                 # the API's "none given"
+            object.__setattr__(self, "layer_bits", {})
         if isinstance(self.layer_bits, (str, list, tuple)):        # the CLI's form: "conv1=w4a8", ...
             items = [self.layer_bits] if isinstance(self.layer_bits, str) else self.layer_bits
             object.__setattr__(self, "layer_bits", parse_layer_bits(items))
@@ -152,6 +166,8 @@ class QuantConfig:
             if not (isinstance(bits, (tuple, list)) and len(bits) == 2):
                 raise ConfigError(f"--layer_bits {node}: expected 'wNaM' or (weight bits, activation bits) with "
                                   f"None for either, got {bits!r}")
+        if self.input_shapes is None:
+            object.__setattr__(self, "input_shapes", {})
         if isinstance(self.input_shapes, (str, list, tuple)):      # the CLI's form: "x:1,3,224,224", ...
             from dipoorlet.data import parse_input_shapes
 
@@ -173,10 +189,11 @@ class QuantConfig:
         if not isinstance(self.bins, int) or not 16 <= self.bins <= MAX_BINS:
             raise ConfigError(f"--bins must be an integer from 16 to {MAX_BINS}, got {self.bins!r}; "
                               f"the default 2048 suits 8-bit grids")
-        if not 0.0 < self.threshold <= 1.0:
-            raise ConfigError(f"--threshold is a mass fraction in (0, 1], got {self.threshold}; e.g. 0.99999")
-        if not 50.0 < self.percentile <= 100.0:
-            raise ConfigError(f"--percentile must be in (50, 100], got {self.percentile}; e.g. 99.999")
+        number = lambda v: isinstance(v, (int, float, np.floating, np.integer)) and not isinstance(v, bool)
+        if not number(self.threshold) or not 0.0 < self.threshold <= 1.0:
+            raise ConfigError(f"--threshold is a mass fraction in (0, 1], got {self.threshold!r}; e.g. 0.99999")
+        if not number(self.percentile) or not 50.0 < self.percentile <= 100.0:
+            raise ConfigError(f"--percentile must be in (50, 100], got {self.percentile!r}; e.g. 99.999")
         if not isinstance(self.sens_samples, int) or self.sens_samples < 1:
             raise ConfigError(f"--sens_samples must be a positive integer, got {self.sens_samples!r}")
         _optional_count(self.prof_samples, "--prof_samples")

@@ -343,9 +343,14 @@ def test_python_api_takes_the_clis_long_flag_names(tmp_path):
     assert (tmp_path / "api" / "weight_clip_val.json").read_text() == (tmp_path / "cli" / "weight_clip_val.json").read_text()
     for bad, words in (({"eq_sample": 2}, ["'eq_sample'", "eq_samples"]), ({"layer_bits": {"fc": "w99"}}, ["w99"]),
                        ({"bias_correction": True, "no_bc": True}, ["'bias_correction' and 'no_bc'", "give one"]),
-                       ({"layer_bits": {"fc": 5}}, ["--layer_bits fc", "got 5"])):
+                       ({"layer_bits": {"fc": 5}}, ["--layer_bits fc", "got 5"]),
+                       # wrong types: one line each, not a TypeError from deep inside
+                       ({"threshold": None}, ["--threshold", "None"]), ({"percentile": "99"}, ["--percentile", "'99'"]),
+                       ({"output_dir": 3}, ["-O must be a path", "int"]), ({"skip_layers": 3}, ["skip_layers", "int"]),
+                       ({"model": model}, ["-M must be a path", "onnx.save"])):
         with pytest.raises(DipoorletError) as err:
-            dipoorlet.quantize(model=model_path, input_dir=data, data_num=N, output_dir=tmp_path / "bad", **bad)
+            dipoorlet.quantize(**{"model": model_path, "input_dir": data, "data_num": N, "output_dir": tmp_path / "bad",
+                                  **bad})
         assert all(w in str(err.value) for w in words)
 
 
