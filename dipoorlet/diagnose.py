@@ -135,7 +135,7 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
              samples: int | None = None, gptq=(), method: str | None = None,
              gptq_ran: bool = False, max_act_bits: int = 8, rounding: str = "--gptq", sparse: dict | None = None,
              sparse_pattern: str | None = None, promoted=(), deferred: str | None = None,
-             held_out: bool = False, floated=(), unfit=None, calibration=None) -> list[dict]:
+             held_out: bool = False, floated=(), unfit=None, calibration=None, criterion: str = "cosine") -> list[dict]:
     """One row per layer among the ``k`` most sensitive that lose more than ``MIN_LOSS``, leaving
     out ``floated`` (the layers --auto_skip kept float: they limit nothing in the written model).
     ``shifted``: dipoorlet.shift's rows; a shifted input is described by its source tensor (its
@@ -146,8 +146,10 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
     from dipoorlet.equalize import channel_stats
 
     floated = set(floated)
-    worst = [s for s in sorted((s for s in isolated if s.node not in floated), key=lambda s: s.isolated.cosine)[:k]
-             if s.isolated.cosine < 1 - MIN_LOSS]
+    # ranked by --criterion, NaN first; a layer losing under MIN_LOSS of cosine needs no advice
+    worst = [s for s in sorted((s for s in isolated if s.node not in floated),
+                               key=lambda s: s.isolated.rank(criterion))[:k]
+             if not s.isolated.cosine >= 1 - MIN_LOSS]
     if not worst:
         return []
     inputs: dict[str, list[str]] = {}

@@ -85,12 +85,12 @@ def sample_sums(f: np.ndarray, q: np.ndarray) -> tuple[float, float, float, floa
         a, b, d = fb[:m], qb[:m], db[:m]
         np.copyto(a, f[s:s + m])
         np.copyto(b, q[s:s + m])
-        ff += float(a @ a)
-        qq += float(b @ b)
-        fq += float(a @ b)
-        with np.errstate(invalid="ignore", over="ignore"):   # inf - inf: NaN, counted as such
+        with np.errstate(invalid="ignore", over="ignore"):   # inf * 0, inf - inf: NaN, counted as such
+            ff += float(a @ a)
+            qq += float(b @ b)
+            fq += float(a @ b)
             np.subtract(a, b, out=d)
-        dd += float(d @ d)
+            dd += float(d @ d)
         np.abs(d, out=d)
         peaks.append(d.max())
     if ff == 0.0 and qq == 0.0:

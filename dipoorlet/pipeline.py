@@ -911,7 +911,7 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
             deferred=_flag(rounding) if defer else None, held_out=bool(analysis.get("sens_held_out")),
             floated=analysis["auto_skip"].float_layers if analysis.get("auto_skip") is not None else (),
             unfit=reconstructed.get("skipped") if reconstructed and rounding != "sparse" else None,
-            calibration=stats)
+            calibration=stats, criterion=cfg.criterion)
     if analysis.get("auto_skip") is not None:
         places = places.restrict([n for n in places.quantized_nodes
                                   if n not in analysis["auto_skip"].float_layers])
@@ -1095,6 +1095,7 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, pl
                     "one); no sensitivity analysis%s", ", and no --auto_skip/--auto_a16/--auto_w8 search" if auto else "")
         return out
     out["isolated"] = sensitivity.isolated(g, places, plan, scorer, cfg.criterion)
+    out["criterion"] = cfg.criterion
     if cfg.auto_skip:
         crit, target = sensitivity.parse_target(cfg.auto_skip)
         out["auto_skip"] = sensitivity.auto_skip(g, places, plan, scorer, out["isolated"], crit,

@@ -22,7 +22,8 @@ def _score(s):
 
 
 def worst(rows, k: int = 10):
-    return sorted((r for r in rows if not r.is_output), key=lambda r: r.cosine)[:k]
+    # a NaN cosine (a tensor gone NaN or Inf in the quantized model) is the worst of all
+    return sorted((r for r in rows if not r.is_output), key=lambda r: r.cosine if r.cosine == r.cosine else -math.inf)[:k]
 
 
 def _histograms(nodes, places, stats, plan, bins: int = 64, shifted=()) -> dict:
@@ -143,7 +144,10 @@ def build(rows, places, meta: dict, analysis: dict | None = None, stats=None, pl
                     for r in rows if r.is_output],
         "layers": layers,
         "worst_layers": worst_nodes,
-        "most_sensitive_layers": [s.node for s in sorted(iso.values(), key=lambda s: s.isolated.cosine)[:10]],
+        # ranked as --criterion ranks them (the weight/activation split went to those), NaN first
+        "most_sensitive_layers": [s.node for s in sorted(iso.values(),
+                                                          key=lambda s: s.isolated.rank(analysis.get("criterion",
+                                                                                                     "cosine")))[:10]],
         "sensitivity": [{"node": s.node, "op_type": s.op_type, "isolated": _score(s.isolated),
                          "weight_only": _score(s.weight_only), "activation_only": _score(s.activation_only)}
                         for s in iso.values()],

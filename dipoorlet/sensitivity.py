@@ -71,6 +71,12 @@ class OutputScore:
     def value(self, criterion: str) -> float:
         return {"cosine": self.cosine, "sqnr": self.sqnr_db, "maxabs": -self.max_abs_err}[criterion]
 
+    def rank(self, criterion: str) -> float:
+        """:meth:`value` for ordering: NaN (a variant whose output is NaN or Inf) is the worst,
+        not a key that leaves ``sorted`` in an arbitrary order."""
+        v = self.value(criterion)
+        return -math.inf if v != v else v
+
 
 RESHAPING = ("Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze")   # same values, another shape
 
@@ -190,7 +196,7 @@ class Scorer:
             sqnr = sqnr_db(sig, err)
             mx = max((r[1][k][3] for r in rows), default=0.0)
             s = OutputScore(cos, sqnr, mx)
-            if worst is None or s.value(self.criterion) < worst.value(self.criterion):
+            if worst is None or s.rank(self.criterion) < worst.rank(self.criterion):
                 worst = s
         return self.comm.bcast(worst)
 
@@ -216,7 +222,7 @@ def isolated(graph, places, plan, scorer: Scorer, criterion="cosine", split_wors
         rows.append(LayerSensitivity(node, ops[node], score))
         if k == 1:
             _announce(time.perf_counter() - t0, len(nodes) + 2 * min(split_worst, len(nodes)), len(scorer.indices))
-    for row in sorted(rows, key=lambda r: r.isolated.value(criterion))[:split_worst]:
+    for row in sorted(rows, key=lambda r: r.isolated.rank(criterion))[:split_worst]:
         row.weight_only = scorer.score_variant(places, plan, (), {row.node}, alone=True)
         row.activation_only = scorer.score_variant(places, plan, {row.node}, (), alone=True)
     return rows
@@ -278,14 +284,14 @@ def auto_skip(graph, places, plan, scorer: Scorer, sens: list[LayerSensitivity],
     sb, _ = scorer.board(places, plan)
     before = scorer.score_variant(places, plan, sb.owners, sb.owners)
     res = AutoSkipResult(target, criterion, before, before)
-    order = [s.node for s in sorted(sens, key=lambda s: s.isolated.value(criterion))]
+    order = [s.node for s in sorted(sens, key=lambda s: s.isolated.rank(criterion))]
     current = before
     for node in order[:3 * max_layers]:  # bounded: at most 3 trials per float layer allowed
         if current.value(criterion) >= target or len(res.float_layers) >= max_layers:
             break
         keep = [n for n in quantized if n not in res.float_layers and n != node]
         trial = scorer.score_variant(places, plan, keep, keep)
-        helped = trial.value(criterion) > current.value(criterion)
+        helped = trial.rank(criterion) > current.rank(criterion)   # NaN: the worst
         res.steps.append({"float_layer": node, "cosine": trial.cosine, "sqnr_db": trial.sqnr_db,
                           "kept": helped})
         log.info("auto_skip: %s float -> output cosine %.6f, SQNR %.2f dB%s", node, trial.cosine,
@@ -312,7 +318,7 @@ def auto_a16(graph, places, plan, scorer: Scorer, sens: list[LayerSensitivity], 
     them as 16-bit would report a target the written model misses."""
     quantized = list(places.quantized_nodes)
     sb, _ = scorer.board(places, plan)
-    order = [s.node for s in sorted(sens, key=lambda s: s.isolated.value(criterion)) if s.node not in fixed]
+    order = [s.node for s in sorted(sens, key=lambda s: s.isolated.rank(criterion)) if s.node not in fixed]
 
     def score(wide: set) -> OutputScore:
         acts = [n for n in quantized if n not in wide]
@@ -331,7 +337,7 @@ def auto_w8(graph, places, plan, scorer: Scorer, sens: list[LayerSensitivity], c
     A trial keeps every activation and every other weight on its narrow grid; only layers in
     ``candidates`` (narrow weights, no explicit --layer_bits NODE=wN) are tried."""
     sb, _ = scorer.board(places, plan)
-    order = [s.node for s in sorted(sens, key=lambda s: s.isolated.value(criterion)) if s.node in candidates]
+    order = [s.node for s in sorted(sens, key=lambda s: s.isolated.rank(criterion)) if s.node in candidates]
 
     def score(wide: set) -> OutputScore:
         return scorer.score_mixed(places, plan, wide_plan, sb.owners, sb.owners - set(wide))
@@ -386,7 +392,7 @@ def _promote_search(scorer: Scorer, places, plan, order: list, score, criterion:
         # very samples searched (a --auto_a16 search on the PP-OCR classifier kept 3 layers scoring
         # 0.9973 against 0.9987 without them): then none
         hi = cap
-        if trial(cap).value(criterion) < before.value(criterion):
+        if trial(cap).rank(criterion) < before.rank(criterion):
             log.warning(f"auto_{kind}: even {cap} layers miss the target and score below none at all "
                         f"(%.6g against %.6g); none is kept", trial(cap).value(criterion), before.value(criterion))
             hi = 0

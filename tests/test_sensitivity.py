@@ -842,3 +842,36 @@ def test_promote_search_missing_the_target_never_keeps_a_set_scoring_below_none(
                           lambda wide: OutputScore(scores[len(wide)], 30.0, 0.1), "cosine", 0.9999, 3, "a16", "%d")
     assert len(res.float_layers) == kept and not res.met
     assert res.after.cosine == (0.9987 if kept == 0 else cap_score)
+
+
+def test_nan_scores_rank_worst_and_the_ranking_follows_the_criterion(tmp_path):
+    # qnn quantizes a Reciprocal whose input rounds to 0: Inf inside the quantized model, NaN
+    # isolated scores for the layers on that path. sorted() over NaN keys left the ranking in an
+    # arbitrary order (the two worst layers were never tried by --auto_skip); and the report
+    # ranked by cosine while --criterion sqnr chose which layers got the weight/activation split
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv_a", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["cr"], name="relu_a"),
+             helper.make_node("Conv", ["cr", "wb"], ["d"], name="conv_b"),
+             helper.make_node("Mul", ["c", "c"], ["sq"], name="square"),
+             helper.make_node("Reciprocal", ["sq"], ["rec"], name="recip"),
+             helper.make_node("Conv", ["rec", "w2"], ["e"], name="conv_c"),
+             helper.make_node("Add", ["d", "e"], ["y"], name="add_out")]
+    model = make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("y", [1, 4, 8, 8])],
+                       {"w": rand((4, 3, 3, 3), 0, 0.3), "b": rand((4,), 1, 0.1), "wb": rand((4, 4, 1, 1), 4, 0.5),
+                        "w2": rand((4, 4, 1, 1), 2, 1e-3)})
+    for criterion in ("cosine", "sqnr"):
+        res, _ = quantize_model(tmp_path / criterion, model, feeds=input_feeds(model, 8, seed=1), n=8,
+                                deploy="qnn", bias_correction=False, criterion=criterion)
+        rep = res.report
+
+        def key(row):
+            v = row["isolated"]["cosine" if criterion == "cosine" else "sqnr_db"]
+            return -np.inf if v is None else v
+
+        assert any(r["isolated"]["cosine"] is None for r in rep["sensitivity"])      # the case holds NaN
+        want = [r["node"] for r in sorted(rep["sensitivity"], key=key)]
+        assert rep["most_sensitive_layers"] == want[:10]
+        split = {r["node"] for r in rep["sensitivity"] if r["weight_only"] is not None or r["activation_only"] is not None}
+        assert split <= set(rep["most_sensitive_layers"])
+        layers = {r["node"]: r["cosine"] for r in rep["layers"]}
+        assert [layers[n] for n in rep["worst_layers"]][0] is None or all(v is not None for v in layers.values())
