@@ -259,6 +259,22 @@ class DataSource:
             counts.append(i)
         return min(counts) if counts else 0
 
+    def beyond_gap(self) -> tuple[str, int, int] | None:
+        """(input folder, first missing index, sample files numbered above it) where a folder's
+        numbering has a gap with samples after it, else None (an .npz has no gaps)."""
+        if self._npz is not None:
+            return None
+        for s in self.specs:
+            names = set(os.listdir(self.folders[s.name]))
+            i = 0
+            while f"{i}.npy" in names or f"{i}.bin" in names:
+                i += 1
+            later = [k for k in names if k.endswith((".npy", ".bin")) and k[:-4].isascii() and k[:-4].isdigit()
+                     and int(k[:-4]) > i]
+            if later:
+                return str(self.folders[s.name]), i, len(later)
+        return None
+
     # ---- reading -----------------------------------------------------------------------
     def __len__(self) -> int:
         return self.n

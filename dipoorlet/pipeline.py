@@ -263,6 +263,11 @@ def open_validation(cfg: QuantConfig, specs, comm):
     if have == 0:
         raise DataError(f"validation data {cfg.val_dir} holds no samples; expected "
                         f"{cfg.val_dir}/<input name>/0.npy (or .bin) ... as for -I, or an .npz")
+    gap = probe.beyond_gap()
+    if gap is not None:     # the count stops at the gap: the samples after it would go unread unsaid
+        folder, missing, later = gap
+        raise DataError(f"validation data {folder} has no sample {missing}.npy or {missing}.bin but {later} "
+                        f"sample files numbered above it; number the samples 0..K-1 without gaps")
     if cfg.val_num is not None and cfg.val_num > have:
         raise DataError(f"validation data {cfg.val_dir} holds {have} samples (0..{have - 1}) but --val_num is "
                         f"{cfg.val_num}; lower --val_num to {have} or add samples")

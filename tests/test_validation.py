@@ -189,6 +189,8 @@ def test_a_bad_held_out_sample_stops_the_run_before_any_pass(case):
     (["--val_dir", "{tmp}/empty"], ["no folder for model input 'x'", "empty"]),
     (["--val_dir", "{tmp}/badshape"], ["has shape", "expects"]),
     (["--val_dir", "{tmp}/nan"], ["NaN/Inf", "validation data must be finite"]),
+    # samples after a gap in the numbering went unread without a word
+    (["--val_dir", "{tmp}/gap"], ["no sample 1.npy", "1 sample files numbered above it", "without gaps"]),
 ])
 def test_bad_validation_data_is_one_line_and_nothing_is_written(case, args, words):
     tmp, _, _ = case
@@ -197,6 +199,8 @@ def test_bad_validation_data_is_one_line_and_nothing_is_written(case, args, word
     bad = np.zeros((1, 3, 16, 16), np.float32)
     bad[0, 0, 0, 0] = np.nan
     write_samples(tmp / "nan", [{"x": bad}])
+    write_samples(tmp / "gap", [{"x": np.zeros((1, 3, 16, 16), np.float32)}] * 3)
+    (tmp / "gap" / "x" / "1.npy").unlink()
     res = _cli(tmp, "-O", str(tmp / "out"), *[a.format(tmp=tmp) for a in args])
     assert res.returncode == 2, res.stderr
     lines = [line for line in res.stderr.splitlines() if line.startswith("dipoorlet: error:")]
