@@ -89,8 +89,10 @@ def find_sites(g, places, plan, qmodel) -> list[Site]:
         xq = qnode.input[0]
         x = dq_source(producers, xq)
         pad = producers.get(xq)
+        from dipoorlet.equalize import spatial_zero_pad
+
         if (x is None and op == "Conv" and pad is not None and pad.op_type == "Pad"
-                and _spatial_zero_pad(g, pad, g.weight(wp.tensor).ndim)):
+                and spatial_zero_pad(g, pad, g.weight(wp.tensor).ndim)):
             # Q/DQ -> Pad -> Conv (the Q/DQ goes before a Pad the backend folds into the Conv):
             # the means are taken before the Pad, unpadded, as they are for the Conv's own padding
             x = dq_source(producers, pad.input[0])
@@ -103,24 +105,6 @@ def find_sites(g, places, plan, qmodel) -> list[Site]:
         axis = 1 if op == "Conv" else -1
         sites.append(Site(name, op, wp.tensor, bias, x, xq, axis))
     return sites
-
-
-def _spatial_zero_pad(g, pad, rank: int) -> bool:
-    """A Pad of zeros on the spatial axes only (constant mode; constant pads, axes and value)."""
-    from dipoorlet.equalize import _pad_is_zero
-
-    if not _pad_is_zero(g, pad) or len(pad.input) < 2 or not g.is_constant(pad.input[1]):
-        return False
-    pads = np.asarray(g.weight(pad.input[1])).reshape(-1)
-    if len(pad.input) > 3 and pad.input[3]:
-        if not g.is_constant(pad.input[3]):
-            return False
-        axes = [int(a) % rank for a in np.asarray(g.weight(pad.input[3])).reshape(-1)]
-    else:
-        axes = list(range(rank))
-    if pads.size != 2 * len(axes):
-        return False
-    return all(a >= 2 or (pads[k] == 0 and pads[k + len(axes)] == 0) for k, a in enumerate(axes))
 
 
 def _append_channel_means(model, keys, sizes, types) -> tuple[str, dict]:

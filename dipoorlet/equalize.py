@@ -101,6 +101,28 @@ def _pad_is_zero(g, node) -> bool:
     return float(node_attr(node, "value", 0.0) or 0.0) == 0.0
 
 
+def spatial_zero_pad(g, pad, rank: int | None = None) -> bool:
+    """A Pad of zeros on the spatial axes only (constant mode; constant pads, axes and value):
+    it commutes with a per-channel scale. A Pad on the channel axis moves channels (pads
+    [0, 1, ...] with [0, -1, ...] shifts channel c to c + 1), on the batch axis adds samples."""
+    if not _pad_is_zero(g, pad) or len(pad.input) < 2 or not g.is_constant(pad.input[1]):
+        return False
+    pads = np.asarray(g.weight(pad.input[1])).reshape(-1)
+    if len(pad.input) > 3 and pad.input[3]:
+        if not g.is_constant(pad.input[3]):
+            return False
+        axes = [int(a) for a in np.asarray(g.weight(pad.input[3])).reshape(-1)]
+        if any(a < 0 for a in axes):
+            if rank is None:
+                return False
+            axes = [a % rank for a in axes]
+    else:
+        axes = list(range(pads.size // 2))
+    if pads.size != 2 * len(axes):
+        return False
+    return all(a >= 2 or (pads[k] == 0 and pads[k + len(axes)] == 0) for k, a in enumerate(axes))
+
+
 def _absorbs(g, node, tensor: str, channels: int) -> bool:
     """Conv reading ``tensor`` as its data input, with a weight no other node reads."""
     if node.op_type != "Conv" or node.input[0] != tensor or not g.is_constant(node.input[1]):
@@ -207,7 +229,7 @@ def _walk(g, a, channels: int) -> Chain | None:
                 if node.name not in chain.absorbers:
                     chain.absorbers.append(node.name)
                 continue
-            if op in PASS_THROUGH or (op == "Pad" and _pad_is_zero(g, node)):
+            if op in PASS_THROUGH or (op == "Pad" and spatial_zero_pad(g, node, len(g.shape(t) or []) or None)):
                 if node.input[0] != t:
                     return None  # e.g. PRelu's slope or Pad's pads computed from the scaled tensor
                 out = node.output[0]

@@ -1548,3 +1548,36 @@ def test_bias_correction_does_not_look_through_a_pad_of_channels(tmp_path):
     assert all(np.isfinite(o).all() for o in got)
     assert np.mean([np.mean((a - b) ** 2) for a, b in zip(ref, got)]) < 1.0
     assert res.report["bias_correction"]["layers"] == 1
+
+
+@pytest.mark.parametrize("deploy", ["trt", "snpe"])
+def test_equalization_does_not_look_through_a_pad_that_moves_channels(tmp_path, deploy):
+    """Conv -> Relu -> Pad([0, 1, 0, 0], [0, -1, 0, 0]) -> Conv: the Pad shifts channel c to c + 1
+    and keeps the count, so the producer's channel scale would land on the wrong absorber input
+    (the transformed model differed from the input by 0.87 of its output range). The pair is left
+    alone; a Pad on the spatial axes only still passes (the control)."""
+    import dipoorlet
+    from conftest import save, write_samples
+
+    rng = np.random.default_rng(3)
+    chs = np.logspace(-2, 1, 8).astype(np.float32)       # uneven channels: equalization would act
+    for pads, moves in (([0, 1, 0, 0, 0, -1, 0, 0], True), ([0, 0, 1, 1, 0, 0, 1, 1], False)):
+        inits = {"w1": rand((8, 3, 3, 3), 1, 0.3) * chs[:, None, None, None], "b1": rand((8,), 2, 0.1) * chs,
+                 "w2": rand((8, 8, 3, 3), 3, 0.3), "b2": rand((8,), 4, 0.1), "pads": np.array(pads, np.int64)}
+        size = 16 if moves else 18
+        nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1] * 4),
+                 helper.make_node("Relu", ["c1"], ["a"], name="relu"),
+                 helper.make_node("Pad", ["a", "pads"], ["p"], name="pad"),
+                 helper.make_node("Conv", ["p", "w2", "b2"], ["y"], name="conv2", pads=[1] * 4)]
+        model = make_model(nodes, [vi("x", [1, 3, 16, 16])], [vi("y", [1, 8, size, size])], inits)
+        root = tmp_path / f"moves{moves}"
+        feeds = [{"x": rng.standard_normal((1, 3, 16, 16)).astype(np.float32)} for _ in range(4)]
+        res = dipoorlet.quantize(model=save(model, root / "m.onnx"), input_dir=write_samples(root / "data", feeds),
+                                 data_num=4, deploy=deploy, output_dir=root / "out", act_quant="minmax", no_bc=True,
+                                 no_shift=True, skip_prof_layer=True)
+        equalized = bool(res.report.get("equalization"))
+        assert equalized != moves, res.report.get("equalization")
+        if equalized:
+            t = onnx.load(str(root / "out" / "transformed_model.onnx"))
+            a, b = ort_run(model, feeds[0])[0], ort_run(t, feeds[0])[0]
+            assert np.abs(a - b).max() <= 1e-4 * np.abs(a).max()
