@@ -56,6 +56,8 @@ def _output_distribution(cosines: dict, outputs: list[str], bins: int = 20) -> d
     for t in outputs:
         cos = np.array([c for _, c, _ in cosines.get(t, [])], dtype=np.float64)
         cos = cos[np.isfinite(cos)]  # a model whose own output is NaN for a sample
+        # a cosine rounds to 1 + 1 ulp now and then: np.histogram drops values past its range
+        cos = np.clip(cos, -1.0, 1.0)
         if cos.size == 0:
             continue
         lo = float(min(cos.min(), 0.99))

@@ -395,6 +395,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.repeat < 1:
         ap.error(f"--repeat {args.repeat}: expected a positive number of runs")
+    if args.n_calib < 1 or (args.ort_n_calib is not None and args.ort_n_calib < 1):
+        ap.error(f"--n-calib {args.n_calib} / --ort-n-calib {args.ort_n_calib}: expected a positive number of samples")
+    if not args._child:     # before the task is prepared and the float pass run
+        for spec in [m.strip() for m in args.methods.split(",") if m.strip()]:
+            if spec.partition(":")[0] not in ("dipoorlet", "ort") or not spec.partition(":")[2]:
+                ap.error(f"unknown method {spec!r} (use dipoorlet:<method> or ort:<MinMax|Entropy|Percentile>)")
 
     if args._child:
         kind, *rest = args._child
@@ -464,6 +470,9 @@ def main(argv=None) -> int:
         {"task": task.name, "n_calib": task.n_calib, "model": str(task.model), "data": str(shared) if shared else None,
          "float_pass": fp,
          "float_pass_process_s": r["wall_s"], "rows": rows}, indent=2, default=str))
+    if not any(row["status"] == "ok" for row in rows[1:]):
+        print("every method failed (see the status column)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -26,6 +26,8 @@ def main(argv=None) -> int:
     ap.add_argument("-A", default="mse")
     ap.add_argument("--out", default=str(ROOT / "scripts" / ".cache" / "memory"))
     a = ap.parse_args(argv)
+    if not 1 <= a.small < a.large:
+        ap.error(f"--small and --large must satisfy 1 <= small < large, got {a.small} and {a.large}")
     task = resolve_task(a.task)(Path(a.out) / f"{a.task}-work", a.large, default_shared())
     rows = []
     for n in (a.small, a.large):
