@@ -344,8 +344,9 @@ def below_bar(report: dict, bar) -> str:
 
     name = "cosine" if crit == "cosine" else "SQNR"
     unit = "" if crit == "cosine" else " dB"
-    rows = [f"{o['tensor']} {name} {o.get(key)}{unit}{why(o)}" for o in report.get("outputs", [])
-            if o["tensor"] in judged and low(o)]
+    rows = [f"{o['tensor']} {name} {o.get(key)}{unit}{why(o)}" if o.get(key) is not None else
+            f"{o['tensor']} {name} not finite (the quantized output is NaN or Inf)"
+            for o in report.get("outputs", []) if o["tensor"] in judged and low(o)]
     # an output no profile sample scored (each was left out: the float model's output was NaN
     # there) has no row: it meets no bar
     scored = {o["tensor"] for o in report.get("outputs", [])}

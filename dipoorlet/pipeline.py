@@ -988,6 +988,13 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
         # Every collective step is done (the gather waited for all ranks): rank 0 writes.
         rows = layer_errors.summarize(errors, targets_prof, g.output_names,
                                  places.quantized_nodes if not cfg.skip_prof_layer else ())
+        broken = [r.tensor for r in rows if r.is_output and not math.isfinite(r.cosine)]
+        if broken:   # the float model's NaN samples were left out before: these are the quantization's
+            log.warning("network output %s: the quantized model computes NaN or Inf where the float model is "
+                        "finite (an op such as Reciprocal, Div or Log reading a value its grid rounds to 0); "
+                        "the report gives it no cosine; keep that op's input float (--skip_layers) or widen "
+                        "its grid (--layer_bits NODE=a16 where the backend runs 16-bit activations)",
+                        ", ".join(broken[:4]))
         try:
             files, rep = _write_staging(cfg, g, plan, places, plat, data, indices, qmodel, staging, equalized,
                                         shifted, rows, k, analysis, stats, out_cosines,

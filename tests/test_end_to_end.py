@@ -8,8 +8,10 @@ import struct
 import numpy as np
 import onnx
 import pytest
+from onnx import helper
 
-from conftest import initializer, input_feeds, ort_run, ort_session, quantized_tensors, save, tiny_cnn, write_samples
+from conftest import (initializer, input_feeds, make_model, ort_run, ort_session, quantized_tensors, rand, save, tiny_cnn,
+                      vi, write_samples)
 from dipoorlet.cli import main
 from dipoorlet.ranges import RANGE_METHODS
 
@@ -536,3 +538,32 @@ def test_a_lock_file_that_is_a_symlink_is_not_followed(tmp_path):
     lock = OutputLock(tmp_path / "o")        # runs unlocked rather than write its pid into the target
     lock.release()
     assert victim.read_text() == "precious"
+
+
+def test_an_output_the_quantization_turns_to_inf_is_warned_and_fails_the_bar(tmp_path, capsys):
+    """Reciprocal of a Conv whose small values round to 0 on a grid sized by one large value: the
+    quantized output is Inf where the float one is finite. The report had a row of Nones and no
+    word; --fail_below said 'cosine None'."""
+    from dipoorlet.cli import main
+
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv1"),
+             helper.make_node("Reciprocal", ["c"], ["r"], name="recip"),
+             helper.make_node("Conv", ["x", "w3"], ["y"], name="conv3")]
+    model = make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("r", [1, 2, 8, 8]), vi("y", [1, 4, 8, 8])],
+                       {"w": np.abs(rand((2, 3, 1, 1), 2, 0.5)) + 0.1, "w3": rand((4, 3, 1, 1), 3, 0.5)})
+    rng = np.random.default_rng(0)
+    feeds = []
+    for _ in range(4):
+        x = (np.abs(rng.standard_normal((1, 3, 8, 8))) * 1e-3 + 1e-3).astype(np.float32)
+        x[0, 0, 0, 0] = 100.0
+        feeds.append({"x": x})
+    data = write_samples(tmp_path / "data", feeds)
+    out = tmp_path / "out"
+    rc = main(["-M", str(save(model, tmp_path / "m.onnx")), "-I", str(data), "-N", "4", "-D", "trt", "-O", str(out),
+               "-A", "minmax", "--no_bc", "--no_equalize", "--fail_below", "0.9"])
+    err = capsys.readouterr().err
+    assert rc == 3
+    assert "network output r: the quantized model computes NaN or Inf" in err
+    assert "r cosine not finite" in err and "cosine None" not in err
+    rows = {o["tensor"]: o for o in json.loads((out / "report.json").read_text())["outputs"]}
+    assert rows["r"]["cosine"] is None and rows["y"]["cosine"] > 0.99
