@@ -261,8 +261,10 @@ def correct(g, places, plan, data, indices, comm, device="cpu", alone: bool = Fa
         peak = float(np.abs(delta).max())
         shifts.append((s.node, peak, peak / rms if rms > 0 else None))   # None: an all-zero bias
     shifts.sort(key=lambda r: -(r[2] if r[2] is not None else r[1]))
-    log.info("bias correction: %d layers corrected over %d samples; largest shifts: %s", len(shifts), total,
-             ", ".join(f"{n} {d:.3g}" for n, d, _ in shifts[:5]))
+    # ordered by the shift relative to the bias it moves, which is what the figures show
+    log.info("bias correction: %d layers corrected over %d samples; largest shifts (max |shift| / bias rms): %s",
+             len(shifts), total, ", ".join(f"{n} {d:.3g}/{d / r:.3g}" if r else f"{n} {d:.3g} (zero bias)"
+                                           for n, d, r in shifts[:5]))
     if alone:
         plan.isolated = isolated(g, plan, sites, data, indices, comm, device)
         log.info("bias correction: %d of those layers' corrections measured alone too, for the sensitivity "

@@ -413,9 +413,16 @@ def channel_ranges(node, w: np.ndarray) -> np.ndarray | None:
 
 
 def spread_of(amax: np.ndarray) -> float:
-    """Largest channel range over the median one."""
-    med = float(np.median(amax))
-    return float(amax.max() / med) if med > 0 else math.inf
+    """Largest channel range over the median one, among the live channels: dead or pruned ones
+    (all but 0 beside the layer's largest) get no levels on any grid worth counting, and with half
+    the channels dead the median was 0 and the spread infinite."""
+    from dipoorlet.equalize import DEAD
+
+    top = float(amax.max()) if amax.size else 0.0
+    live = amax[amax > DEAD * top]
+    if top <= 0 or live.size == 0:
+        return 1.0
+    return float(top / float(np.median(live)))
 
 
 def weight_spread(graph, places) -> list[dict]:

@@ -875,3 +875,12 @@ def test_nan_scores_rank_worst_and_the_ranking_follows_the_criterion(tmp_path):
         assert split <= set(rep["most_sensitive_layers"])
         layers = {r["node"]: r["cosine"] for r in rep["layers"]}
         assert [layers[n] for n in rep["worst_layers"]][0] is None or all(v is not None for v in layers.values())
+
+
+def test_weight_spread_counts_live_channels_only():
+    # more than half the channels dead (pruned): the median was 0 and the spread printed inf
+    from dipoorlet.sensitivity import spread_of
+
+    assert spread_of(np.array([1.0, 0.0, 0.0, 0.0, 2.0])) == pytest.approx(2.0 / 1.5)
+    assert spread_of(np.array([4.0, 1e-9, 1.0, 2.0])) == pytest.approx(2.0)
+    assert spread_of(np.zeros(4)) == 1.0
