@@ -2,7 +2,8 @@
 
 Plots: per-layer SQNR along the network depth (cumulative and isolated), the activation
 histograms of the worst layers with the chosen clip range, and the distribution of per-sample
-output cosines. Tables: outputs, worst and most sensitive layers, auto_skip, float layers.
+output cosines. Tables: outputs, worst and most sensitive layers, auto_skip/auto_a16/auto_w8, the
+diagnosis, float layers.
 """
 from __future__ import annotations
 
@@ -163,6 +164,19 @@ def html(rep: dict) -> str:
                              ["trial", "most sensitive layers at 16 bits", "output cosine", "SQNR dB"],
                              [[i + 1, s["a16_layers"], _fmt(s["cosine"], 6), _fmt(s["sqnr_db"], 2)]
                               for i, s in enumerate(a["steps"])])
+    a = rep.get("auto_w8")
+    if a:
+        out += _auto_section("auto_w8", a, " (as written)" if a.get("after_measured") else " (estimated)",
+                             "weights on 8-bit grids", a["w8_layers"], a.get("after_measured") or a["after_estimated"],
+                             "", ["trial", "most sensitive layers with 8-bit weights", "output cosine", "SQNR dB"],
+                             [[i + 1, s.get("w8_layers"), _fmt(s["cosine"], 6), _fmt(s["sqnr_db"], 2)]
+                              for i, s in enumerate(a["steps"])])
+    if rep.get("diagnosis"):
+        out += ["<h2>What limits accuracy, and what to do</h2><ul>",
+                *[f"<li><b>{esc(d['node'])}</b> ({esc(d['op_type'])}, isolated output cosine "
+                  f"{_fmt(d.get('isolated_cosine'), 6)}, SQNR {_fmt(d.get('isolated_sqnr_db'), 1)} dB"
+                  f"{', mostly ' + esc(d['cause']) if d.get('cause') else ''}): {esc(d['advice'])}</li>"
+                  for d in rep["diagnosis"]], "</ul>"]
     out += ["<h2>Error along the network</h2>", depth_plot(layers)]
     sens = {s["node"]: s for s in rep.get("sensitivity", [])}
     if rep.get("most_sensitive_layers"):

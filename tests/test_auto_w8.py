@@ -54,6 +54,10 @@ def test_search_estimate_is_the_written_model_and_the_chosen_weights_are_8_bit(t
                 assert np.abs(ints).max() <= 7
     if shift:
         assert res.report.get("shift"), "the chain's Relu outputs should be shifted on trt"
+    # the HTML page shows the search and the diagnosis as report.md does (it had neither)
+    page = (tmp_path / "out" / "report.html").read_text()
+    assert "<h2>auto_w8: sqnr" in page and "most sensitive layers with 8-bit weights" in page
+    assert ("<h2>What limits accuracy" in page) == bool(res.report.get("diagnosis"))
 
 
 def test_all_layers_promoted_is_the_8_bit_model(tmp_path):
