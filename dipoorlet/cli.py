@@ -270,10 +270,13 @@ def summary(result, cfg) -> str:
 
     rep = result.report
     lines = ["", f"dipoorlet {__version__}: {rep['platform']} / -A {rep['method']} / {rep['samples']} samples"]
-    rows = [[o["tensor"], o["cosine"], o["min_cosine"], o["sqnr_db"]] for o in rep["outputs"]]
+    rows = [[o["tensor"] + (" *" if o.get("cosine_over_samples") else ""), o["cosine"], o["min_cosine"],
+             o["sqnr_db"]] for o in rep["outputs"]]
     if rep.get("profile_data"):
         lines.append(f"error profile over {profile_source(rep)}:")
     lines.append(table(["network output", "mean cos", "min cos", "SQNR dB"], rows))
+    if any(o.get("cosine_over_samples") for o in rep["outputs"]):
+        lines.append("* fewer than 8 values per sample: one cosine over all samples' values together")
     lines += lowest_cosine_notes(rep)
     c = rep.get("clipped")
     if c and c["tensors_clipped"] and rep.get("profile_data"):

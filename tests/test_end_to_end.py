@@ -567,3 +567,16 @@ def test_an_output_the_quantization_turns_to_inf_is_warned_and_fails_the_bar(tmp
     assert "r cosine not finite" in err and "cosine None" not in err
     rows = {o["tensor"]: o for o in json.loads((out / "report.json").read_text())["outputs"]}
     assert rows["r"]["cosine"] is None and rows["y"]["cosine"] > 0.99
+
+
+def test_summary_marks_outputs_scored_over_the_samples_together(tmp_path):
+    from types import SimpleNamespace
+
+    from dipoorlet.cli import summary
+
+    rep = {"platform": "trt", "method": "mse", "samples": 8, "layers": [], "worst_layers": [], "quantized_nodes": 1,
+           "qdq_tensors": 1, "weights": 1,
+           "outputs": [{"tensor": "prob", "cosine": 0.99, "min_cosine": 0.99, "sqnr_db": 20.0, "cosine_over_samples": True},
+                       {"tensor": "map", "cosine": 0.999, "min_cosine": 0.99, "sqnr_db": 30.0}]}
+    text = summary(SimpleNamespace(report=rep, timings={}, files=[], output_dir=tmp_path), None)
+    assert "prob *" in text and "map *" not in text and "* fewer than 8 values per sample" in text
