@@ -143,7 +143,12 @@ def fold_constants(g: Graph) -> int:
         except Exception:  # an op the reference evaluator lacks: leave it to the runtime
             keep.append(node)
             continue
-        if sum(np.asarray(o).nbytes for o in outs) > FOLD_LIMIT:
+        if not all(isinstance(o, np.ndarray) for o in outs):
+            # a sequence or an optional (SplitToSequence, SequenceConstruct...): no initializer
+            # holds one (a sequence stored as a stacked tensor broke the model, an uneven one crashed)
+            keep.append(node)
+            continue
+        if sum(o.nbytes for o in outs) > FOLD_LIMIT:
             keep.append(node)
             continue
         for name, value in zip([o for o in node.output if o], outs):
@@ -699,12 +704,14 @@ def ensure_opset(g: Graph, target: int = QDQ_OPSET, why: str = "for per-channel 
     if version >= target:
         return version
     if version < 13:
-        for node in g.graph.node:
+        from dipoorlet.graph import _all_nodes
+
+        for node in _all_nodes(g.model):      # If/Loop bodies too (their shapes are rarely known)
             if node.op_type != "Hardmax" or node.domain not in ("", "ai.onnx"):
                 continue
             axis = node_attr(node, "axis", 1)
             rank = len(g.shape(node.input[0]) or [])
-            if not rank or axis not in (-1, rank - 1):
+            if axis != -1 and (not rank or axis != rank - 1):
                 # onnx's converter keeps the node as is, but Hardmax-13 no longer flattens the
                 # input from ``axis`` on: the output would change
                 raise ModelError(f"Hardmax {node.name or node.output[0]} (opset {version}, axis {axis}) "
@@ -731,18 +738,52 @@ def ensure_opset(g: Graph, target: int = QDQ_OPSET, why: str = "for per-channel 
 
 
 def _resize_as_before_11(graph) -> None:
-    """Upsample and Resize-10 sample at ``x_out / scale`` (asymmetric; nearest takes the floor);
-    onnx's converter emits a Resize with the opset-11 defaults (half_pixel, round_prefer_floor),
-    which moves a bilinear upsampling by half a pixel. Write the old sampling out explicitly."""
-    for node in graph.node:
+    """Upsample and Resize-10 sample at ``x_out / scale`` (asymmetric); onnx's converter emits a
+    Resize with the opset-11 defaults (half_pixel, round_prefer_floor), which moves a bilinear
+    upsampling by half a pixel. Write the old sampling out explicitly, in If/Loop/Scan bodies too.
+    Nearest sampling as onnxruntime runs the old op: the floor of ``x_out / scale`` where the
+    scales enlarge, its ceiling where they shrink (an axis scaled by 0.6 reads pixels 0 and 2 of
+    4, not 0 and 1); an op that does both in one node has no opset-13 form."""
+    from onnx import numpy_helper
+
+    consts: dict[str, np.ndarray] = {}
+
+    def walk(g):
+        for t in g.initializer:
+            consts[t.name] = numpy_helper.to_array(t)
+        for node in g.node:
+            if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+                consts[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
+        for node in g.node:
+            for attr in node.attribute:
+                for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                    yield from walk(sub)
+            yield node
+
+    for node in list(walk(graph)):
         if node.op_type != "Resize" or node.domain not in ("", "ai.onnx"):
             continue
         names = {a.name for a in node.attribute}
         if "coordinate_transformation_mode" not in names:
             node.attribute.append(helper.make_attribute("coordinate_transformation_mode", "asymmetric"))
         mode = node_attr(node, "mode", b"nearest")
-        if mode in (b"nearest", "nearest") and "nearest_mode" not in names:
-            node.attribute.append(helper.make_attribute("nearest_mode", "floor"))
+        if mode not in (b"nearest", "nearest") or "nearest_mode" in names:
+            continue
+        scales = consts.get(node.input[2]) if len(node.input) > 2 and node.input[2] else None
+        rounding = "floor"
+        if scales is not None and scales.size:
+            moved = [float(v) for v in np.asarray(scales, np.float64).ravel() if float(v) != 1.0]
+            if moved and all(v < 1.0 for v in moved):
+                rounding = "ceil"
+            elif any(v < 1.0 for v in moved):
+                raise ModelError(f"Resize {node.name or node.output[0]} (opset 10, nearest) enlarges some axes and "
+                                 f"shrinks others (scales {np.asarray(scales).ravel().tolist()}), which no opset-13 "
+                                 "Resize reproduces; export the model at opset 11 or later")
+        elif scales is None:
+            log.warning("Resize %s (opset 10, nearest): its scales are computed, so its sampling is taken as "
+                        "enlarging (floor); a shrinking one reads other pixels after conversion: export the "
+                        "model at opset 11 or later", node.name or node.output[0])
+        node.attribute.append(helper.make_attribute("nearest_mode", rounding))
 
 
 def lower_ir_version(g: Graph) -> int:

@@ -447,3 +447,66 @@ def test_ops_inside_if_branches_are_named_as_left_float(tmp_path, caplog):
     assert is_dequantized(qm, top.input[0]) and producer_op(qm, top.input[1]) == "DequantizeLinear"
     with pytest.raises(ModelError, match="its Conv ops sit inside If/Loop/Scan bodies"):
         quantize_model(tmp_path / "b", _if_model(False), feeds=feeds)
+
+
+def _old(nodes, inputs, outputs, inits, opset):
+    return make_model(nodes, inputs, outputs, inits, opset=opset, check=False)
+
+
+def _prepared(model, tmp_path):
+    g = Graph(model)
+    prepare(g)
+    return g.model
+
+
+@pytest.mark.parametrize("split", [[], ["sp"]])
+def test_constant_folding_leaves_sequences_in_the_graph(tmp_path, split):
+    # a folded SplitToSequence was stored as one stacked tensor (the model no longer loaded); an
+    # uneven split crashed the folding
+    inits = {"c": np.arange(9, dtype=np.float32).reshape(3, 3)}
+    if split:
+        inits["sp"] = np.array([1, 2], np.int64)
+    nodes = [helper.make_node("SplitToSequence", ["c", *split], ["seq"], name="s2s", axis=1),
+             helper.make_node("SequenceInsert", ["seq", "x"], ["seq2"], name="ins"),
+             helper.make_node("ConcatFromSequence", ["seq2"], ["y"], name="cat", axis=1)]
+    model = make_model(nodes, [vi("x", [3, 1])], [vi("y", None)], inits, check=False)
+    x = {"x": np.ones((3, 1), np.float32)}
+    np.testing.assert_array_equal(ort_run(_prepared(model, tmp_path), x)[0], ort_run(model, x)[0])
+
+
+def _if_model(branch_node, opset, inits, else_node=None):
+    then_g = helper.make_graph([branch_node], "then", [], [vi("t", None)])
+    else_g = helper.make_graph([else_node or helper.make_node("Identity", ["x"], ["e"], name="id")], "else", [],
+                               [vi("e", None)])
+    nodes = [helper.make_node("ReduceSum", ["x"], ["s"], name="rs", keepdims=0),
+             helper.make_node("Greater", ["s", "z"], ["cond"], name="gt"),
+             helper.make_node("If", ["cond"], ["y"], name="if", then_branch=then_g, else_branch=else_g)]
+    return _old(nodes, [vi("x", [1, 1, 2, 2])], [vi("y", None)], {"z": np.array(-1e9, np.float32), **inits}, opset)
+
+
+def test_opset_9_upsample_inside_an_if_keeps_its_sampling(tmp_path):
+    model = _if_model(helper.make_node("Upsample", ["x", "sc"], ["t"], name="up", mode="linear"), 9,
+                      {"sc": np.array([1, 1, 2, 2], np.float32)},
+                      helper.make_node("Upsample", ["x", "sc"], ["e"], name="up2", mode="nearest"))
+    x = {"x": np.array([[[[1, 2], [3, 4]]]], np.float32)}
+    np.testing.assert_allclose(ort_run(_prepared(model, tmp_path), x)[0], ort_run(model, x)[0], atol=1e-6)
+
+
+def test_opset_12_hardmax_inside_an_if_is_refused_like_one_outside(tmp_path):
+    model = _if_model(helper.make_node("Hardmax", ["x"], ["t"], name="hm", axis=1), 12, {})
+    with pytest.raises(ModelError, match="Hardmax hm .* changes meaning"):
+        _prepared(model, tmp_path)
+
+
+@pytest.mark.parametrize("scales", [[1, 1, 0.6, 0.6], [1, 1, 0.7, 1.0], [1, 1, 2.0, 1.5], [1, 1, 0.5, 2.0]])
+def test_opset_10_nearest_resize_samples_as_onnxruntime_ran_it(tmp_path, scales):
+    # onnxruntime's Resize-10 takes the floor of x_out / scale where it enlarges, the ceiling where
+    # it shrinks; written as floor, a 0.6 downsampling read pixels 0, 1 instead of 0, 2
+    model = _old([helper.make_node("Resize", ["x", "s"], ["y"], name="rs", mode="nearest")], [vi("x", [1, 1, 4, 10])],
+                 [vi("y", None)], {"s": np.array(scales, np.float32)}, 10)
+    x = {"x": np.arange(40, dtype=np.float32).reshape(1, 1, 4, 10)}
+    if min(scales) < 1 < max(scales):
+        with pytest.raises(ModelError, match="enlarges some axes and shrinks others"):
+            _prepared(model, tmp_path)
+        return
+    np.testing.assert_array_equal(ort_run(_prepared(model, tmp_path), x)[0], ort_run(model, x)[0])
