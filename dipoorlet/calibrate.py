@@ -36,10 +36,26 @@ def collect(graph, data, indices, targets: list[str], comm, histograms: bool, bi
     cores = session_threads() or (os.cpu_count() or 2)      # under MPI: this process's share
     threads = max(1, cores - 1) if histograms else 0
     runner = Runner(graph.model, targets if histograms else [], reduce_minmax=targets,
-                    types=graph.types, device=device, threads=threads, spin=not histograms)
+                    types=graph.types, device=device, threads=threads, spin=not histograms,
+                    nan_safe=not histograms)
     if not histograms:
         return range_pass(runner, data, indices, targets, comm)
-    return histogram_pass(runner, data, indices, targets, bins, comm)
+    stats = histogram_pass(runner, data, indices, targets, bins, comm)
+    # onnxruntime's plain reductions (the histogram pass's: NaN-safe ones cost it 60% more) misread
+    # a tensor holding NaN; the histograms count NaN, so those tensors' ranges are taken again,
+    # NaN left out (a pass over the few tensors that hold any, only where one does)
+    nan = sorted(t for t, st in stats.items() if st.hist is not None and st.hist.nan > 0)
+    if nan:
+        del runner
+        again = range_pass(Runner(graph.model, [], reduce_minmax=nan, types=graph.types, device=device,
+                                  spin=True, nan_safe=True), data, indices, nan, comm)
+        for t in nan:
+            stats[t].minmax = again[t].minmax
+    for st in stats.values():
+        mm = st.minmax
+        usable = mm.count and mm.lo <= mm.hi and math.isfinite(mm.lo) and math.isfinite(mm.hi)
+        st.hist = st.hist.to_linear(mm.lo, mm.hi, bins) if usable else None
+    return stats
 
 
 def range_pass(runner, data, indices, targets: list[str], comm) -> dict[str, TensorStats]:
@@ -52,8 +68,8 @@ def range_pass(runner, data, indices, targets: list[str], comm) -> dict[str, Ten
 
 
 def histogram_pass(runner, data, indices, targets: list[str], bins: int, comm) -> dict[str, TensorStats]:
-    """Ranges and histograms of every target in one pass; histograms come out fixed-width
-    (``bins`` bins over [0, amax], or 2*bins over [-amax, amax])."""
+    """Ranges and the float32 log-histograms of every target in one pass (:func:`collect` turns
+    them fixed-width: ``bins`` bins over [0, amax], or 2*bins over [-amax, amax])."""
     stats = {t: TensorStats() for t in targets}
     for t in targets:
         stats[t].hist = LogHistogram()
@@ -73,9 +89,4 @@ def histogram_pass(runner, data, indices, targets: list[str], bins: int, comm) -
             pending = pool.submit(fold, tensors)
         if pending is not None:
             pending.result()
-    stats = comm.merge_stats(stats)
-    for st in stats.values():
-        mm = st.minmax
-        usable = mm.count and math.isfinite(mm.lo) and math.isfinite(mm.hi)
-        st.hist = st.hist.to_linear(mm.lo, mm.hi, bins) if usable else None
-    return stats
+    return comm.merge_stats(stats)

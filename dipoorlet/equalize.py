@@ -332,7 +332,7 @@ def channel_stats(g, items: list[tuple[str, list[int] | None, int]], data, indic
                 node("Concat", names, outs[k], axis=0)
             types[outs["size"]] = (TensorProto.INT64, [len(items)])
         runner = Runner(model, list(outs.values()) if items else [], reduce_minmax=list(tensors), types=types,
-                        device=device, spin=True)
+                        device=device, spin=True, nan_safe=True)
     finally:
         del model.graph.node[n_nodes:]
         del model.graph.initializer[n_inits:]

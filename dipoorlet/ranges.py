@@ -25,6 +25,7 @@ class RangeParams:
     threshold: float = 0.99999      # hist: |x| mass kept
     percentile: float = 99.999      # percentile: two-sided
     quant_bins: int = 128           # entropy: levels of the quantized distribution
+    asymmetric: bool = False        # mse: the grid spans [max(lo, -c), min(hi, c)] in qmax steps, not [-c, c]
 
 
 def register(name: str, histogram: bool):
@@ -102,17 +103,20 @@ def _octav(counts: np.ndarray, centres: np.ndarray, qmax: int) -> float:
     return s
 
 
-def quant_error(counts: np.ndarray, centres: np.ndarray, clips: np.ndarray, qmax: int) -> np.ndarray:
+def quant_error(counts: np.ndarray, centres: np.ndarray, clips: np.ndarray, qmax: int,
+                spans: np.ndarray | None = None) -> np.ndarray:
     """Squared error of quantizing every bin centre on the grid of each clip value.
 
     Exact for values at the centres: rounding to the step ``s / qmax`` inside the range,
     clipping to ``s`` outside. Unlike the uniform-noise model it knows that zeros (post-ReLU
-    tensors are mostly zeros) cost nothing.
+    tensors are mostly zeros) cost nothing. ``spans``: the width each clip's grid covers in its
+    ``qmax`` steps where that is not the clip itself (an asymmetric grid over a signed tensor
+    covers both sides: a step twice as coarse as ``s / qmax``).
     """
     nz = counts > 0  # empty bins cost nothing; activation histograms are mostly empty
-    step = (clips / qmax)[:, None]
+    step = ((clips if spans is None else spans) / qmax)[:, None]
     x = centres[nz][None, :]
-    q = np.minimum(np.round(x / step), qmax) * step
+    q = np.minimum(np.round(x / step) * step, clips[:, None])
     return ((x - q) ** 2) @ counts[nz].astype(np.float64)
 
 
@@ -138,14 +142,21 @@ def mse(st: TensorStats, p: RangeParams) -> tuple[float, float]:
     n = counts.size
     centres = (np.arange(n) + 0.5) * w
     edges = np.arange(1, n + 1) * w
-    coarse = np.unique(np.concatenate([edges[7::8], edges[-1:], [_octav(counts, centres, p.qmax)]]))
+    lo, hi = min(st.minmax.lo, 0.0), max(st.minmax.hi, 0.0)
+
+    def spans(c):     # the width an asymmetric grid of clip c covers (c itself on one side)
+        return np.minimum(hi, c) - np.maximum(lo, -c) if p.asymmetric else None
+
+    # OCTAV's noise model is symmetric: on an asymmetric grid over both signs its step is the span's
+    seed_qmax = p.qmax / 2 if p.asymmetric and min(hi, -lo) > 0 else p.qmax
+    coarse = np.unique(np.concatenate([edges[7::8], edges[-1:], [_octav(counts, centres, seed_qmax)]]))
     coarse = coarse[coarse > 0]
-    err = quant_error(counts, centres, coarse, p.qmax)
+    err = quant_error(counts, centres, coarse, p.qmax, spans(coarse))
     best = coarse[int(np.argmin(err))]
     k = int(round(best / w))
     fine = edges[max(0, k - 9):min(n, k + 8)]
     cands = np.concatenate([fine, [best]])
-    err = quant_error(counts, centres, cands, p.qmax)
+    err = quant_error(counts, centres, cands, p.qmax, spans(cands))
     return clip_range(st, float(min(cands[int(np.argmin(err))], st.hist.amax)))
 
 

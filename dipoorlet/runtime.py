@@ -88,7 +88,7 @@ def choose_providers(device: str = "cpu") -> list[str]:
 
 
 def _exposed_model_bytes_or_path(model: onnx.ModelProto, outputs: list[str],
-                                 reduce_minmax: list[str], types: dict, tmpdir: str):
+                                 reduce_minmax: list[str], types: dict, tmpdir: str, nan_safe: bool = False):
     """Serialize ``model`` with the requested outputs (and reductions) without copying it."""
     g = model.graph
     saved_outputs = list(g.output)
@@ -104,10 +104,25 @@ def _exposed_model_bytes_or_path(model: onnx.ModelProto, outputs: list[str],
                 # UNDEFINED: no type at all, for onnxruntime to fill in (see resolve_types)
                 g.output.append(helper.make_tensor_value_info(name, elem, None) if elem
                                 else onnx.ValueInfoProto(name=name))
+        if reduce_minmax and nan_safe:
+            # NaN left out of the ranges: onnxruntime's ReduceMax over a NaN gives NaN or a value
+            # below the true maximum depending on where the NaN sits (1.857 for a max of 2.0),
+            # which clipped real values. NaN becomes +inf for the min and -inf for the max; a
+            # tensor NaN everywhere comes out as the empty range (+inf, -inf)
+            for value, cname in ((np.inf, "__dpl_pinf"), (-np.inf, "__dpl_ninf")):
+                g.node.append(helper.make_node("Constant", [], [cname], name=cname,
+                                               value=helper.make_tensor(cname, onnx.TensorProto.FLOAT, [], [value])))
         for name in reduce_minmax:
-            for op, suffix in (("ReduceMin", MIN_SUFFIX), ("ReduceMax", MAX_SUFFIX)):
+            nan = name + "__dpl_isnan"
+            if nan_safe:
+                g.node.append(helper.make_node("IsNaN", [name], [nan], name=nan))
+            for op, suffix, fill in (("ReduceMin", MIN_SUFFIX, "__dpl_pinf"), ("ReduceMax", MAX_SUFFIX, "__dpl_ninf")):
                 out = name + suffix
-                g.node.append(helper.make_node(op, [name], [out], name=out, keepdims=0))
+                src = name
+                if nan_safe:
+                    src = out + "__in"
+                    g.node.append(helper.make_node("Where", [nan, fill, name], [src], name=src))
+                g.node.append(helper.make_node(op, [src], [out], name=out, keepdims=0))
                 g.output.append(helper.make_tensor_value_info(out, onnx.TensorProto.FLOAT, []))
         # ByteSize() costs as much as serializing; the weights' own bytes decide all but the
         # borderline cases
@@ -203,7 +218,9 @@ class Runner:
 
     def __init__(self, model: onnx.ModelProto, outputs: list[str], *, reduce_minmax=(),
                  types: dict | None = None, optimize: bool | str = True, device: str = "cpu",
-                 threads: int = 0, spin: bool = False):
+                 threads: int = 0, spin: bool = False, nan_safe: bool = False):
+        """``nan_safe``: the min/max reductions leave NaN out (two more ops per tensor; a pass that
+        fetches the tensors themselves finds NaN in them for less, see calibrate.histogram_pass)."""
         ort = _ort()
         self.outputs = list(outputs)
         self.reduced = list(reduce_minmax)
@@ -231,7 +248,7 @@ class Runner:
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         providers = choose_providers(device)
         with tempfile.TemporaryDirectory(prefix="dipoorlet-") as tmp:
-            src = _exposed_model_bytes_or_path(model, self.outputs, self.reduced, types or {}, tmp)
+            src = _exposed_model_bytes_or_path(model, self.outputs, self.reduced, types or {}, tmp, nan_safe)
             try:
                 self.session = ort.InferenceSession(src, so, providers=providers, disabled_optimizers=disabled)
             except Exception as exc:

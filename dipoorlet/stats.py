@@ -104,8 +104,13 @@ class LogHistogram:
     batch order or any number of processes add up to the same integer counts.
 
     Octaves from 2^-48 to 2^48 are kept; smaller magnitudes (exact zeros included) are counted
-    as zero, larger ones at the top. Layout of ``counts``: negative values by magnitude
-    (``span`` bins), positive values (``span`` bins), then the zero count and the overflow count.
+    as zero, larger finite ones at the top of their own sign (one overflow count for both gave a
+    tensor of 1e16s all of it on its wider side, and -A percentile clipped the other side to
+    1/1000 of its size); Inf and NaN are not binned (a tensor reaching Inf stays float; NaN is
+    left out of the ranges), NaN is counted. Layout of ``counts``: negative values by magnitude
+    (``span`` bins), positive values (``span`` bins), then the zero count, the negative and the
+    positive overflow counts, and the NaN count (exponent 255 with a mantissa in its top 7 bits:
+    every NaN arithmetic makes).
     :meth:`to_linear` turns it into the fixed-width :class:`Histogram` over the tensor's final
     range that the range methods read.
     """
@@ -129,8 +134,10 @@ class LogHistogram:
     # readable as a uint16 view without computing anything (which half depends on byte order).
     _top = 1 if sys.byteorder == "little" else 0
 
+    _inf_key = 255 << MANTISSA_BITS                 # exponent 255: Inf and NaN
+
     def __init__(self):
-        self._counts = np.zeros(2 * self.span + 2, dtype=np.int64)
+        self._counts = np.zeros(2 * self.span + 4, dtype=np.int64)
         self._pending: list[np.ndarray] = []
         self._pending_n = 0
 
@@ -170,8 +177,15 @@ class LogHistogram:
         counts = self._counts
         counts[:n] += neg[lo:hi]
         counts[n:2 * n] += pos[lo:hi]
-        counts[-2] += neg[:lo].sum() + pos[:lo].sum()
-        counts[-1] += neg[hi:].sum() + pos[hi:].sum()
+        counts[-4] += neg[:lo].sum() + pos[:lo].sum()
+        counts[-3] += neg[hi:self._inf_key].sum()
+        counts[-2] += pos[hi:self._inf_key].sum()
+        counts[-1] += neg[self._inf_key + 1:].sum() + pos[self._inf_key + 1:].sum()
+
+    @property
+    def nan(self) -> int:
+        """How many NaN values the tensor held."""
+        return int(self.counts[-1])
 
     def merge(self, other: "LogHistogram") -> "LogHistogram":
         out = LogHistogram()
@@ -202,12 +216,13 @@ class LogHistogram:
             at[-1] = cum[-1] + zero + over          # everything up to amax (and clamped beyond)
             return np.diff(at)
 
-        zero, over = float(self.counts[-2]), float(self.counts[-1])
-        pos = spread(self.counts[n:2 * n], zero, over if hi >= -lo else 0.0)
+        zero, over_neg, over_pos = (float(v) for v in self.counts[-4:-1])
         if not out.signed:
-            out.counts = pos
+            # a one-sided range: anything on the other side is clamped onto 0, as the grid does
+            out.counts = spread(self.counts[n:2 * n], zero + float(self.counts[:n].sum()) + over_neg, over_pos)
             return out
-        neg = spread(self.counts[:n], 0.0, over if hi < -lo else 0.0)
+        pos = spread(self.counts[n:2 * n], zero, over_pos)
+        neg = spread(self.counts[:n], 0.0, over_neg)
         out.counts = np.concatenate([neg[::-1], pos])
         return out
 

@@ -211,10 +211,13 @@ def _log_oracle(x: np.ndarray) -> np.ndarray:
     """LogHistogram's layout from np.searchsorted on its magnitude edges (no bit tricks)."""
     edges = LogHistogram.bin_edges()
     n = LogHistogram.span
-    out = np.zeros(2 * n + 2, dtype=np.int64)
+    out = np.zeros(2 * n + 4, dtype=np.int64)
     a = np.abs(x.astype(np.float64))
+    out[-1] = np.isnan(x).sum()
+    x = x[np.isfinite(a)]                # Inf and NaN are not binned
+    a = a[np.isfinite(a)]
     small, big = a < edges[0], a >= edges[-1]
-    out[-2], out[-1] = small.sum(), big.sum()
+    out[-4], out[-3], out[-2] = small.sum(), (big & np.signbit(x)).sum(), (big & ~np.signbit(x)).sum()
     mid = ~(small | big)
     idx = np.searchsorted(edges, a[mid], side="right") - 1
     neg = np.signbit(x[mid])
@@ -228,7 +231,7 @@ def test_log_histogram_buffered_small_and_direct_large_updates_match_the_oracle(
     sizes = [7, 1000, LogHistogram.BUFFER - 1, 3, LogHistogram.BUFFER, 5 * LogHistogram.BUFFER, 40000, 40000]
     parts = [(rng.standard_normal(s) * rng.choice([1e-3, 1.0, 300.0])).astype(np.float32) for s in sizes]
     parts[1][:10] = 0.0
-    parts[1][10:12] = [1e30, -1e-30]
+    parts[1][10:16] = [1e30, -1e-30, -1e20, np.nan, np.inf, -np.inf]
     a, b = LogHistogram(), LogHistogram()
     for i, p in enumerate(parts):
         (a if i % 2 else b).update(p)
