@@ -400,8 +400,7 @@ def plan_activations(stats, cfg: QuantConfig, plat, places=None) -> QuantPlan:
         # entropy's quantized distribution has the grid's own levels per side (128 at 8 bits, 8
         # at 4: the 4-bit search sized its clip for 128 levels)
         params = RangeParams(qmax=steps, threshold=cfg.threshold, percentile=cfg.percentile,
-                             quant_bins=2 ** (rule.bits - 1) if rule.bits <= 8 else cfg.bins,
-                             asymmetric=not rule.symmetric)
+                             quant_bins=2 ** (rule.bits - 1) if rule.bits <= 8 else cfg.bins)
         lo, hi = method(st, params)
         if rule.power_of_two and rule.symmetric and cfg.act_quant == "mse":
             # -A mse on a power-of-two grid: the best power-of-two step, not mse's step rounded up

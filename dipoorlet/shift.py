@@ -240,7 +240,7 @@ def asymmetric_grid(st, method, rule, threshold: float, percentile: float) -> QP
     0.03 dB)."""
     asym = dataclasses.replace(rule, symmetric=False, narrow_range=True)
     qmin, qmax = levels(asym)
-    lo, hi = method(st, RangeParams(qmax=qmax - qmin, threshold=threshold, percentile=percentile, asymmetric=True))
+    lo, hi = method(st, RangeParams(qmax=qmax - qmin, threshold=threshold, percentile=percentile))
     return make_qparams(lo, hi, asym)
 
 

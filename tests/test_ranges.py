@@ -276,25 +276,6 @@ def test_power_of_two_clip_without_histogram_or_data():
 
 
 # ---- asymmetric grids, narrow grids, values beyond 2^48 --------------------------------------
-def _asym_mse(x: np.ndarray, lo: float, hi: float, steps: int = 255) -> float:
-    """Real MSE of an asymmetric uint8 grid over [lo, hi] (zero point rounded, as make_qparams does)."""
-    x = x.astype(np.float64)
-    s = (hi - lo) / steps
-    zp = np.clip(np.rint(-lo / s), 0, steps)
-    return float(np.mean((x - (np.clip(np.rint(x / s) + zp, 0, steps) - zp) * s) ** 2))
-
-
-@pytest.mark.parametrize("kind", ["normal", "laplace"])
-def test_mse_on_an_asymmetric_grid_over_both_signs_models_its_own_step(kind):
-    # the grid spans [-c, c] in 255 steps: a step of 2c/255, which mse took for c/255 and so
-    # clipped too little (1.07x the optimum's error on qnn)
-    x = _data(kind)
-    lo, hi = mse(stats_from(x), RangeParams(qmax=255, asymmetric=True))
-    amax = float(np.abs(x).max())
-    best = min(_asym_mse(x, max(float(x.min()), -c), min(float(x.max()), c)) for c in np.linspace(amax / 400, amax, 400))
-    assert _asym_mse(x, lo, hi) <= 1.02 * best
-
-
 @pytest.mark.parametrize("bits", [4, 6])
 def test_entropy_sizes_the_clip_for_the_grids_own_levels(bits):
     # with 8 levels (4 bits) the clip that loses least by KL is tighter than for 128
