@@ -114,6 +114,14 @@ CALIBRATION = ("calibration", "-I", "-N")
 VALIDATION = ("validation", "--val_dir", "--val_num")
 
 
+def _numbered_from_zero(names: set) -> int:
+    """How many sample files 0.npy/0.bin, 1..., k-1 ``names`` holds without a gap."""
+    i = 0
+    while f"{i}.npy" in names or f"{i}.bin" in names:
+        i += 1
+    return i
+
+
 class DataSource:
     """Reads calibration samples ``i`` as {input name: array} feeds (``role``: :data:`CALIBRATION`,
     or :data:`VALIDATION` for --val_dir's held-out samples, which only the messages tell apart)."""
@@ -250,13 +258,7 @@ class DataSource:
         """How many samples 0..k-1 the source holds for every input (the .npz's shortest array)."""
         if self._npz is not None:
             return min(int(self._npz[s.name].shape[0]) for s in self.specs)
-        counts = []
-        for s in self.specs:
-            names = set(os.listdir(self.folders[s.name]))
-            i = 0
-            while f"{i}.npy" in names or f"{i}.bin" in names:
-                i += 1
-            counts.append(i)
+        counts = [_numbered_from_zero(set(os.listdir(self.folders[s.name]))) for s in self.specs]
         return min(counts) if counts else 0
 
     def beyond_gap(self) -> tuple[str, int, int] | None:
@@ -266,9 +268,7 @@ class DataSource:
             return None
         for s in self.specs:
             names = set(os.listdir(self.folders[s.name]))
-            i = 0
-            while f"{i}.npy" in names or f"{i}.bin" in names:
-                i += 1
+            i = _numbered_from_zero(names)
             later = [k for k in names if k.endswith((".npy", ".bin")) and k[:-4].isascii() and k[:-4].isdigit()
                      and int(k[:-4]) > i]
             if later:

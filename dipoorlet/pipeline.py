@@ -395,10 +395,9 @@ def plan_activations(stats, cfg: QuantConfig, plat, places=None) -> QuantPlan:
         nonneg = rule.unsigned_nonnegative and st.minmax.lo >= 0
         qmin, qmax = levels(rule)
         steps = 2**rule.bits - 1 if nonneg else (qmax if rule.symmetric else qmax - qmin)
-        # entropy compares the clipped histogram with its 128-level (int8) requantization; a 16-bit
-        # grid has more levels than the 2048 bins hold, so its search keeps the whole range
-        # entropy's quantized distribution has the grid's own levels per side (128 at 8 bits, 8
-        # at 4: the 4-bit search sized its clip for 128 levels)
+        # entropy compares the clipped histogram with its requantization on the grid's own levels
+        # per side (128 at 8 bits, 8 at 4: a 4-bit search sized its clip for 128); a 16-bit grid
+        # has more levels than the 2048 bins hold, so its search keeps the whole range
         params = RangeParams(qmax=steps, threshold=cfg.threshold, percentile=cfg.percentile,
                              quant_bins=2 ** (rule.bits - 1) if rule.bits <= 8 else cfg.bins)
         lo, hi = method(st, params)
