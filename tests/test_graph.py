@@ -474,7 +474,7 @@ def test_constant_folding_leaves_sequences_in_the_graph(tmp_path, split):
     np.testing.assert_array_equal(ort_run(_prepared(model, tmp_path), x)[0], ort_run(model, x)[0])
 
 
-def _if_model(branch_node, opset, inits, else_node=None):
+def _branch_model(branch_node, opset, inits, else_node=None):
     then_g = helper.make_graph([branch_node], "then", [], [vi("t", None)])
     else_g = helper.make_graph([else_node or helper.make_node("Identity", ["x"], ["e"], name="id")], "else", [],
                                [vi("e", None)])
@@ -485,7 +485,7 @@ def _if_model(branch_node, opset, inits, else_node=None):
 
 
 def test_opset_9_upsample_inside_an_if_keeps_its_sampling(tmp_path):
-    model = _if_model(helper.make_node("Upsample", ["x", "sc"], ["t"], name="up", mode="linear"), 9,
+    model = _branch_model(helper.make_node("Upsample", ["x", "sc"], ["t"], name="up", mode="linear"), 9,
                       {"sc": np.array([1, 1, 2, 2], np.float32)},
                       helper.make_node("Upsample", ["x", "sc"], ["e"], name="up2", mode="nearest"))
     x = {"x": np.array([[[[1, 2], [3, 4]]]], np.float32)}
@@ -493,7 +493,7 @@ def test_opset_9_upsample_inside_an_if_keeps_its_sampling(tmp_path):
 
 
 def test_opset_12_hardmax_inside_an_if_is_refused_like_one_outside(tmp_path):
-    model = _if_model(helper.make_node("Hardmax", ["x"], ["t"], name="hm", axis=1), 12, {})
+    model = _branch_model(helper.make_node("Hardmax", ["x"], ["t"], name="hm", axis=1), 12, {})
     with pytest.raises(ModelError, match="Hardmax hm .* changes meaning"):
         _prepared(model, tmp_path)
 
