@@ -253,11 +253,11 @@ class QuantConfig:
             if self.auto_skip is not None:
                 raise ConfigError("--auto_skip and --auto_a16 both choose layers to treat apart; "
                                   "use one (--layer_bits NODE=a16 and --skip_layers set layers by hand)")
-            if self.gptq or self.adaround or self.sparse is not None or self.bias_correction:
-                raise ConfigError("--auto_a16 with --gptq/--adaround/--sparse/--bc: those fit the weights to the 8-bit "
-                                  "inputs before the search; run --auto_a16 first, then again with --layer_bits "
-                                  "NODE=a16 for the layers it chose (report.json: auto_a16.a16_layers) and "
-                                  "--gptq/--adaround/--sparse/--bc")
+            if self.gptq or self.adaround or self.sparse is not None or self.bias_correction or self.brecq:
+                raise ConfigError("--auto_a16 with --gptq/--adaround/--brecq/--drop/--lsq/--sparse/--bc: those fit the "
+                                  "weights (--lsq the activation scales too) to the 8-bit inputs before the search; run "
+                                  "--auto_a16 first, then again with --layer_bits NODE=a16 for the layers it chose "
+                                  "(report.json: auto_a16.a16_layers) and the fit")
         _optional_count(self.max_w8_layers, "--max_w8_layers")
         if self.auto_w8 is not None:
             from dipoorlet.sensitivity import parse_target

@@ -725,6 +725,12 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
     if no_weight:
         log.warning("--layer_bits %s: no quantized weight (%s), so its w-width does nothing",
                     ", ".join(no_weight[:5]), ", ".join(sorted({g.node_by_name[n].op_type for n in no_weight})))
+    owners = _activation_owners(places)
+    no_act = sorted(n for n, (_, a) in cfg.layer_bits.items() if a and n in places.quantized_nodes and n not in owners)
+    if no_act:
+        log.warning("--layer_bits %s: owns no quantized activation (%s; its input is fused into its producer), so "
+                    "its a-width does nothing; give it to the producer", ", ".join(no_act[:5]),
+                    ", ".join(sorted({g.node_by_name[n].op_type for n in no_act})))
     targets = list(places.activations)
     log.info("%d nodes quantized, %d activation tensors and %d weights get Q/DQ on %s",
              len(places.quantized_nodes), len(targets), len(places.weights), plat.name)
@@ -1118,6 +1124,9 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, pl
     elif cfg.auto_a16:
         crit, target = sensitivity.parse_target(cfg.auto_a16, flag="--auto_a16")
         fixed = {n for n, (_, a) in cfg.layer_bits.items() if a}   # an explicit NODE=aM stands
+        # a layer owning no activation (a Relu fused into its Conv) has nothing to widen: no
+        # candidate (such layers took trial slots and counted among the 16-bit layers)
+        fixed |= set(places.quantized_nodes) - _activation_owners(places)
         wide = None
         if stats is not None and plat is not None:
             # every activation's 16-bit grid, from the same statistics: a trial switches the
@@ -1172,6 +1181,12 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, pl
                     a.after.value(a.criterion), len(a.float_layers), n,
                     ", on the logits" if out.get("sens_scored_on") else "")
     return out
+
+
+def _activation_owners(places) -> set[str]:
+    """The quantized nodes that own an activation grid: one of their inputs, or a network output
+    they produce."""
+    return {o for p in places.activations.values() for o in p.owners} | set(places.output_owners.values())
 
 
 def _flag(rounding: str) -> str:

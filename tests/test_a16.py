@@ -462,3 +462,24 @@ def test_a_fitted_rounding_with_no_layer_to_fit_leaves_bias_correction_on(tmp_pa
         assert "bias_correction" not in res.report
     else:
         assert res.report["bias_correction"]["layers"] > 0
+
+
+def test_a_width_on_a_layer_owning_no_activation_is_named_and_no_search_candidate(tmp_path, caplog):
+    # qnn fuses relu1 into conv1: relu1 is quantized but owns no grid. Its a-width did nothing
+    # without a word, and --auto_a16 spent trials on such layers and counted them as 16-bit
+    caplog.set_level("WARNING", logger="dipoorlet")
+    _, _, qm, _ = _run(tmp_path / "bits", tiny_cnn(), layer_bits={"relu1": (None, 4)})
+    assert "--layer_bits relu1: owns no quantized activation" in caplog.text
+    res, _, _, _ = _run(tmp_path / "search", tiny_cnn(), auto_a16="sqnr:200", sens_samples=4)
+    a = res.report["auto_a16"]
+    owners = {"conv1", "conv2", "add2", "gap", "fc", "pool1"}
+    assert "relu1" not in a["a16_layers"] and "relu2" not in a["a16_layers"]
+    assert set(a["a16_layers"]) <= owners | {"flatten"}
+
+
+def test_auto_a16_refuses_block_reconstruction_like_the_other_fits():
+    from dipoorlet.config import QuantConfig
+
+    for kw in ({"brecq": True}, {"drop": True}, {"lsq": True}):
+        with pytest.raises(ConfigError, match="--auto_a16 with --gptq/--adaround/--brecq"):
+            QuantConfig(model="m.onnx", input_dir="d", data_num=4, deploy="qnn", auto_a16="0.99", **kw)
