@@ -115,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--auto_skip", default=None, metavar="TARGET",
                    help="keep the most sensitive layers float until the output meets TARGET "
                         "(e.g. 0.999 or cosine:0.999 or sqnr:30)")
-    p.add_argument("--max_float_layers", type=int, default=10, help="at most this many float layers for --auto_skip")
+    p.add_argument("--max_float_layers", type=int, default=10,
+                   help="at most this many float layers for --auto_skip (default 10)")
     p.add_argument("--auto_a16", default=None, metavar="TARGET",
                    help="on backends with 16-bit activations (qnn, snpe, ort): give the most sensitive layers' "
                         "inputs 16-bit grids until the output meets TARGET (mixed W8A8/W8A16)")
@@ -152,8 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     # the reference tool's flags with no counterpart here: a clear word instead of argparse's
     for flag in ("--we", "--update_bn"):
         p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
-    for flag in ("--ada_bs", "--ada_epoch"):
-        p.add_argument(flag, type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--ada_bs", type=int, default=None, metavar="B",
+                   help="--brecq's samples per optimization step (default 16, per process under MPI)")
+    p.add_argument("--ada_epoch", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
 
