@@ -193,13 +193,14 @@ class ExactSum:
 
 class ErrorStats:
     """One tensor's error over the samples seen: count, exact sums of cosine, error and signal
-    energy, the lowest cosine and the largest |error| (NaN samples counted apart)."""
+    energy, the lowest cosine and the largest |error| (NaN samples counted apart, and among them
+    those whose quantized tensor has another size than the float one: ``resized``)."""
 
-    __slots__ = ("n", "cos", "err", "sig", "min_cos", "max_abs", "nan", "fq", "qq", "tiny")
+    __slots__ = ("n", "cos", "err", "sig", "min_cos", "max_abs", "nan", "fq", "qq", "tiny", "resized")
 
     def __init__(self):
         self.n, self.cos, self.err, self.sig = 0, ExactSum(), ExactSum(), ExactSum()
-        self.min_cos, self.max_abs, self.nan = math.inf, 0.0, 0
+        self.min_cos, self.max_abs, self.nan, self.resized = math.inf, 0.0, 0, 0
         self.fq, self.qq, self.tiny = ExactSum(), ExactSum(), True
 
     def add(self, cos: float, err: float, sig: float, max_abs: float, fq: float | None = None,
@@ -238,6 +239,7 @@ class ErrorStats:
         self.min_cos = min(self.min_cos, other.min_cos)
         self.max_abs = max(self.max_abs, other.max_abs)
         self.nan += other.nan
+        self.resized += other.resized
         return self
 
 
@@ -373,6 +375,7 @@ def collect_errors(graph, qmodel, data, indices, targets: dict, comm, device="cp
                     inside.append(t)
                 continue
             stats[t].add(*m, size=f_out[t].size)
+            stats[t].resized += int(f_out[t].size != q_out[t].size)
             if t in out_cos:
                 # sample, cosine, float output energy per value (windows of other sizes compare)
                 out_cos[t].append((i, m[0], m[2] / max(f_out[t].size, 1)))
@@ -413,7 +416,8 @@ def summarize(stats: dict, targets: dict, outputs: list[str], quantized=()) -> l
         sqnr = sqnr_db(sig, err)
         node, op = targets[t]
         mean_cos, min_cos = st.cosine()
-        values = (mean_cos, min_cos, sqnr, st.max_abs)
+        # no sample compared (each NaN, or of another size): no largest error either
+        values = (mean_cos, min_cos, sqnr, st.max_abs if st.nan < st.n else math.nan)
         if t not in outputs or node in quantized:
             rows.append(ErrorRow(t, node, op, *values, False, st.tiny))
         if t in outputs:

@@ -995,7 +995,15 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
         # Every collective step is done (the gather waited for all ranks): rank 0 writes.
         rows = layer_errors.summarize(errors, targets_prof, g.output_names,
                                  places.quantized_nodes if not cfg.skip_prof_layer else ())
-        broken = [r.tensor for r in rows if r.is_output and not math.isfinite(r.cosine)]
+        unscored = [r.tensor for r in rows if r.is_output and not math.isfinite(r.cosine)]
+        resized = [t for t in unscored if errors[t].resized]
+        broken = [t for t in unscored if not errors[t].resized]
+        if resized:    # NonZero, NMS, TopK by a threshold: the count itself moved
+            log.warning("network output %s: its size differs between the float and the quantized model on %s "
+                        "(a data-dependent shape: values crossed a threshold that NonZero, NMS or the like "
+                        "counts); such samples cannot be compared value by value and are not scored",
+                        ", ".join(resized[:4]), ", ".join(f"{errors[t].resized} of {errors[t].n} samples"
+                                                          for t in resized[:4]))
         if broken:   # the float model's NaN samples were left out before: these are the quantization's
             log.warning("network output %s: the quantized model computes NaN or Inf where the float model is "
                         "finite (an op such as Reciprocal, Div or Log reading a value its grid rounds to 0); "

@@ -580,3 +580,53 @@ def test_summary_marks_outputs_scored_over_the_samples_together(tmp_path):
                        {"tensor": "map", "cosine": 0.999, "min_cosine": 0.99, "sqnr_db": 30.0}]}
     text = summary(SimpleNamespace(report=rep, timings={}, files=[], output_dir=tmp_path), None)
     assert "prob *" in text and "map *" not in text and "* fewer than 8 values per sample" in text
+
+
+def test_an_output_whose_size_the_quantization_changes_is_named_for_that(tmp_path, capsys):
+    """GatherND over NonZero of a thresholded Conv: quantization moves values across the
+    threshold, so the output's length differs. It was reported as NaN/Inf with the advice for a
+    Reciprocal, and as a max error of 0.0 though no sample was compared."""
+    from dipoorlet.cli import main
+
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1] * 4, name="conv"),
+             helper.make_node("Relu", ["c"], ["y"], name="relu"),
+             helper.make_node("Greater", ["y", "thr"], ["gt"], name="gt"),
+             helper.make_node("NonZero", ["gt"], ["nz"], name="nz"),
+             helper.make_node("Transpose", ["nz"], ["nzt"], name="tr"),
+             helper.make_node("GatherND", ["y", "nzt"], ["sel"], name="gnd")]
+    model = make_model(nodes, [vi("x", [1, 3, 16, 16])], [vi("y", [1, 8, 16, 16]), vi("sel", ["K"])],
+                       {"w": rand((8, 3, 3, 3), 0, 0.3), "b": rand((8,), 1, 0.1), "thr": np.array(0.5, np.float32)})
+    feeds = input_feeds(model, 4, seed=0)
+    sizes = [(ort_run(model, f)[1].size) for f in feeds]
+    out = tmp_path / "out"
+    rc = main(["-M", str(save(model, tmp_path / "m.onnx")), "-I", str(write_samples(tmp_path / "d", feeds)), "-N", "4",
+               "-D", "qnn", "-O", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 0
+    q = onnx.load(str(out / "quant_model.onnx"))
+    moved = sum(ort_run(q, f)[1].size != n for f, n in zip(feeds, sizes))
+    assert moved > 0                                            # the case holds
+    row = {o["tensor"]: o for o in json.loads((out / "report.json").read_text())["outputs"]}["sel"]
+    if moved == len(feeds):
+        assert row["cosine"] is None and row["max_abs_err"] is None
+    assert f"network output sel: its size differs between the float and the quantized model on {moved} of 4" in err
+    assert "computes NaN or Inf" not in err
+
+
+def test_a_sample_with_a_batch_of_0_is_one_line(tmp_path, capsys):
+    # the float model runs on it, but bias correction's and --gptq's own graphs did not: a
+    # traceback, or a line blaming the model
+    from dipoorlet.cli import main
+
+    model = make_model([helper.make_node("Conv", ["x", "w", "b"], ["y"], pads=[1] * 4, name="conv")],
+                       [vi("x", ["N", 3, 8, 8])], [vi("y", ["N", 4, 8, 8])],
+                       {"w": rand((4, 3, 3, 3), 0, 0.3), "b": rand((4,), 1, 0.1)})
+    r = np.random.default_rng(0)
+    data = write_samples(tmp_path / "d", [{"x": r.standard_normal((n, 3, 8, 8)).astype(np.float32)} for n in (2, 3, 0, 2)])
+    for extra in ([], ["--gptq"]):
+        rc = main(["-M", str(save(model, tmp_path / "m.onnx")), "-I", str(data), "-N", "4", "-D", "trt",
+                   "-O", str(tmp_path / "out"), *extra])
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.startswith("dipoorlet: error:")]
+        assert rc == 2 and len(lines) == 1 and "Traceback" not in err
+        assert "2.npy holds no values (x (0, 3, 8, 8): a batch of 0)" in lines[0]
