@@ -135,7 +135,8 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
              samples: int | None = None, gptq=(), method: str | None = None,
              gptq_ran: bool = False, max_act_bits: int = 8, rounding: str = "--gptq", sparse: dict | None = None,
              sparse_pattern: str | None = None, promoted=(), deferred: str | None = None,
-             held_out: bool = False, floated=(), unfit=None, calibration=None, criterion: str = "cosine") -> list[dict]:
+             held_out: bool = False, floated=(), unfit=None, calibration=None, criterion: str = "cosine",
+             bc_ran: bool = False, a16=None) -> list[dict]:
     """One row per layer among the ``k`` most sensitive that lose more than ``MIN_LOSS``, leaving
     out ``floated`` (the layers --auto_skip kept float: they limit nothing in the written model).
     ``shifted``: dipoorlet.shift's rows; a shifted input is described by its source tensor (its
@@ -243,7 +244,11 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
                                 gptq_hint=not gptq_ran and wsq is not None and fits,
                                 max_act_bits=max_act_bits, rounding=rounding,
                                 unfit=(unfit or {}).get(row["node"]) if gptq_ran else
-                                None if fits else _why_not_fitted(g, s.node, narrow_inputs), ran=gptq_ran)
+                                None if fits else _why_not_fitted(g, s.node, narrow_inputs), ran=gptq_ran,
+                                gptq_flag=_gptq_flag(bc_ran, a16))
+        if row["node"] in set(a16 or ()):
+            row["advice"] = ("isolated scores measured on its 8-bit inputs, before --auto_a16 gave them 16-bit "
+                             "grids; " + row["advice"])
         if sparse is not None and row["node"] in sparse and row.get("cause") == "weights":
             db = sparse[row["node"]]
             added = f", {-db:.1f} dB of layer output error against dense rounding" if db is not None else \
@@ -271,6 +276,16 @@ WIDE_GRID = 4.0          # a grid this many times wider than the tensor's larges
 UNCOVERED = 2.0
 
 
+def _gptq_flag(bc_ran: bool, a16) -> str:
+    """--gptq as this run can take it: it turns the default bias correction off (on ti, W4,
+    --gptq alone lost 5 dB where --gptq --bc gained 4), and --auto_a16 refuses it (``a16``: its
+    chosen layers, None where it did not run)."""
+    if a16 is not None:
+        return ("--gptq (in a second run without --auto_a16, with --layer_bits NODE=a16 for the layers it "
+                "chose)")
+    return "--gptq --bc" if bc_ran else "--gptq"
+
+
 def _why_not_fitted(g, name: str, narrow_inputs: bool) -> str:
     """Why --gptq would leave ``name`` alone (for advice that must not name it)."""
     from dipoorlet.placement import left_weight
@@ -296,12 +311,13 @@ def _gptq_could_fit(g, name: str) -> bool:
 
 def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | None = None,
             gptq_hint: bool = False, max_act_bits: int = 8, rounding: str = "--gptq",
-            unfit: str | None = None, ran: bool = True) -> str:
+            unfit: str | None = None, ran: bool = True, gptq_flag: str = "--gptq") -> str:
     """``gptq_hint``: the layer has a constant weight and --gptq did not run, so it could re-round
     that weight to compensate the rounding of the layer's input. ``max_act_bits``: the widest
     activation grid the platform runs (16: name --layer_bits NODE=a16 for activation losses).
     ``rounding``: the flag that chose the weights' rounding where ``gptq`` is set (--gptq or
-    --adaround). ``unfit``: why the rounding that ran left this layer alone."""
+    --adaround). ``unfit``: why the rounding that ran left this layer alone. ``gptq_flag``: how to
+    ask for --gptq in this run's setting (see :func:`_gptq_flag`)."""
     node = row["node"]
     runs = "TensorRT runs it in FP16" if platform == "trt" else f"if {platform} can run it in float or FP16"
     keep = f"keep it float with --skip_layers {node} ({runs})"
@@ -310,26 +326,36 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | 
         at = (f" (its weights are at {w:.1f} dB on their grid, rounded to nearest)"
               if w is not None and math.isfinite(w) else "")
         spread = row.get("weight_channel_spread")
+        bits = row.get("weight_bits")
+        wider = (f", 8-bit weights for it (--layer_bits {node}=w8; they are {bits}-bit now)"
+                 if bits is not None and bits < 8 else "")
         if spread is not None and spread >= 4:
             return (f"weight rounding dominates{at}: {platform} quantizes weights per tensor and this layer's "
                     f"channel ranges are {spread:.0f}x apart (max / median), so most channels keep few levels; "
                     f"per-channel weights avoid it (-D qnn, or a platform spec with per_channel = true in "
-                    f"[weight] where the chip has them, e.g. SNPE's --use_per_channel_quantization)"
-                    + ("" if gptq or unfit else "; where they must stay per tensor, --gptq chooses the rounding "
-                       "by this layer's output error")
+                    f"[weight] where the chip has them"
+                    + (", e.g. SNPE's --use_per_channel_quantization)" if platform == "snpe" else ")")
+                    + ("" if gptq or unfit else f"; where they must stay per tensor, {gptq_flag} chooses the "
+                       "rounding by this layer's output error")
                     + (f"; {rounding} {'left' if ran else 'would leave'} this layer alone: {unfit}" if unfit else "")
-                    + f"; or {keep}")
-        if gptq:
+                    + f"{wider.replace(', ', '; ', 1)}; or {keep}")
+        if gptq and wider:
             return (f"weight rounding dominates{at}, after {rounding} chose its rounding: its weights need more "
-                    f"bits (--layer_bits {row.get('node', 'NODE')}=w8 where fewer were set), or {keep}")
-        bits = row.get("weight_bits")
-        wider = (f", 8-bit weights for it (--layer_bits {node}=w8; they are {bits}-bit now)"
-                 if bits is not None and bits < 8 else "")
+                    f"bits (--layer_bits {node}=w8; they are {bits}-bit now), or {keep}")
+        if gptq:
+            # 8-bit weights fitted to a rounded input: measured alone they carry part of that input's
+            # error (a 6-bit input read as an 8-bit weight loss; w8 changed nothing, a8 helped)
+            narrow_in = [a for a in row.get("activations", []) if a.get("bits", 8) < 8]
+            return (f"weight rounding dominates{at}, after {rounding} fitted it to its rounded input"
+                    + (f", which is {narrow_in[0]['bits']}-bit: the fit carries that input's error, so an 8-bit "
+                       f"input grid (--layer_bits {node}=a8) is the first thing to try" if narrow_in else
+                       " (its weights are on the backend's own width already)")
+                    + f"; or {keep}")
         if unfit:
             return (f"weight rounding dominates{at}: {rounding} {'left' if ran else 'would leave'} this layer "
                     f"alone: {unfit}"
                     f"{wider.replace(', ', '; ', 1)}, or {keep}")
-        return (f"weight rounding dominates{at}: --gptq chooses the rounding by this layer's output error "
+        return (f"weight rounding dominates{at}: {gptq_flag} chooses the rounding by this layer's output error "
                 f"(one extra pass){wider}, or {keep}")
     facts, uncovered = [], []
     for a in row.get("activations", []):
@@ -369,10 +395,12 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | 
         facts.append("; ".join(part))
     lead = (("activation clipping dominates" if uncovered else "activation rounding dominates")
             if row.get("cause") == "activations" else "quantizing it costs")
-    hint = ("; --gptq re-rounds its weights to compensate part of its input's rounding (one extra pass)"
+    hint = (f"; {gptq_flag} re-rounds its weights to compensate part of its input's rounding (one extra pass)"
             if gptq_hint and row.get("activations") else "")
     narrow = [a for a in row.get("activations", []) if a.get("bits", 8) < max_act_bits]
-    if narrow and max_act_bits > 8:
-        hint += (f"; --layer_bits {node}=a{max_act_bits} gives its inputs {max_act_bits}-bit grids "
-                 f"({platform} runs them; --a_bits {max_act_bits} for every layer)")
+    if narrow and not uncovered:      # clipped held-out values: a finer grid does not reach them
+        wide = max_act_bits if max_act_bits > 8 or max(a.get("bits", 8) for a in narrow) < 8 else None
+        if wide is not None:
+            hint += (f"; --layer_bits {node}=a{wide} gives its inputs {wide}-bit grids "
+                     f"({platform} runs them; --a_bits {wide} for every layer)")
     return f"{lead} ({' / '.join(facts) or 'no quantized activation input'}){hint}; {keep}"

@@ -606,7 +606,7 @@ def _prune_by_magnitude(Wm: np.ndarray, sparse, order) -> np.ndarray:
 def _solve(g, plan, lay: Layer, stats, const: float, rows: int, skipped: dict, short: dict | None = None,
            method: str = "gptq", iters: int = 0, sparse=None, magnitude: list | None = None):
     """One layer's GPTQ from its statistics; (node, error before, error after) where the new
-    rounding is kept, None where not (with the reason in ``skipped`` if it was not tried).
+    rounding is kept, None where not (with the reason in ``skipped``: not tried, or no gain).
     With ``sparse`` (a rate or an (n, m) pair) the layer is pruned as it is rounded and the
     result is always kept (the error before is dense nearest rounding's); a layer with too few
     rows to fit is pruned by magnitude alone (listed in ``magnitude``)."""
@@ -695,6 +695,8 @@ def _solve(g, plan, lay: Layer, stats, const: float, rows: int, skipped: dict, s
     v_rtn, v_new = objective(Wa, rtn, Hc, H), objective(Wa, Q, Hc, H)
     del H, Hc
     if sparse is None and not v_new < v_rtn:
+        # fitted, and nearest rounding stays: said as a reason (the diagnosis advised --gptq again)
+        skipped[lay.node] = "fitted, nearest rounding kept (no lower output error)"
         return None
     ints = from_matrix(Qi[:, :, :K], lay, w.shape)
     value = ((ints - _bcast(qp.zero_point, qp.axis, w.ndim)) * _bcast(qp.scale, qp.axis, w.ndim))

@@ -277,7 +277,8 @@ def test_diagnosis_names_the_wide_channel_and_the_op_that_blocks_equalization(tm
     assert "Swish-style gate" in act["equalization"] and "swish" in act["equalization"]
     assert "smoothing" in act["equalization"] and "quantizes the Mul" in act["equalization"]
     assert "--skip_layers B" in b["advice"]
-    assert "--gptq re-rounds its weights" in b["advice"]      # B has a constant weight; --gptq did not run
+    # B has a constant weight; --gptq did not run; bias correction did, which --gptq alone turns off
+    assert "--gptq --bc re-rounds its weights" in b["advice"]
     report_md = (tmp_path / "out" / "report.md").read_text()
     assert "## What limits accuracy" in report_md and "--skip_layers B" in report_md
 
@@ -884,3 +885,29 @@ def test_weight_spread_counts_live_channels_only():
     assert spread_of(np.array([1.0, 0.0, 0.0, 0.0, 2.0])) == pytest.approx(2.0 / 1.5)
     assert spread_of(np.array([4.0, 1e-9, 1.0, 2.0])) == pytest.approx(2.0)
     assert spread_of(np.zeros(4)) == 1.0
+
+
+def test_advice_fits_the_run_it_is_given_for():
+    """Found by a review of the advice against reruns: each piece is runnable here and named once."""
+    from dipoorlet.diagnose import _advice, _gptq_flag
+
+    # per-tensor weights 5x apart at 4 bits: w8 for that layer (it took the output 15.7 -> 21.4 dB)
+    row = {"node": "c2", "cause": "weights", "weight_sqnr_db": 13.2, "weight_bits": 4, "weight_channel_spread": 5.0}
+    got = _advice(row, "snpe", gptq_flag=_gptq_flag(True, None))
+    assert "--layer_bits c2=w8" in got and "--gptq --bc chooses" in got and "SNPE's" in got
+    assert "SNPE's" not in _advice(row, "ti")
+    # --gptq alone turns the default bias correction off; --auto_a16 refuses --gptq
+    assert _gptq_flag(False, None) == "--gptq" and _gptq_flag(True, None) == "--gptq --bc"
+    assert "second run without --auto_a16" in _gptq_flag(True, ["c1"])
+    # a 6-bit input on an 8-bit backend: an 8-bit grid for it (was never offered on trt)
+    act = {"node": "c1", "cause": "activations",
+           "activations": [{"tensor": "x", "amax": 4.0, "clip": [-4.0, 4.0], "bits": 6, "equalization": "n/a"}]}
+    assert "--layer_bits c1=a8" in _advice(act, "trt", max_act_bits=8)
+    assert "=a8" not in _advice({**act, "activations": [{**act["activations"][0], "bits": 8}]}, "trt")
+    # 8-bit weights that --gptq fitted to a 6-bit input: not "its weights need more bits"
+    fitted = {"node": "c2", "cause": "weights", "weight_sqnr_db": 44.5, "weight_bits": 8,
+              "activations": [{"tensor": "m", "bits": 6}]}
+    got = _advice(fitted, "trt", gptq=True)
+    assert "need more bits" not in got and "--layer_bits c2=a8" in got
+    assert "need more bits (--layer_bits c2=w8; they are 4-bit now)" in _advice({**fitted, "weight_bits": 4}, "trt",
+                                                                               gptq=True)
