@@ -282,10 +282,10 @@ class DataSource:
     def sample(self, i: int) -> dict[str, np.ndarray]:
         out = Sample({s.name: self._read(s, i) for s in self.specs})
         out.where = self.where(i)
-        if out and all(v.size == 0 for v in out.values()):
+        if out and all(v.ndim and v.shape[0] == 0 for v in out.values()):
             # a batch of 0: nothing to calibrate on, and the passes' own per-sample graphs (bias
             # correction's means, the fitted roundings' statistics) cannot take it. One empty input
-            # beside others (a decoder's empty past) is fine
+            # beside others (a decoder's empty past), or a sequence of length 0, is not this
             shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in out.items())
             raise DataError(f"{out.where} holds no values ({shapes}: a batch of 0); a {self.what} sample needs "
                             "at least one: remove it")

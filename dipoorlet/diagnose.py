@@ -346,9 +346,9 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | 
             # 8-bit weights fitted to a rounded input: measured alone they carry part of that input's
             # error (a 6-bit input read as an 8-bit weight loss; w8 changed nothing, a8 helped)
             narrow_in = [a for a in row.get("activations", []) if a.get("bits", 8) < 8]
-            return (f"weight rounding dominates{at}, after {rounding} fitted it to its rounded input"
-                    + (f", which is {narrow_in[0]['bits']}-bit: the fit carries that input's error, so an 8-bit "
-                       f"input grid (--layer_bits {node}=a8) is the first thing to try" if narrow_in else
+            return (f"weight rounding dominates{at}, after {rounding} chose its rounding"
+                    + (f" to fit its {narrow_in[0]['bits']}-bit input: the fit carries that input's error, so an "
+                       f"8-bit input grid (--layer_bits {node}=a8) is the first thing to try" if narrow_in else
                        " (its weights are on the backend's own width already)")
                     + f"; or {keep}")
         if unfit:
