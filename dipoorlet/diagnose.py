@@ -39,6 +39,12 @@ def _channels(g, node, tensor: str) -> tuple[list[int] | None, int] | None:
     if node.op_type == "MatMul" and node.input[0] == tensor and g.is_constant(node.input[1]):
         w = g.weight(node.input[1]).shape
         return (None, int(w[0])) if len(w) == 2 else None
+    if node.op_type == "Gemm" and node.input[0] == tensor and shape is not None and len(shape) == 2:
+        # A is [M, K] (transA: [K, M]): its K input channels, as the weight reads them (without
+        # them, clipping on held-out data was told as rounding at a classifier's head)
+        if node_attr(node, "transA", 0):
+            return ([1], int(shape[0])) if isinstance(shape[0], int) and shape[0] > 0 else None
+        return (None, int(shape[1])) if isinstance(shape[1], int) and shape[1] > 0 else None
     if shape is not None and len(shape) >= 3 and isinstance(shape[1], int) and shape[1] > 0:
         return [0] + list(range(2, len(shape))), int(shape[1])    # NCHW ops: pooling, Add
     return None
@@ -396,7 +402,7 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | 
     lead = (("activation clipping dominates" if uncovered else "activation rounding dominates")
             if row.get("cause") == "activations" else "quantizing it costs")
     hint = (f"; {gptq_flag} re-rounds its weights to compensate part of its input's rounding (one extra pass)"
-            if gptq_hint and row.get("activations") else "")
+            if gptq_hint and row.get("activations") and not uncovered else "")
     narrow = [a for a in row.get("activations", []) if a.get("bits", 8) < max_act_bits]
     if narrow and not uncovered:      # clipped held-out values: a finer grid does not reach them
         wide = max_act_bits if max_act_bits > 8 or max(a.get("bits", 8) for a in narrow) < 8 else None

@@ -11,6 +11,7 @@ from onnx import helper
 from conftest import input_feeds, make_model, ort_run, quantize_model, rand, tiny_cnn, vi
 from dipoorlet.cli import parse_layer_bits
 from dipoorlet.errors import ConfigError
+from dipoorlet.graph import Graph
 
 
 def cosine(a, b):
@@ -911,3 +912,21 @@ def test_advice_fits_the_run_it_is_given_for():
     assert "need more bits" not in got and "--layer_bits c2=a8" in got
     assert "need more bits (--layer_bits c2=w8; they are 4-bit now)" in _advice({**fitted, "weight_bits": 4}, "trt",
                                                                                gptq=True)
+
+
+def test_a_gemm_input_gets_channel_ranges_and_clipped_held_out_values_no_finer_grid_advice():
+    # a classifier's head reads a 2-D input: without its channels, held-out values 7.5x past the
+    # clip were told as rounding and offered 16-bit grids that did not help (0.9489 either way)
+    from dipoorlet.diagnose import _advice, _channels
+
+    nodes = [helper.make_node("Gemm", ["f", "w"], ["y"], name="fc", transB=1),
+             helper.make_node("Gemm", ["f2", "w2"], ["y2"], name="fcT", transA=1)]
+    g = Graph(make_model(nodes, [vi("f", [1, 16]), vi("f2", [16, 1])], [vi("y", [1, 4]), vi("y2", [1, 4])],
+                         {"w": rand((4, 16), 0), "w2": rand((16, 4), 1)}))
+    assert _channels(g, g.node_by_name["fc"], "f") == (None, 16)
+    assert _channels(g, g.node_by_name["fcT"], "f2") == ([1], 16)
+    act = {"tensor": "f", "amax": 0.99, "bits": 8, "channel_max": 7.44, "channel_spread": 1.7, "channel_samples": 8,
+           "channel_held_out": True, "calibration_max": 0.99, "equalization": "blocked"}
+    text = _advice({"node": "fc", "cause": "activations", "activations": [act]}, "snpe", max_act_bits=16,
+                   gptq_hint=True)
+    assert text.startswith("activation clipping dominates") and "=a16" not in text and "re-rounds" not in text
