@@ -61,10 +61,9 @@ def quantize(**kwargs):
 
 
 def _check_bar(result, cfg) -> None:
-    from dipoorlet.cli import below_bar
     from dipoorlet.errors import BelowTargetError
 
-    low = below_bar(result.report, cfg.fail_below)
+    low = _miss(result, cfg)
     if low:
         import logging
 

@@ -405,8 +405,6 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | 
             if gptq_hint and row.get("activations") and not uncovered else "")
     narrow = [a for a in row.get("activations", []) if a.get("bits", 8) < max_act_bits]
     if narrow and not uncovered:      # clipped held-out values: a finer grid does not reach them
-        wide = max_act_bits if max_act_bits > 8 or max(a.get("bits", 8) for a in narrow) < 8 else None
-        if wide is not None:
-            hint += (f"; --layer_bits {node}=a{wide} gives its inputs {wide}-bit grids "
-                     f"({platform} runs them; --a_bits {wide} for every layer)")
+        hint += (f"; --layer_bits {node}=a{max_act_bits} gives its inputs {max_act_bits}-bit grids "
+                 f"({platform} runs them; --a_bits {max_act_bits} for every layer)")
     return f"{lead} ({' / '.join(facts) or 'no quantized activation input'}){hint}; {keep}"

@@ -1431,6 +1431,21 @@ def _as_opset_20(qmodel) -> bool:
     return True
 
 
+def _default_session_failure(model, feed=None) -> str:
+    """Why a default (optimizing) onnxruntime CPU session fails to load ``model``, or to run it on
+    ``feed`` where one is given; '' where it does not."""
+    from dipoorlet.runtime import _ort, ort_message, session_options
+
+    try:
+        sess = _ort().InferenceSession(model.SerializeToString(), session_options(),
+                                       providers=["CPUExecutionProvider"])
+        if feed is not None:
+            sess.run(None, {i.name: feed[i.name] for i in sess.get_inputs()})
+        return ""
+    except Exception as exc:  # noqa: BLE001 - onnxruntime raises several types
+        return ort_message(exc)
+
+
 def _loads_by_default(qmodel) -> None:
     """onnxruntime (1.32 and earlier) rejects an opset-21+ QDQ model with int8 grids in a default
     session: its QDQ propagation copies a Q/DQ pair across MaxPool, Reshape, Transpose... as a
@@ -1442,24 +1457,16 @@ def _loads_by_default(qmodel) -> None:
     if opset_of(qmodel) < 21 or qmodel.ByteSize() >= 2**31 - 1 or not any(
             n.op_type == "QuantizeLinear" for n in qmodel.graph.node):
         return
-    from dipoorlet.runtime import _ort, ort_message, session_options
+    from dipoorlet.runtime import _ort
 
     ort = _ort()
-
-    def failure(m) -> str:
-        try:
-            ort.InferenceSession(m.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])
-            return ""
-        except Exception as exc:  # noqa: BLE001 - onnxruntime raises several types
-            return ort_message(exc)
-
-    why = failure(qmodel)
+    why = _default_session_failure(qmodel)
     if not why:
         return
     was = opset_of(qmodel)
     lowered = onnx.ModelProto()
     lowered.CopyFrom(qmodel)
-    if _as_opset_20(lowered) and not failure(lowered):
+    if _as_opset_20(lowered) and not _default_session_failure(lowered):
         try:
             onnx.checker.check_model(lowered, full_check=True)
         except Exception:  # noqa: BLE001 - keep the model at its opset then
@@ -1501,20 +1508,13 @@ def _runs_batched_by_default(g: Graph, places, qmodel, data, indices) -> None:
                       and len(g.shape(wp.tensor) or []) > 2})
     if not batched or not len(indices) or qmodel.ByteSize() >= 2**31 - 1:
         return
-    from dipoorlet.runtime import _ort, ort_message, session_options
-
-    ort = _ort()
-    try:
-        sess = ort.InferenceSession(qmodel.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])
-        feed = data.sample(indices[0])
-        sess.run(None, {i.name: feed[i.name] for i in sess.get_inputs()})
-    except Exception as exc:  # noqa: BLE001 - onnxruntime raises several types
+    why = _default_session_failure(qmodel, data.sample(indices[0]))
+    if why:
         log.warning("MatMul %s: its weight of rank > 2 has per-column grids, which a default onnxruntime "
                     "session fails to run (%s); run quant_model.onnx in onnxruntime at ORT_ENABLE_BASIC, as "
                     "the tool does, or set per_channel_batched = false under [weight] in a copy of the "
-                    "backend's spec for one grid per weight", ", ".join(batched[:4]) + (" ..." if len(batched) > 4
-                                                                                       else ""),
-                    ort_message(exc))
+                    "backend's spec for one grid per weight",
+                    ", ".join(batched[:4]) + (" ..." if len(batched) > 4 else ""), why)
 
 
 def _to_qop(qmodel, feed: dict):

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from dipoorlet.util import write_json, write_text
+from dipoorlet.util import nan_worst, write_json, write_text
 
 
 def _num(x):
@@ -23,7 +23,7 @@ def _score(s):
 
 def worst(rows, k: int = 10):
     # a NaN cosine (a tensor gone NaN or Inf in the quantized model) is the worst of all
-    return sorted((r for r in rows if not r.is_output), key=lambda r: r.cosine if r.cosine == r.cosine else -math.inf)[:k]
+    return sorted((r for r in rows if not r.is_output), key=lambda r: nan_worst(r.cosine))[:k]
 
 
 def _histograms(nodes, places, stats, plan, bins: int = 64, shifted=()) -> dict:

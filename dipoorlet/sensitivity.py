@@ -39,7 +39,7 @@ import numpy as np
 from dipoorlet.progress import progress
 from dipoorlet.data import sample_name, with_extra
 from dipoorlet.layer_errors import TINY, nonfinite, pooled_cosine, sample_sums, warn_left_out
-from dipoorlet.util import sqnr_db
+from dipoorlet.util import nan_worst, sqnr_db
 from dipoorlet.qdq import Switchboard
 from dipoorlet.runtime import Runner
 from dipoorlet.threads import session_threads, usable_cores
@@ -74,8 +74,7 @@ class OutputScore:
     def rank(self, criterion: str) -> float:
         """:meth:`value` for ordering: NaN (a variant whose output is NaN or Inf) is the worst,
         not a key that leaves ``sorted`` in an arbitrary order."""
-        v = self.value(criterion)
-        return -math.inf if v != v else v
+        return nan_worst(self.value(criterion))
 
 
 RESHAPING = ("Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze")   # same values, another shape

@@ -107,3 +107,9 @@ def sqnr_db(sig: float, err: float, no_signal=float("-inf")) -> float:
     if ratio != ratio:          # inf / inf
         return math.nan
     return 10 * math.log10(ratio) if ratio > 0 else -math.inf
+
+
+def nan_worst(v: float) -> float:
+    """A score as a sort key where NaN (a tensor gone NaN or Inf) ranks worst, instead of
+    leaving ``sorted`` in an arbitrary order."""
+    return float("-inf") if v != v else v
