@@ -704,7 +704,7 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
         from dipoorlet import equalize
 
         # one grid per weight tensor: even out the weights' channel ranges between Conv pairs
-        equalized = equalize.equalize_weights(g, skip=cfg.skip_layers)
+        equalized = equalize.equalize_weights(g)
     places = placement_mod.place(g, plat, cfg.skip_layers)
     skipped_bits = sorted(set(cfg.layer_bits) & set(cfg.skip_layers))
     if skipped_bits:

@@ -569,6 +569,42 @@ def test_weight_equalization_leaves_a_dead_channel_alone(tmp_path, deploy, tiny)
     assert on > off - 1.0 and on > 25, (on, off)
 
 
+@pytest.mark.parametrize("skip", ["pw1", "pw2"])
+def test_weight_equalization_keeps_a_pair_whose_member_is_kept_float(tmp_path, skip):
+    """--skip_layers on one member of a pair: the float member runs the same function on its
+    rescaled weights, so the pair is still equalized and the quantized partner keeps the gain.
+    Skipping a layer then never ends below the run that quantizes it (the pair used to be left
+    alone, and skipping lowered the output)."""
+    import onnx
+    import dipoorlet
+    from conftest import write_samples
+
+    model, feeds = _mobilenet_block(), _feeds(8)
+    onnx.save(model, tmp_path / "m.onnx")
+    data = write_samples(tmp_path / "d", feeds)
+
+    def run(tag, **kw):
+        out = tmp_path / tag
+        res = dipoorlet.quantize(model=tmp_path / "m.onnx", input_dir=data, data_num=len(feeds), deploy="ti",
+                                 output_dir=out, skip_prof_layer=True, bias_correction=False, **kw)
+        qm = onnx.load(str(out / "quant_model.onnx"))
+        err = sig = 0.0
+        for f in feeds:
+            want, got = ort_run(model, f)[0], ort_run(qm, f)[0]
+            err += float(((want - got) ** 2).sum())
+            sig += float((want ** 2).sum())
+        return 10 * np.log10(sig / err), res, out
+
+    base, _, _ = run("all")
+    skipped, res, out = run("skip", skip_layers=[skip])
+    assert {(r["producer"], tuple(r["absorbers"])) for r in res.report["equalization"]} == \
+        {("pw1", ("dw",)), ("dw", ("pw2",))}
+    tm = onnx.load(str(out / "transformed_model.onnx"))
+    for f in feeds:
+        np.testing.assert_allclose(ort_run(tm, f)[0], ort_run(model, f)[0], rtol=1e-4, atol=1e-4)
+    assert skipped > base, (skipped, base)
+
+
 @pytest.mark.parametrize("deploy", ["qnn", "imx"])
 def test_per_channel_platforms_keep_the_data_driven_equalization(tmp_path, deploy):
     """Per-channel weights, power-of-two grids (imx) included: the data-driven equalization runs
