@@ -20,6 +20,9 @@ import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+import onnx
+
 from dipoorlet.progress import progress
 from dipoorlet.runtime import Runner
 from dipoorlet.stats import LogHistogram, TensorStats
@@ -90,3 +93,108 @@ def histogram_pass(runner, data, indices, targets: list[str], bins: int, comm) -
         if pending is not None:
             pending.result()
     return comm.merge_stats(stats)
+
+
+# A Softmax weighs a value x of a row by exp(x - row max): one SOFTMAX_MARGIN below the row's
+# maximum, under exp(-20) = 2e-9 of the maximum's weight.
+SOFTMAX_MARGIN = 20.0
+# measured only where the calibrated range is this wide (a -1e4 attention mask in it): on a range
+# of 80 an 8-bit grid still has steps of 0.3, and the extra pass would buy little
+SOFTMAX_WIDE = 4 * SOFTMAX_MARGIN
+ROWMAX_SUFFIX = "__dpl_rowmax_min"
+
+
+def _softmax_axes(graph, tensor: str) -> list[int] | None:
+    """The axes every reader of ``tensor`` normalizes over, where all its readers are Softmax ops
+    that agree on them (opset 13 and up: one axis; before: every axis from ``axis`` on), else
+    None."""
+    from dipoorlet.graph import node_attr, opset_of
+
+    readers = graph.consumers.get(tensor, [])
+    if not readers or tensor in graph.output_names or any(n.op_type != "Softmax" or n.domain not in ("", "ai.onnx")
+                                                          for n in readers):
+        return None
+    opset = opset_of(graph.model)
+    shape = graph.shape(tensor)
+    rank = len(shape) if shape is not None else None
+    found = set()
+    for n in readers:
+        axis = int(node_attr(n, "axis", -1 if opset >= 13 else 1))
+        if opset >= 13:
+            found.add((axis % rank,) if rank else (axis,))
+        elif rank:
+            found.add(tuple(range(axis % rank, rank)))
+        else:
+            return None
+    return list(found.pop()) if len(found) == 1 else None
+
+
+def softmax_floors(graph, data, indices, stats: dict[str, TensorStats], comm, device="cpu") -> dict[str, float]:
+    """Lower ends for the grids of Softmax inputs whose range an additive attention mask stretches.
+
+    A -1e4 mask added to attention scores puts a uint8 grid's steps at 39 (qnn quantizes the
+    Softmax input): every real score rounds to one or two levels, and a masked-attention block's
+    output cosine fell to 0.75. Yet a Softmax reads a value only relative to its row's maximum,
+    and one ``SOFTMAX_MARGIN`` below it weighs under 2e-9. So the grid need reach no lower than
+    the lowest row maximum any calibration sample has, less the margin: a masked value clipped
+    there still weighs under 2e-9 of its row's maximum. One extra float pass measures that row
+    maximum (ReduceMax over the Softmax's axes, then ReduceMin, inside the graph) for the
+    tensors whose calibrated range is wider than ``SOFTMAX_WIDE``, only where one is; the floor
+    is merged across processes (their minimum). Sets ``stats[t].floor`` and returns
+    ``{tensor: floor}`` where the floor lies above the tensor's calibrated minimum."""
+    from onnx import helper
+
+    from dipoorlet.graph import opset_of
+
+    cands = {}
+    for t, st in stats.items():
+        mm = st.minmax
+        if not mm.count or not (math.isfinite(mm.lo) and math.isfinite(mm.hi)) or mm.hi - mm.lo <= SOFTMAX_WIDE:
+            continue
+        axes = _softmax_axes(graph, t)
+        if axes is not None:
+            cands[t] = axes
+    if not cands:
+        return {}
+    g = graph.model.graph
+    n_nodes = len(g.node)
+    opset = opset_of(graph.model)
+    names = {t: t + ROWMAX_SUFFIX for t in cands}
+    try:
+        for t, axes in cands.items():
+            row = t + "__dpl_rowmax"
+            if opset >= 18:
+                g.node.append(helper.make_node("Constant", [], [row + "_axes"], name=row + "_axes",
+                                               value=helper.make_tensor(row + "_axes", onnx.TensorProto.INT64,
+                                                                        [len(axes)], axes)))
+                g.node.append(helper.make_node("ReduceMax", [t, row + "_axes"], [row], name=row, keepdims=0))
+            else:
+                g.node.append(helper.make_node("ReduceMax", [t], [row], name=row, axes=axes, keepdims=0))
+            g.node.append(helper.make_node("ReduceMin", [row], [names[t]], name=names[t], keepdims=0))
+        types = {n: (onnx.TensorProto.FLOAT, None) for n in names.values()}
+        runner = Runner(graph.model, list(names.values()), types=types, device=device, spin=True)
+    finally:
+        while len(g.node) > n_nodes:
+            g.node.pop()
+    order = sorted(cands)
+    low = np.full(len(order), np.inf)
+    for i in progress(indices, "calibration: Softmax row maxima", comm):
+        found, _ = runner.run(data.sample(i), ranges=False)
+        for k, t in enumerate(order):
+            v = float(np.asarray(found[names[t]], np.float64).min(initial=np.inf))
+            if not math.isnan(v):
+                low[k] = min(low[k], v)
+    low = -comm.allreduce_max(-low)
+    out = {}
+    for t, v in zip(order, low):
+        floor = float(v) - SOFTMAX_MARGIN
+        if math.isfinite(floor) and floor > stats[t].minmax.lo:
+            stats[t].floor = floor
+            out[t] = floor
+    if out:
+        log.info("Softmax inputs: %d grids start at the lowest row maximum of the calibration data less %g "
+                 "instead of their minimum (a value that far below its row's maximum weighs under 2e-9): %s",
+                 len(out), SOFTMAX_MARGIN, ", ".join(f"{t} {stats[t].minmax.lo:.4g} -> {f:.4g}"
+                                                      for t, f in list(out.items())[:4])
+                 + (" ..." if len(out) > 4 else ""))
+    return out

@@ -406,6 +406,8 @@ def plan_activations(stats, cfg: QuantConfig, plat, places=None) -> QuantPlan:
             clip = power_of_two_clip(st, steps)
             if clip is not None:
                 lo, hi = clip_range(st, clip)
+        if st.floor is not None and lo < st.floor < hi:
+            lo = st.floor      # a Softmax input: below it a value weighs nothing (calibrate.softmax_floors)
         plan.activations[t] = make_qparams(lo, hi, rule)
         plan.rules[t] = rule
         if bits:
@@ -758,6 +760,8 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
     else:
         stats = calibrate.collect(g, data, indices, targets, comm, cfg.act_quant in NEEDS_HISTOGRAM,
                                   cfg.bins, cfg.device)
+    # a Softmax input stretched by an additive attention mask: its grid need not reach the mask
+    calibrate.softmax_floors(g, data, indices, stats, comm, cfg.device)
     timings["calibration_s"] = time.perf_counter() - t
     plan = plan_grids(g, stats, cfg, plat, places)
     warn_degenerate(stats, plan)

@@ -228,17 +228,22 @@ class LogHistogram:
 
 
 class TensorStats:
-    """What calibration knows about one tensor: its range and, if a method asks, a histogram."""
+    """What calibration knows about one tensor: its range and, if a method asks, a histogram.
+    ``floor``: for a Softmax input, the lowest value its grid needs to reach (see
+    :func:`dipoorlet.calibrate.softmax_floors`), None elsewhere."""
 
-    __slots__ = ("minmax", "hist")
+    __slots__ = ("minmax", "hist", "floor")
 
     def __init__(self):
         self.minmax = MinMax()
         self.hist: Histogram | LogHistogram | None = None
+        self.floor: float | None = None
 
     def merge(self, other: "TensorStats") -> "TensorStats":
         out = TensorStats()
         out.minmax = self.minmax.merge(other.minmax)
+        floors = [f for f in (self.floor, other.floor) if f is not None]
+        out.floor = min(floors) if floors else None
         if self.hist is not None and other.hist is not None:
             out.hist = self.hist.merge(other.hist)
         else:

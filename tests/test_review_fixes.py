@@ -216,6 +216,82 @@ def test_an_attention_mask_of_float32_lowest_is_not_taken_for_nan(tmp_path, capl
     assert res.report["bias_correction"]["samples"] == 8
 
 
+def _masked_attention(opset: int, extra_reader: bool = False, length: int = 16, dim: int = 32):
+    """q k^T + additive -1e4 mask -> Softmax -> p v, the masked positions differing per sample."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("MatMul", ["x", "wq"], ["q"], name="mq"),
+             helper.make_node("MatMul", ["x", "wk"], ["k"], name="mk"),
+             helper.make_node("MatMul", ["x", "wv"], ["v"], name="mv"),
+             helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 1], name="tr"),
+             helper.make_node("MatMul", ["q", "kt"], ["s"], name="qk"),
+             helper.make_node("Add", ["s", "mask"], ["sm"], name="addmask"),
+             helper.make_node("Softmax", ["sm"], ["p"], name="softmax", axis=2 if opset < 13 else -1),
+             helper.make_node("MatMul", ["p", "v"], ["y"], name="pv")]
+    outputs = [vi("y", [1, length, dim])]
+    if extra_reader:      # sm also read by something that is not a Softmax: no floor
+        nodes.append(helper.make_node("ReduceMean", ["sm"], ["side"], name="side", keepdims=0))
+        outputs.append(vi("side", []))
+    inits = {k: rand((dim, dim), i, 1.5 / np.sqrt(dim)) for i, k in enumerate(("wq", "wk", "wv"))}
+    model = make_model(nodes, [vi("x", [1, length, dim]), vi("mask", [1, 1, length])], outputs, inits, opset=opset)
+    feeds = []
+    for i in range(12):
+        n = int(rng.integers(3, length + 1))
+        x = rng.standard_normal((1, length, dim)).astype(np.float32)
+        x[:, n:] = 0
+        mask = np.zeros((1, 1, length), np.float32)
+        mask[..., n:] = -1e4
+        feeds.append({"x": x, "mask": mask})
+    return model, feeds
+
+
+def _grid_of(model, tensor):
+    """(lowest value, step) of the uint8/int8 grid a QuantizeLinear of ``tensor`` puts on it."""
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    q = next(n for n in model.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == tensor)
+    scale, zp = float(inits[q.input[1]]), inits[q.input[2]]
+    low = 0 if zp.dtype == np.uint8 else -128
+    return (low - int(zp)) * scale, scale
+
+
+@pytest.mark.parametrize("opset", [11, 13, 18])
+def test_a_softmax_input_grid_stops_short_of_an_additive_mask(tmp_path, opset, caplog):
+    """qnn quantizes the Softmax input; a -1e4 mask stretched its uint8 grid to steps of 39 and
+    the block's output cosine fell to 0.75. The grid now starts at the lowest row maximum of the
+    calibration data less 20 (numpy oracle): a value that far below its row's maximum weighs
+    under 2e-9 in the Softmax."""
+    import logging
+
+    from dipoorlet.calibrate import SOFTMAX_MARGIN
+
+    model, feeds = _masked_attention(opset)
+    with caplog.at_level(logging.INFO):
+        _, qm = quantize_model(tmp_path, model, feeds=feeds, act_quant="mse", deploy="qnn", skip_prof_layer=True)
+    # oracle: the row maxima of sm, from the float model with sm exposed
+    exposed = onnx.ModelProto()
+    exposed.CopyFrom(model)
+    exposed.graph.output.append(vi("sm", None))
+    rowmax = min(float(ort_run(exposed, f)[-1].max(axis=-1).min()) for f in feeds)
+    lowest, step = _grid_of(qm, "sm")
+    assert abs(lowest - (rowmax - SOFTMAX_MARGIN)) <= step, (lowest, rowmax)
+    assert step < 1.0        # 39 with the grid over the mask
+    assert any("Softmax inputs: 1 grids start" in r.getMessage() for r in caplog.records)
+    err = sig = 0.0
+    for f in feeds:
+        want, got = ort_run(model, f)[0], ort_run(qm, f)[0]
+        err += float(((want - got) ** 2).sum())
+        sig += float((want ** 2).sum())
+    assert 10 * np.log10(sig / err) > 20, 10 * np.log10(sig / err)     # 6 dB before
+
+
+def test_a_softmax_input_read_by_another_op_keeps_its_whole_range(tmp_path):
+    """The floor holds only where every reader is a Softmax: a ReduceMean of the same tensor
+    needs the masked values as they are."""
+    model, feeds = _masked_attention(13, extra_reader=True)
+    _, qm = quantize_model(tmp_path, model, feeds=feeds, act_quant="minmax", deploy="qnn", skip_prof_layer=True)
+    lowest, _ = _grid_of(qm, "sm")
+    assert lowest < -9000
+
+
 def test_a_nan_in_an_unscored_output_leaves_the_scored_one_judged(tmp_path, capsys):
     # the profile dropped whole samples when any output was NaN: --score_outputs y then had no
     # row and --fail_below failed a clean output
