@@ -164,6 +164,43 @@ def test_too_few_rows_are_pruned_by_magnitude(tmp_path):
     assert (np.take_along_axis(ints.reshape(5, 4, 4), top, axis=2) != 0).mean() > 0.9
 
 
+@pytest.mark.parametrize("sparse", ["2:4", "0.5"])
+def test_a_layer_pruned_by_magnitude_after_a_shifted_input_keeps_its_mean(tmp_path, sparse):
+    """trt shifts g2's Relu input onto the asymmetric grid, and g2's bias absorbs the shift as
+    b - W_q d. Pruned by magnitude alone (8 rows: too few to fit), the bias kept the dense W_q:
+    the output's channel means moved by up to 1.2 (output std 2.4; 13.8 dB against the float
+    model holding the same pruned weights). Oracle: numpy with the written weights."""
+    r = np.random.default_rng(4)
+    inits = {"w1": (r.normal(size=(16, 16)) * 0.3).astype(np.float32),
+             "b1": (r.normal(size=16) * 0.3 + 1.0).astype(np.float32),
+             "w2": (r.normal(size=(8, 16)) * 0.3).astype(np.float32),
+             "b2": (r.normal(size=8) * 0.3).astype(np.float32)}
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["a"], name="g1", transB=1),
+             helper.make_node("Relu", ["a"], ["ra"], name="relu"),
+             helper.make_node("Gemm", ["ra", "w2", "b2"], ["y"], name="g2", transB=1)]
+    model = make_model(nodes, [vi("x", [1, 16])], [vi("y", [1, 8])], inits)
+    X = r.normal(size=(8, 1, 16)).astype(np.float32)
+    path, data = save(model, tmp_path / "m.onnx"), write_samples(tmp_path / "data", [{"x": x} for x in X])
+    res = dipoorlet.quantize(model=path, input_dir=data, data_num=8, deploy="trt", output_dir=tmp_path / "o",
+                             skip_prof_layer=True, sparse=sparse)
+    assert res.report["shift"] and "g2" in res.report["sparse"]["magnitude"]
+    q = onnx.load(str(tmp_path / "o" / "quant_model.onnx"))
+    inits_q = {t.name: numpy_helper.to_array(t).astype(np.float64) for t in q.graph.initializer}
+    prod = {o: n for n in q.graph.node for o in n.output}
+
+    def dequantized(node_name):
+        dq = prod[next(n for n in q.graph.node if n.name == node_name).input[1]]
+        return inits_q[dq.input[0]] * inits_q[dq.input[1]][:, None]
+
+    W1, W2 = dequantized("g1"), dequantized("g2")
+    assert (W2 == 0).mean() >= 0.5
+    want = np.array([np.maximum(x @ W1.T + inits["b1"], 0) @ W2.T + inits["b2"] for x in X])
+    got = np.array([ort_run(q, {"x": x})[0] for x in X])
+    sqnr = 10 * np.log10((want ** 2).sum() / ((got - want) ** 2).sum())
+    assert sqnr > 30, sqnr
+    assert np.abs((got - want).mean(axis=(0, 1))).max() < 0.2 * want.std()
+
+
 def test_one_survivor_per_group_keeps_the_end_that_sets_the_grid():
     """1:4 with both of a row's grid ends in one group: the larger |w| survives, so the row's
     max |w| (what TensorRT derives the channel's scale from) is unchanged."""
