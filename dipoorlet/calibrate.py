@@ -98,6 +98,10 @@ def histogram_pass(runner, data, indices, targets: list[str], bins: int, comm) -
 # A Softmax weighs a value x of a row by exp(x - row max): one SOFTMAX_MARGIN below the row's
 # maximum, under exp(-20) = 2e-9 of the maximum's weight.
 SOFTMAX_MARGIN = 20.0
+# where a mask is added at deployment but calibration never saw one, the grid is widened to reach
+# this far below the lowest row maximum: a padded position clipped there weighs under exp(-12) =
+# 6e-6 of its row's maximum (0.3% for 512 of them), at less cost to the real scores' steps
+SOFTMAX_MASK_MARGIN = 12.0
 # measured only where the calibrated range is this wide (a -1e4 attention mask in it): on a range
 # of 80 an 8-bit grid still has steps of 0.3, and the extra pass would buy little
 SOFTMAX_WIDE = 4 * SOFTMAX_MARGIN
@@ -129,6 +133,40 @@ def _softmax_axes(graph, tensor: str) -> list[int] | None:
     return list(found.pop()) if len(found) == 1 else None
 
 
+# ops a mask term passes on its way from the model's attention_mask input to the scores it is
+# added to (Cast, Unsqueeze, (1 - m) * -1e4, a boolean Where ...): no op that mixes in weights
+MASK_OPS = {"Cast", "CastLike", "Unsqueeze", "Squeeze", "Reshape", "Expand", "Tile", "Slice", "Identity",
+            "Flatten", "Transpose", "Concat", "Sub", "Mul", "Add", "Div", "Neg", "Not", "Equal", "Less",
+            "LessOrEqual", "Greater", "GreaterOrEqual", "And", "Or", "Where", "Max", "Min", "Clip"}
+
+
+def _from_input(graph, tensor: str, depth: int = 16) -> bool:
+    """``tensor`` is computed from a network input by MASK_OPS alone (and constants)."""
+    if any(i.name == tensor for i in graph.graph_inputs):
+        return True
+    node = graph.producer.get(tensor)
+    if node is None or depth == 0 or node.op_type not in MASK_OPS:
+        return False
+    return any(_from_input(graph, x, depth - 1) for x in node.input if x and not graph.is_constant(x))
+
+
+def _mask_fed(graph, tensor: str) -> bool:
+    """``tensor`` is attention scores plus a mask term (an Add or Sub with one operand from the
+    network inputs by MASK_OPS alone, the other not; or a Where choosing between the scores and
+    a constant by such a condition): padded positions at deployment reach it with a large
+    negative value, whatever the calibration samples held."""
+    node = graph.producer.get(tensor)
+    if node is None:
+        return False
+    if node.op_type in ("Add", "Sub") and len(node.input) == 2:
+        fed = [_from_input(graph, x) and not graph.is_constant(x) for x in node.input]
+        return fed[0] != fed[1]
+    if node.op_type == "Where" and len(node.input) == 3:
+        return (_from_input(graph, node.input[0]) and not graph.is_constant(node.input[0])
+                and (graph.is_constant(node.input[1]) or graph.is_constant(node.input[2])))
+    return False
+
+
 def softmax_floors(graph, data, indices, stats: dict[str, TensorStats], comm, device="cpu") -> dict[str, float]:
     """Lower ends for the grids of Softmax inputs whose range an additive attention mask stretches.
 
@@ -137,22 +175,35 @@ def softmax_floors(graph, data, indices, stats: dict[str, TensorStats], comm, de
     output cosine fell to 0.75. Yet a Softmax reads a value only relative to its row's maximum,
     and one ``SOFTMAX_MARGIN`` below it weighs under 2e-9. So the grid need reach no lower than
     the lowest row maximum any calibration sample has, less the margin: a masked value clipped
-    there still weighs under 2e-9 of its row's maximum. One extra float pass measures that row
-    maximum (ReduceMax over the Softmax's axes, then ReduceMin, inside the graph) for the
-    tensors whose calibrated range is wider than ``SOFTMAX_WIDE``, only where one is; the floor
-    is merged across processes (their minimum). Sets ``stats[t].floor`` and returns
-    ``{tensor: floor}`` where the floor lies above the tensor's calibrated minimum."""
+    there still weighs under 2e-9 of its row's maximum.
+
+    The other way round: calibrated on unpadded samples, a mask term is 0 throughout, and the grid
+    ended at the scores' own minimum (-1.5 on a small BERT): a padded batch at deployment had
+    its -1e4 clipped there, and the real positions gave the padding half their attention (output
+    cosine 0.97, 0.91 at worst). Where a mask is added to the scores (:func:`_mask_fed`) and the
+    calibrated minimum lies less than ``SOFTMAX_MASK_MARGIN`` below the lowest row maximum, the
+    grid is widened down to that margin.
+
+    One extra float pass measures the row maxima (ReduceMax over the Softmax's axes, then
+    ReduceMin, inside the graph) for the tensors whose calibrated range is wider than
+    ``SOFTMAX_WIDE`` and the mask-fed ones, only where there is one; they are merged across
+    processes (their minimum). Sets ``stats[t].floor`` (and ``floor_exact`` where it widens the
+    grid) and returns ``{tensor: floor}``."""
     from onnx import helper
 
     from dipoorlet.graph import opset_of
 
-    cands = {}
+    cands, masked = {}, set()
     for t, st in stats.items():
         mm = st.minmax
-        if not mm.count or not (math.isfinite(mm.lo) and math.isfinite(mm.hi)) or mm.hi - mm.lo <= SOFTMAX_WIDE:
+        if not mm.count or not (math.isfinite(mm.lo) and math.isfinite(mm.hi)):
             continue
         axes = _softmax_axes(graph, t)
-        if axes is not None:
+        if axes is None:
+            continue
+        if _mask_fed(graph, t):
+            masked.add(t)
+        if t in masked or mm.hi - mm.lo > SOFTMAX_WIDE:
             cands[t] = axes
     if not cands:
         return {}
@@ -185,16 +236,31 @@ def softmax_floors(graph, data, indices, stats: dict[str, TensorStats], comm, de
             if not math.isnan(v):
                 low[k] = min(low[k], v)
     low = -comm.allreduce_max(-low)
-    out = {}
+    out, extended = {}, {}
     for t, v in zip(order, low):
         floor = float(v) - SOFTMAX_MARGIN
-        if math.isfinite(floor) and floor > stats[t].minmax.lo:
-            stats[t].floor = floor
-            out[t] = floor
-    if out:
+        if not math.isfinite(floor) or floor >= stats[t].minmax.hi:
+            continue
+        if floor <= stats[t].minmax.lo:
+            floor = float(v) - SOFTMAX_MASK_MARGIN
+            if t not in masked or floor >= stats[t].minmax.lo:
+                continue
+            extended[t] = floor
+        stats[t].floor = floor
+        stats[t].floor_exact = t in extended
+        out[t] = floor
+    shrunk = {t: f for t, f in out.items() if t not in extended}
+    if shrunk:
         log.info("Softmax inputs: %d grids start at the lowest row maximum of the calibration data less %g "
                  "instead of their minimum (a value that far below its row's maximum weighs under 2e-9): %s",
-                 len(out), SOFTMAX_MARGIN, ", ".join(f"{t} {stats[t].minmax.lo:.4g} -> {f:.4g}"
-                                                      for t, f in list(out.items())[:4])
-                 + (" ..." if len(out) > 4 else ""))
+                 len(shrunk), SOFTMAX_MARGIN, ", ".join(f"{t} {stats[t].minmax.lo:.4g} -> {f:.4g}"
+                                                         for t, f in list(shrunk.items())[:4])
+                 + (" ..." if len(shrunk) > 4 else ""))
+    if extended:
+        log.info("Softmax inputs: %d grids reach down to the lowest row maximum of the calibration data less %g, "
+                 "below anything the calibration samples held, since an attention mask is added to them: padded "
+                 "positions at deployment then weigh under 6e-6 instead of being clipped into the scores: %s",
+                 len(extended), SOFTMAX_MASK_MARGIN, ", ".join(f"{t} {stats[t].minmax.lo:.4g} -> {f:.4g}"
+                                                          for t, f in list(extended.items())[:4])
+                 + (" ..." if len(extended) > 4 else ""))
     return out

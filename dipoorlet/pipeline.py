@@ -406,8 +406,10 @@ def plan_activations(stats, cfg: QuantConfig, plat, places=None) -> QuantPlan:
             clip = power_of_two_clip(st, steps)
             if clip is not None:
                 lo, hi = clip_range(st, clip)
-        if st.floor is not None and lo < st.floor < hi:
-            lo = st.floor      # a Softmax input: below it a value weighs nothing (calibrate.softmax_floors)
+        if st.floor is not None and st.floor < hi and (lo < st.floor or st.floor_exact):
+            # a Softmax input: below it a value weighs nothing; where a mask is added, the grid
+            # reaches it so that padded positions stay hidden (calibrate.softmax_floors)
+            lo = st.floor
         plan.activations[t] = make_qparams(lo, hi, rule)
         plan.rules[t] = rule
         if bits:

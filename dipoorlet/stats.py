@@ -230,20 +230,23 @@ class LogHistogram:
 class TensorStats:
     """What calibration knows about one tensor: its range and, if a method asks, a histogram.
     ``floor``: for a Softmax input, the lowest value its grid needs to reach (see
-    :func:`dipoorlet.calibrate.softmax_floors`), None elsewhere."""
+    :func:`dipoorlet.calibrate.softmax_floors`), None elsewhere; ``floor_exact``: the grid starts
+    there even below the calibrated range (a mask added to it at deployment)."""
 
-    __slots__ = ("minmax", "hist", "floor")
+    __slots__ = ("minmax", "hist", "floor", "floor_exact")
 
     def __init__(self):
         self.minmax = MinMax()
         self.hist: Histogram | LogHistogram | None = None
         self.floor: float | None = None
+        self.floor_exact = False
 
     def merge(self, other: "TensorStats") -> "TensorStats":
         out = TensorStats()
         out.minmax = self.minmax.merge(other.minmax)
         floors = [f for f in (self.floor, other.floor) if f is not None]
         out.floor = min(floors) if floors else None
+        out.floor_exact = self.floor_exact or other.floor_exact
         if self.hist is not None and other.hist is not None:
             out.hist = self.hist.merge(other.hist)
         else:

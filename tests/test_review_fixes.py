@@ -283,6 +283,58 @@ def test_a_softmax_input_grid_stops_short_of_an_additive_mask(tmp_path, opset, c
     assert 10 * np.log10(sig / err) > 20, 10 * np.log10(sig / err)     # 6 dB before
 
 
+@pytest.mark.parametrize("style", ["add", "where"])
+def test_a_masked_softmax_calibrated_without_padding_still_hides_padding(tmp_path, style):
+    """An int64 attention_mask turned into (1 - m) * -1e4 and added to the scores (or a Where
+    choosing -1e4 by it), calibrated on unpadded samples: qnn's Softmax-input grid ended at the
+    scores' own minimum (about -1.5), so a padded batch at deployment clipped the mask there and
+    attended to padding. The grid now reaches 12 below the lowest row maximum; the real
+    positions of a padded sample give the padding no attention (onnxruntime oracle)."""
+    length, dim = 12, 16
+    nodes = [helper.make_node("MatMul", ["x", "wq"], ["q"], name="mq"),
+             helper.make_node("MatMul", ["x", "wk"], ["k"], name="mk"),
+             helper.make_node("MatMul", ["x", "wv"], ["v"], name="mv"),
+             helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 1], name="tr"),
+             helper.make_node("MatMul", ["q", "kt"], ["s"], name="qk"),
+             helper.make_node("Unsqueeze", ["attention_mask", "ax"], ["m3"], name="unsq")]
+    if style == "add":
+        nodes += [helper.make_node("Cast", ["m3"], ["mf"], to=TensorProto.FLOAT, name="cast"),
+                  helper.make_node("Sub", ["one", "mf"], ["inv"], name="inv"),
+                  helper.make_node("Mul", ["inv", "big"], ["bias"], name="scale"),
+                  helper.make_node("Add", ["s", "bias"], ["sm"], name="addmask")]
+    else:
+        nodes += [helper.make_node("Cast", ["m3"], ["mb"], to=TensorProto.BOOL, name="cast"),
+                  helper.make_node("Where", ["mb", "s", "big"], ["sm"], name="wheremask")]
+    nodes += [helper.make_node("Softmax", ["sm"], ["p"], name="softmax", axis=-1),
+              helper.make_node("MatMul", ["p", "v"], ["y"], name="pv")]
+    inits = {k: rand((dim, dim), i, 0.3 / np.sqrt(dim)) for i, k in enumerate(("wq", "wk", "wv"))}
+    inits.update({"ax": np.array([1], np.int64), "one": np.float32(1.0), "big": np.float32(-1e4)})
+    model = make_model(nodes, [vi("x", [1, length, dim]), vi("attention_mask", [1, length], TensorProto.INT64)],
+                       [vi("y", [1, length, dim])], inits)
+    rng = np.random.default_rng(1)
+    feeds = [{"x": rng.standard_normal((1, length, dim)).astype(np.float32),
+              "attention_mask": np.ones((1, length), np.int64)} for _ in range(8)]
+    _, qm = quantize_model(tmp_path, model, feeds=feeds, act_quant="mse", deploy="qnn", skip_prof_layer=True)
+    lowest, _ = _grid_of(qm, "sm")
+    assert lowest < -10, lowest       # the scores' own minimum, about -2, before
+    # deployment: the first 3 positions real, the rest padding holding other values; the
+    # attention the real positions give the padded ones (the Softmax output, exposed)
+    exposed = onnx.ModelProto()
+    exposed.CopyFrom(qm)
+    exposed.graph.output.append(vi("p", None))
+    leak, worst = 0.0, 1.0
+    for f in feeds:
+        padded = {"x": f["x"].copy(), "attention_mask": f["attention_mask"].copy()}
+        padded["x"][:, 3:] = rng.standard_normal((1, length - 3, dim)) * 3
+        padded["attention_mask"][:, 3:] = 0
+        want = ort_run(model, padded)[0][:, :3]
+        got, p = ort_run(exposed, padded)
+        leak = max(leak, float(p[:, :3, 3:].sum(axis=-1).max()))
+        worst = min(worst, float((want * got[:, :3]).sum() / np.linalg.norm(want) / np.linalg.norm(got[:, :3])))
+    assert leak < 1e-4, leak          # 0.51 with the grid ending at the scores' own minimum
+    assert worst > 0.9, worst         # 0.49 so (0.92 with float Softmax inputs: 3 positions are few)
+
+
 def test_a_softmax_input_read_by_another_op_keeps_its_whole_range(tmp_path):
     """The floor holds only where every reader is a Softmax: a ReduceMean of the same tensor
     needs the masked values as they are."""
@@ -537,3 +589,4 @@ def test_a_log_file_on_a_full_disk_goes_quiet(capsys):
         logger.removeHandler(h)
         h.close()                      # the flush fails too: no exception
     assert "Logging error" not in capsys.readouterr().err
+
