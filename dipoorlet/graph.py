@@ -389,20 +389,34 @@ def over_threshold(model: onnx.ModelProto) -> bool:
 
 
 def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
-    """ONNX shape inference with data propagation; through a file for models over 2 GB."""
+    """ONNX shape inference with data propagation; through a file for models over 2 GB.
+
+    The model's own value_info is inferred afresh, not kept: ONNX's inference keeps and spreads
+    it, and a model shape-inferred at batch 1 whose inputs were then made dynamic by hand still
+    declared [1, ...] inside (onnxruntime runs such a model at batch 2, but the quantized one's
+    If switches checked their outputs against the stale shapes and failed). Entries inference
+    cannot redo (a custom op's outputs) are put back."""
+    saved = list(model.graph.value_info)
+    del model.graph.value_info[:]
     try:
         if not over_threshold(model):
-            return shape_inference.infer_shapes(model, data_prop=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            src, dst = os.path.join(tmp, "in.onnx"), os.path.join(tmp, "out.onnx")
-            save_external(model, src)
-            shape_inference.infer_shapes_path(src, dst, data_prop=True)
-            inferred = onnx.load(dst, load_external_data=False)
-            return _with_value_info(model, inferred)  # our tensors stay; take the value_info
+            inferred = shape_inference.infer_shapes(model, data_prop=True)
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                src, dst = os.path.join(tmp, "in.onnx"), os.path.join(tmp, "out.onnx")
+                save_external(model, src)
+                shape_inference.infer_shapes_path(src, dst, data_prop=True)
+                inferred = _with_value_info(model, onnx.load(dst, load_external_data=False))  # our tensors stay
     except Exception as exc:  # inference is an aid, never a reason to stop
+        model.graph.value_info.extend(saved)
         log.warning("shape inference failed (%s); tensors without a known float type will not be "
                     "quantized (see the report's decisions)", _first_line(exc))
         return model
+    have = {v.name for v in inferred.graph.value_info if v.type.tensor_type.elem_type}
+    inferred.graph.value_info.extend(v for v in saved if v.name not in have)
+    if inferred is not model:
+        model.graph.value_info.extend(saved)     # the caller's model as it came
+    return inferred
 
 
 def _with_value_info(model: onnx.ModelProto, inferred: onnx.ModelProto) -> onnx.ModelProto:

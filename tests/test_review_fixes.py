@@ -590,3 +590,27 @@ def test_a_log_file_on_a_full_disk_goes_quiet(capsys):
         h.close()                      # the flush fails too: no exception
     assert "Logging error" not in capsys.readouterr().err
 
+
+def test_a_model_with_stale_inner_shapes_runs_at_another_batch(tmp_path):
+    """A model shape-inferred at batch 1 whose input and output were then made dynamic by hand
+    keeps [1, ...] for its inner tensors; onnxruntime runs it at batch 2, and so must the run
+    (the quantized model's If switches checked their outputs against the stale shapes: exit 2,
+    blaming the sample)."""
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+             helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+             helper.make_node("Conv", ["r1", "w2"], ["y"], pads=[1, 1, 1, 1], name="conv2")]
+    model = make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("y", [1, 8, 8, 8])],
+                       {"w1": rand((8, 3, 3, 3), 0, 0.3), "b1": rand((8,), 1, 0.3), "w2": rand((8, 8, 3, 3), 2, 0.3)})
+    model = onnx.shape_inference.infer_shapes(model)
+    assert {v.name for v in model.graph.value_info} == {"c1", "r1"}
+    for v in (model.graph.input[0], model.graph.output[0]):
+        d = v.type.tensor_type.shape.dim[0]
+        d.Clear()
+        d.dim_param = "N"
+    feeds = [{"x": rand((2, 3, 8, 8), 10 + i)} for i in range(6)]
+    res, qm = quantize_model(tmp_path, model, feeds=feeds, act_quant="mse")
+    assert res.report["outputs"][0]["cosine"] > 0.999
+    got = ort_run(qm, feeds[0])[0]
+    assert got.shape == (2, 8, 8, 8)
+    shapes = {v.name: [d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim] for v in qm.graph.value_info}
+    assert all(s[0] != 1 for s in shapes.values()), shapes
