@@ -32,7 +32,7 @@ from onnx import helper, numpy_helper, version_converter
 import numpy as np
 
 from dipoorlet.errors import ModelError
-from dipoorlet.graph import (MAX_OPSET, MIN_OPSET, QDQ_OPSET, Graph, _subgraph_outer_refs, add_initializer,
+from dipoorlet.graph import (MAX_OPSET, MIN_OPSET, QDQ_OPSET, Graph, _all_nodes, _subgraph_outer_refs, add_initializer,
                              constant_value, drop_unused_initializers, fresh_name, infer_shapes, node_attr)
 
 log = logging.getLogger(__name__)
@@ -699,8 +699,8 @@ def ensure_opset(g: Graph, target: int = QDQ_OPSET, why: str = "for per-channel 
     """Raise the default-domain opset to ``target``; returns the opset the model had."""
     version = g.opset
     if version < MIN_OPSET - 4 or version > MAX_OPSET + 4:
-        raise ModelError(f"model opset {version} is outside what this tool supports "
-                         f"({MIN_OPSET}-{MAX_OPSET}); export the model at opset 13-17")
+        raise ModelError(f"model opset {version} is outside what this tool reads ({MIN_OPSET - 4}-{MAX_OPSET + 4}; "
+                         f"tested on {MIN_OPSET}-{MAX_OPSET}); export the model at opset 13-17")
     if version >= target:
         return version
     if version < 13:
@@ -821,9 +821,36 @@ def name_nodes(g: Graph) -> int:
     return renamed
 
 
+def inline_functions(g: Graph) -> int:
+    """Inline the model's local functions (torch.onnx.export(..., export_modules_as_functions=True)
+    wraps each module in one): their Convs and MatMuls are then the main graph's, quantized like
+    any other; left as calls, they stayed float without a word. Returns the calls inlined."""
+    if not g.model.functions:
+        return 0
+    from onnx import inliner
+
+    local = {(f.domain, f.name) for f in g.model.functions}
+    calls = sum((n.domain, n.op_type) in local for n in _all_nodes(g.model))
+    for fn in g.model.functions:        # names that say where a layer came from (the inliner adds __k per call)
+        for i, node in enumerate(fn.node):
+            if not node.name:
+                node.name = f"{fn.name}/{node.op_type}_{i}"
+    try:
+        model = inliner.inline_local_functions(g.model)
+    except Exception as exc:  # noqa: BLE001 - onnx raises its own types
+        raise ModelError(f"the model's local functions ({', '.join(sorted(f'{d}.{n}' for d, n in local)[:4])}) cannot be "
+                         f"inlined ({' '.join(str(exc).split())[:200]}); export the model without them "
+                         "(torch.onnx.export(..., export_modules_as_functions=False))") from exc
+    g.model = model
+    g.refresh()
+    log.info("%d calls of %d local functions inlined into the graph", calls, len(local))
+    return calls
+
+
 def prepare(g: Graph, hardswish: bool = False) -> dict:
     """Run every preparation pass; returns what each changed. ``hardswish``: fuse decomposed
     HardSwish (for backends that quantize a HardSwish op's input and output only)."""
+    inlined = inline_functions(g)
     order = g.topological_nodes()  # some exporters list nodes out of order; ONNX wants them sorted
     if [id(n) for n in order] != [id(n) for n in g.graph.node]:
         sorted_nodes = [onnx.NodeProto() for _ in order]
@@ -832,7 +859,7 @@ def prepare(g: Graph, hardswish: bool = False) -> dict:
         del g.graph.node[:]
         g.graph.node.extend(sorted_nodes)
         g.refresh()
-    done = {"float16_widened": widen_float16(g)}
+    done = {"functions_inlined": inlined, "float16_widened": widen_float16(g)}
     done.update(ir_version_from=lower_ir_version(g), opset_from=ensure_opset(g))
     # after the version converter, which adds nodes of its own (unnamed Constants for axes)
     done["nodes_named"] = name_nodes(g)

@@ -614,3 +614,58 @@ def test_a_model_with_stale_inner_shapes_runs_at_another_batch(tmp_path):
     assert got.shape == (2, 8, 8, 8)
     shapes = {v.name: [d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim] for v in qm.graph.value_info}
     assert all(s[0] != 1 for s in shapes.values()), shapes
+
+
+@pytest.mark.parametrize("all_inside", [False, True])
+def test_layers_inside_local_functions_are_quantized(tmp_path, all_inside):
+    """torch.onnx.export(..., export_modules_as_functions=True) wraps modules in local functions:
+    their Convs stayed float without a word, and a model with every layer inside one was refused
+    as having nothing to quantize. They are inlined and quantized (onnxruntime oracle)."""
+    fn = helper.make_function("local", "Block", ["a", "w", "b"], ["o"],
+                              [helper.make_node("Conv", ["a", "w", "b"], ["t"], pads=[1, 1, 1, 1]),
+                               helper.make_node("Relu", ["t"], ["o"])], [helper.make_opsetid("", 13)])
+    nodes = [helper.make_node("Block", ["x", "w1", "b1"], ["r1"], domain="local", name="block1"),
+             helper.make_node("Block", ["r1", "w2", "b2"], ["y" if all_inside else "r2"], domain="local", name="block2")]
+    inits = {"w1": rand((8, 3, 3, 3), 0, 0.3), "b1": rand((8,), 1, 0.3), "w2": rand((8, 8, 3, 3), 2, 0.3),
+             "b2": rand((8,), 3, 0.3)}
+    if not all_inside:
+        nodes.append(helper.make_node("Conv", ["r2", "w3"], ["y"], name="head"))
+        inits["w3"] = rand((2, 8, 1, 1), 4, 0.3)
+    model = make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("y", None)], inits,
+                       extra_opsets=[("local", 1)], check=False)
+    model.functions.append(fn)
+    feeds = [{"x": rand((1, 3, 8, 8), 10 + i)} for i in range(6)]
+    res, qm = quantize_model(tmp_path, model, feeds=feeds, act_quant="mse", skip_prof_layer=True)
+    convs = [n for n in qm.graph.node if n.op_type == "Conv"]
+    assert len(convs) == (2 if all_inside else 3) and not qm.functions
+    assert all(quantized for quantized in (n.input[1] in {o for m in qm.graph.node if m.op_type == "DequantizeLinear"
+                                                          for o in m.output} for n in convs))
+    assert sum(d["node"].startswith("Block/Conv") and d["quantized"] for d in res.report["decisions"]) == 2
+    want, got = ort_run(model, feeds[0])[0], ort_run(qm, feeds[0])[0]
+    assert float((want * got).sum() / np.linalg.norm(want) / np.linalg.norm(got)) > 0.999
+
+
+def test_an_op_onnx_now_calls_deprecated_is_kept_with_a_warning(tmp_path, caplog):
+    """GroupNormalization-18, which onnxruntime runs and newer onnx.checker refuses as
+    deprecated: the run did all its work, then crashed with a traceback in its final check and
+    wrote nothing. The quantized model keeps the input's op, with a warning where onnx refuses it."""
+    import logging
+
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c"], pads=[1, 1, 1, 1], name="conv1"),
+             helper.make_node("GroupNormalization", ["c", "g", "b"], ["gn"], num_groups=4, epsilon=1e-5, name="gn"),
+             helper.make_node("Relu", ["gn"], ["r"], name="relu"),
+             helper.make_node("Conv", ["r", "w2"], ["y"], name="conv2")]
+    inits = {"w1": rand((8, 3, 3, 3), 0, 0.3), "b1": rand((8,), 1, 0.3), "w2": rand((4, 8, 1, 1), 2, 0.3),
+             "g": np.ones(4, np.float32), "b": np.zeros(4, np.float32)}
+    model = make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("y", [1, 4, 8, 8])], inits, opset=18, check=False)
+    try:
+        onnx.checker.check_model(model)
+        refused = False
+    except onnx.checker.ValidationError:
+        refused = True
+    feeds = [{"x": rand((1, 3, 8, 8), 10 + i)} for i in range(6)]
+    with caplog.at_level(logging.WARNING):
+        res, qm = quantize_model(tmp_path, model, feeds=feeds, act_quant="mse", skip_prof_layer=True)
+    assert any(n.op_type == "GroupNormalization" for n in qm.graph.node)
+    assert res.report["outputs"][0]["cosine"] > 0.99
+    assert refused == any("refuses as deprecated" in r.getMessage() for r in caplog.records)
