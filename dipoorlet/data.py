@@ -134,6 +134,7 @@ class DataSource:
         self.n = n
         self.input_shapes = dict(input_shapes or {})
         self._said: set = set()
+        self._notes: list = []     # what was said once, for share_notes
         unknown = set(self.input_shapes) - {s.name for s in specs}
         if unknown:
             from dipoorlet.errors import ConfigError
@@ -377,21 +378,43 @@ class DataSource:
                             + "check the file or --input_shape")
         return shape
 
+    def _note(self, key, level: int, text: str) -> None:
+        """Log ``text`` once per ``key`` (and keep it for :meth:`share_notes`)."""
+        if key in self._said:
+            return
+        self._said.add(key)
+        self._notes.append((key, level, text))
+        log.log(level, "%s", text)
+
+    def share_notes(self, comm) -> None:
+        """Under MPI, rank 0 logs what the other processes' samples made them say once (a sample
+        of raw int32 pixels that only rank 1 read was told in no log but rank 1's, which is off
+        by default)."""
+        if comm.world == 1:
+            return
+        every = comm.allgather(self._notes)
+        self._notes = []
+        if comm.rank != 0:
+            return
+        for rank, notes in enumerate(every[1:], 1):
+            for key, level, text in notes:
+                if key not in self._said:
+                    self._said.add(key)
+                    log.log(level, "%s (rank %d)", text, rank)
+
     def _check(self, spec: InputSpec, arr: np.ndarray, where: str, added: bool = False) -> np.ndarray:
         if np.issubdtype(spec.dtype, np.floating):
             if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
                 raise DataError(f"{where} has dtype {arr.dtype}, input {spec.name!r} is {spec.dtype}; "
                                 f"save the sample as {spec.dtype} (numpy: arr.astype(np.{spec.dtype}))")
-            if (np.issubdtype(arr.dtype, np.floating) and arr.dtype.itemsize > np.dtype(spec.dtype).itemsize
-                    and ("wide", spec.name) not in self._said):
-                self._said.add(("wide", spec.name))
-                log.info("%s holds %s values for %s input %r: cast to %s (said once per input)", where,
-                         arr.dtype, spec.dtype, spec.name, spec.dtype)
-            if np.issubdtype(arr.dtype, np.integer) and spec.name not in self._said:
-                self._said.add(spec.name)
-                log.warning("%s holds %s values for float input %r: cast to %s as they are; if these are "
-                            "raw pixels, normalize them as the model expects before calibrating", where,
-                            arr.dtype, spec.name, spec.dtype)
+            if np.issubdtype(arr.dtype, np.floating) and arr.dtype.itemsize > np.dtype(spec.dtype).itemsize:
+                self._note(("wide", spec.name), logging.INFO,
+                           f"{where} holds {arr.dtype} values for {spec.dtype} input {spec.name!r}: cast to "
+                           f"{spec.dtype} (said once per input)")
+            if np.issubdtype(arr.dtype, np.integer):
+                self._note(spec.name, logging.WARNING,
+                           f"{where} holds {arr.dtype} values for float input {spec.name!r}: cast to {spec.dtype} as "
+                           "they are; if these are raw pixels, normalize them as the model expects before calibrating")
             src = arr
             with np.errstate(over="ignore"):     # values beyond float32 are reported below
                 arr = arr.astype(spec.dtype, copy=False)

@@ -764,6 +764,7 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
                                   cfg.bins, cfg.device)
     # a Softmax input stretched by an additive attention mask: its grid need not reach the mask
     calibrate.softmax_floors(g, data, indices, stats, comm, cfg.device)
+    data.share_notes(comm)      # every process has read its share of the samples by now
     timings["calibration_s"] = time.perf_counter() - t
     plan = plan_grids(g, stats, cfg, plat, places)
     warn_degenerate(stats, plan)
@@ -1011,6 +1012,7 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
             # (exposing every quantized activation cost the PP-OCRv4 detector's run 20% more peak memory)
             grids=layer_errors.grid_bounds(plan, places) if val is not None else None)
         timings["profile_s"] = time.perf_counter() - t
+        prof_data.share_notes(comm)
         if comm.rank != 0:
             return Result(out_dir, [], {}, [], timings)
         # Every collective step is done (the gather waited for all ranks): rank 0 writes.

@@ -376,3 +376,28 @@ def test_savefp_under_mpi_refuses_an_output_folder_a_rank_cannot_see(case, tmp_p
     ok = _run(case, tmp_path / "ok", "minmax --savefp", 2)      # a shared -O: every sample's outputs
     assert ok.returncode == 0, ok.stderr
     assert len(list((tmp_path / "ok" / "output").rglob("onnx-output-*.bin"))) == 11
+
+
+def test_a_data_note_from_another_ranks_share_reaches_rank_0s_log(case, tmp_path):
+    """Sample 9 holds raw int32 pixels and falls in rank 1's share: one process warns about it,
+    and so must rank 0 under mpirun (the warning was in no log but rank 1's, which is off by
+    default)."""
+    calib = tmp_path / "calib" / "x"
+    calib.mkdir(parents=True)
+    rng = np.random.default_rng(5)
+    for i in range(11):
+        a = rng.standard_normal((1, 3, 12, 12)).astype(np.float32)
+        if i == 9:
+            a = (a * 50 + 128).clip(0, 255).astype(np.int32)
+        np.save(calib / f"{i}.npy", a)
+    for ranks in (1, 2):
+        out = tmp_path / f"o{ranks}"
+        cmd = [sys.executable, "-m", "dipoorlet", "-M", str(case / "m.onnx"), "-I", str(tmp_path / "calib"),
+               "-N", "11", "-D", "trt", "-A", "minmax", "--skip_prof_layer", "-O", str(out)]
+        if ranks > 1:
+            cmd = [MPIRUN, "-n", str(ranks)] + cmd + ["--mpirun"]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr
+        line = "9.npy holds int32 values for float input 'x'"
+        assert res.stderr.count(line) == 1, (ranks, res.stderr)
+        assert (out / "dipoorlet.log").read_text().count(line) == 1, ranks
