@@ -475,9 +475,13 @@ def reconstruct_blocks(g, places, plan, data, indices, comm, iters: int, drop: b
                     if p.grad is not None:
                         torch.nan_to_num_(p.grad, nan=0.0, posinf=0.0, neginf=0.0)
             if comm.world > 1:
-                grads = np.concatenate([(p.grad.numpy().ravel() if p.grad is not None else
-                                         np.zeros(p.numel(), np.float32)) for p in params])
-                grads = comm.allreduce_sum(grads.astype(np.float64)) / comm.world
+                # the mean over the processes that drew samples: one without any (fewer samples
+                # than processes) would add a zero gradient and halve the step
+                active = 1.0 if idx_lists and loss.requires_grad else 0.0
+                grads = np.concatenate([(p.grad.numpy().ravel() if p.grad is not None and active else
+                                         np.zeros(p.numel(), np.float32)) for p in params] + [np.array([active])])
+                grads = comm.allreduce_sum(grads.astype(np.float64))
+                grads = grads[:-1] / max(grads[-1], 1.0)
                 off = 0
                 for p in params:
                     p.grad = torch.from_numpy(grads[off:off + p.numel()].astype(np.float32).reshape(p.shape))

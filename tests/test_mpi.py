@@ -401,3 +401,45 @@ def test_a_data_note_from_another_ranks_share_reaches_rank_0s_log(case, tmp_path
         line = "9.npy holds int32 values for float input 'x'"
         assert res.stderr.count(line) == 1, (ranks, res.stderr)
         assert (out / "dipoorlet.log").read_text().count(line) == 1, ranks
+
+
+def test_brecq_with_fewer_samples_than_processes_matches_one_process(tmp_path):
+    """-N 1 on 2 processes: the rank without samples added a zero gradient to the mean and
+    halved every step, which Adam's epsilon turns into other updates (here the learned scales'
+    keep/drop decision flipped: 25.5 dB in one process, 27.2 under mpirun). The mean is now over
+    the processes that drew samples, and the output equals one process's byte for byte."""
+    pytest.importorskip("torch", reason="--lsq needs the [torch] extra")
+    rng = np.random.default_rng(1)
+    w = lambda name, *shape: numpy_helper.from_array((rng.standard_normal(shape) * 0.3).astype(np.float32), name)
+    nodes = [helper.make_node("Conv", ["x", "w0", "b0"], ["c0"], name="conv0", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c0"], ["r0"], name="relu0"),
+             helper.make_node("Conv", ["r0", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+             helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+             helper.make_node("Add", ["c2", "r1"], ["a1"], name="add1"),
+             helper.make_node("Reshape", ["a1", "shp"], ["t"], name="resh"),
+             helper.make_node("MatMul", ["t", "wm"], ["m"], name="mm"),
+             helper.make_node("Relu", ["m"], ["rm"], name="relum"),
+             helper.make_node("ReduceMean", ["rm"], ["g"], name="rmean", axes=[1], keepdims=0),
+             helper.make_node("Gemm", ["g", "w3", "b3"], ["y"], name="fc", transB=1)]
+    inits = [w("w0", 8, 3, 3, 3), w("b0", 8), w("w1", 8, 8, 3, 3), w("b1", 8), w("w2", 8, 8, 3, 3), w("b2", 8),
+             numpy_helper.from_array(np.array([1, 8, 64], np.int64), "shp"), w("wm", 64, 16), w("w3", 5, 16),
+             w("b3", 5)]
+    graph = helper.make_graph(nodes, "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 5])], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), tmp_path / "m.onnx")
+    (tmp_path / "calib" / "x").mkdir(parents=True)
+    np.save(tmp_path / "calib" / "x" / "0.npy", rng.standard_normal((1, 3, 8, 8)).astype(np.float32))
+    env = dict(os.environ, DIPOORLET_THREADS="1", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    outs = []
+    for ranks in (1, 2):
+        out = tmp_path / f"o{ranks}"
+        cmd = [sys.executable, "-m", "dipoorlet", "-M", str(tmp_path / "m.onnx"), "-I", str(tmp_path / "calib"),
+               "-N", "1", "-D", "snpe", "--lsq", "--ada_iters", "30", "--w_bits", "4", "--skip_prof_layer",
+               "-O", str(out)]
+        if ranks > 1:
+            cmd = [MPIRUN, "-n", str(ranks)] + cmd + ["--mpirun"]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+        assert res.returncode == 0, res.stderr
+        outs.append((out / "quant_model.onnx").read_bytes())
+    assert outs[0] == outs[1]
