@@ -373,6 +373,7 @@ def main(argv=None) -> int:
     share_cores()      # under mpirun/srun: this process's share of the cores (before numpy's pools start)
     args = build_parser().parse_args(argv)
     state = {"out_dir": None, "ok": False}
+    _load_native_modules()
     installed, previous = _catch_sigterm()
     try:
         return _main(args, argv, state)
@@ -392,6 +393,19 @@ class Terminated(BaseException):
 
 def _on_sigterm(signum, frame):
     raise Terminated()
+
+
+def _load_native_modules() -> None:
+    """Import the compiled modules before the SIGTERM handler is set: a Terminated raised while
+    one initializes aborted the process (exit 134, "terminate called after throwing an instance
+    of nanobind::python_error") or surfaced as an ImportError with a traceback (exit 1). A SIGTERM
+    before the handler gets the default action (exit 143)."""
+    import numpy  # noqa: F401
+    import onnx  # noqa: F401
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        pass            # the run says what is missing where it needs it
 
 
 def _catch_sigterm():

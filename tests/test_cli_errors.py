@@ -809,6 +809,24 @@ def test_sigterm_unwinds_like_ctrl_c(tmp_path, capsys, monkeypatch):
     assert_nothing_written(case)
 
 
+def test_the_sigterm_handler_is_set_after_the_native_modules_load(tmp_path):
+    """A SIGTERM while onnx or onnxruntime initialize raised Terminated inside their native start-up:
+    exit 134 (a C++ abort) or 1 (an ImportError traceback) instead of 143. The handler now goes in
+    after they are loaded (a fresh interpreter, which has loaded neither)."""
+    code = ("import signal, sys\n"
+            "real, seen = signal.signal, []\n"
+            "def spy(sig, handler):\n"
+            "    if sig == signal.SIGTERM and not seen:\n"
+            "        seen.append(all(m in sys.modules for m in ('numpy', 'onnx', 'onnxruntime')))\n"
+            "    return real(sig, handler)\n"
+            "signal.signal = spy\n"
+            "from dipoorlet.cli import main\n"
+            f"rc = main(['-M', {str(tmp_path / 'missing.onnx')!r}, '-I', {str(tmp_path)!r}, '-N', '1', '-D', 'trt'])\n"
+            "print('handler after native modules:', seen, rc)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "handler after native modules: [True] 2" in res.stdout, res.stdout + res.stderr
+
+
 def test_sigterm_during_the_renames_waits_for_them_and_says_the_outputs_are_written(tmp_path, capsys, monkeypatch):
     """SIGTERM arriving between two renames into -O is held until the last one: -O then holds the
     whole new run, and the message says so rather than 'no output was written'."""
