@@ -37,7 +37,8 @@ class DeployContext:
 # formats that hold clip ranges only, from which the vendor's tool builds 8-bit grids of its own
 # (trt says so itself, for asymmetric grids as well)
 RANGES_ONLY = {"rockchip_rk": "rk_quantized_param", "stpu": "stpu_minmax.json", "ti": "ti_blob_range",
-               "magicmind": "magicmind_quant_param.json"}
+               "magicmind": "magicmind_quant_param.json", "atlas": "atlas_record (int8 scale/offset)",
+               "imx": "imx_scale.json"}
 
 
 def warn_narrow(ctx: DeployContext) -> None:
@@ -51,7 +52,7 @@ def warn_narrow(ctx: DeployContext) -> None:
         import logging
 
         logging.getLogger(__name__).warning(
-            "%s: %d grids narrower than 8 bits (e.g. %s, %d bits); %s holds clip ranges only, no bit widths, "
+            "%s: %d grids narrower than 8 bits (e.g. %s, %d bits); %s holds ranges or scales, no bit widths, "
             "and the toolkit builds 8-bit grids of its own: the deployed model is finer than the one "
             "quant_model.onnx simulates and the report measures", ctx.platform.name, len(narrow), narrow[0][0],
             narrow[0][1], " and ".join(RANGES_ONLY[f] for f in formats))

@@ -77,7 +77,11 @@ def _prototxt(recs: dict[str, dict]) -> str:
 
 
 def _quote(s: str) -> str:
-    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    """A protobuf text-format string: backslash, quote and line breaks escaped (a raw line break
+    left the record unparsable)."""
+    for raw, esc in (("\\", "\\\\"), ('"', '\\"'), ("\n", "\\n"), ("\r", "\\r"), ("\t", "\\t")):
+        s = s.replace(raw, esc)
+    return '"' + s + '"'
 
 
 @register("atlas")

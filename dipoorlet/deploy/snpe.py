@@ -181,13 +181,16 @@ def relu_fill_ins(ctx, ops=("Relu",)) -> dict[str, str]:
     producer's output the ReLU output's range, as the reference does, but never override a grid
     the plan holds (the reference overwrote it, and matched node names by substring)."""
     g, acts = ctx.graph, ctx.plan.activations
+    # a producer --skip_layers keeps float computes in float: no range for its output (the
+    # files gave one to a skipped Conv's output, which the simulated model leaves float)
+    skipped = set(getattr(ctx.config, "skip_layers", ()) or ())
     out = {}
     for node in g.graph.node:
         if node.op_type not in ops or not node.input or not node.output:
             continue
         src, dst = node.input[0], node.output[0]
         if (src in acts or dst not in acts or src not in g.producer or len(g.consumers[src]) != 1
-                or src in g.output_names):
+                or src in g.output_names or g.producer[src].name in skipped):
             continue
         out[src] = dst
     return out
