@@ -395,9 +395,13 @@ def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     it, and a model shape-inferred at batch 1 whose inputs were then made dynamic by hand still
     declared [1, ...] inside (onnxruntime runs such a model at batch 2, but the quantized one's
     If switches checked their outputs against the stale shapes and failed). Entries inference
-    cannot redo (a custom op's outputs) are put back."""
+    cannot redo (a custom op's outputs: ONNX's inference does not know the op) stay in for the
+    inference, so that the ops after them get their types and ranks (a decomposed LayerNorm after
+    a com.microsoft Gelu was no longer fused)."""
     saved = list(model.graph.value_info)
+    standard = {o for n in model.graph.node if n.domain in ("", "ai.onnx") for o in n.output}
     del model.graph.value_info[:]
+    model.graph.value_info.extend(v for v in saved if v.name not in standard)
     try:
         if not over_threshold(model):
             inferred = shape_inference.infer_shapes(model, data_prop=True)
@@ -408,6 +412,7 @@ def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
                 shape_inference.infer_shapes_path(src, dst, data_prop=True)
                 inferred = _with_value_info(model, onnx.load(dst, load_external_data=False))  # our tensors stay
     except Exception as exc:  # inference is an aid, never a reason to stop
+        del model.graph.value_info[:]
         model.graph.value_info.extend(saved)
         log.warning("shape inference failed (%s); tensors without a known float type will not be "
                     "quantized (see the report's decisions)", _first_line(exc))
@@ -415,6 +420,7 @@ def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     have = {v.name for v in inferred.graph.value_info if v.type.tensor_type.elem_type}
     inferred.graph.value_info.extend(v for v in saved if v.name not in have)
     if inferred is not model:
+        del model.graph.value_info[:]
         model.graph.value_info.extend(saved)     # the caller's model as it came
     return inferred
 

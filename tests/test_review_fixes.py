@@ -669,3 +669,34 @@ def test_an_op_onnx_now_calls_deprecated_is_kept_with_a_warning(tmp_path, caplog
     assert any(n.op_type == "GroupNormalization" for n in qm.graph.node)
     assert res.report["outputs"][0]["cosine"] > 0.99
     assert refused == any("refuses as deprecated" in r.getMessage() for r in caplog.records)
+
+
+def test_a_custom_ops_declared_output_shape_reaches_the_ops_after_it():
+    """Shape inference redoes the model's own shapes, but keeps a custom op's declared output
+    (ONNX's inference does not know com.microsoft Gelu) while it runs: without it the Add after
+    the Gelu had no rank, and the decomposed LayerNorm after it (positive axes) was not fused."""
+    from dipoorlet import prepare
+
+    L, D = 8, 16
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+             helper.make_node("Gelu", ["h"], ["g"], name="gelu", domain="com.microsoft"),
+             helper.make_node("Add", ["g", "b0"], ["g2"], name="addb0"),
+             helper.make_node("ReduceMean", ["g2"], ["mu"], axes=[2], name="rm1"),
+             helper.make_node("Sub", ["g2", "mu"], ["d"], name="sub"),
+             helper.make_node("Mul", ["d", "d"], ["d2"], name="sq"),
+             helper.make_node("ReduceMean", ["d2"], ["var"], axes=[2], name="rm2"),
+             helper.make_node("Add", ["var", "eps"], ["ve"], name="addeps"),
+             helper.make_node("Sqrt", ["ve"], ["sd"], name="sqrt"),
+             helper.make_node("Div", ["d", "sd"], ["n"], name="div"),
+             helper.make_node("Mul", ["n", "gamma"], ["ng"], name="mulg"),
+             helper.make_node("Add", ["ng", "beta"], ["ln"], name="addb"),
+             helper.make_node("MatMul", ["ln", "w2"], ["y"], name="mm2")]
+    inits = {"w1": rand((D, D), 0, 0.25), "w2": rand((D, D), 1, 0.25), "eps": np.float32(1e-5),
+             "b0": rand((D,), 4, 0.5), "gamma": 1 + rand((D,), 2, 0.1), "beta": rand((D,), 3, 0.1)}
+    model = make_model(nodes, [vi("x", [1, L, D])], [vi("y", [1, L, D])], inits,
+                       extra_opsets=[("com.microsoft", 1)], check=False)
+    model.graph.value_info.append(vi("g", [1, L, D]))
+    g = Graph(model)
+    done = prepare.prepare(g)
+    assert done["layernorms_fused"] == 1
+    assert any(n.op_type == "LayerNormalization" for n in g.graph.node)
