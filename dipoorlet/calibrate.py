@@ -105,7 +105,11 @@ SOFTMAX_MASK_MARGIN = 12.0
 # measured only where the calibrated range is this wide (a -1e4 attention mask in it): on a range
 # of 80 an 8-bit grid still has steps of 0.3, and the extra pass would buy little
 SOFTMAX_WIDE = 4 * SOFTMAX_MARGIN
-ROWMAX_SUFFIX = "__dpl_rowmax_min"
+ROWMAX_SUFFIX = "__dpl_rowmax"
+# a row whose maximum lies this far below the sample's largest row maximum is a masked-out row
+# (a padded query under a two-sided or causal mask: all of it near -1e4); it does not set the
+# floor, which would otherwise sink to the mask
+MASKED_ROW_GAP = 100.0
 
 
 def _softmax_axes(graph, tensor: str) -> list[int] | None:
@@ -156,6 +160,10 @@ def _mask_fed(graph, tensor: str) -> bool:
     a constant by such a condition): padded positions at deployment reach it with a large
     negative value, whatever the calibration samples held."""
     node = graph.producer.get(tensor)
+    # BART-style attention adds the mask to [B, H, L, L] scores between two Reshapes
+    while node is not None and node.op_type in ("Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze",
+                                                "Identity"):
+        node = graph.producer.get(node.input[0])
     if node is None:
         return False
     if node.op_type in ("Add", "Sub") and len(node.input) == 2:
@@ -175,7 +183,10 @@ def softmax_floors(graph, data, indices, stats: dict[str, TensorStats], comm, de
     output cosine fell to 0.75. Yet a Softmax reads a value only relative to its row's maximum,
     and one ``SOFTMAX_MARGIN`` below it weighs under 2e-9. So the grid need reach no lower than
     the lowest row maximum any calibration sample has, less the margin: a masked value clipped
-    there still weighs under 2e-9 of its row's maximum.
+    there still weighs under 2e-9 of its row's maximum. A row whose maximum lies more than
+    ``MASKED_ROW_GAP`` below its sample's largest row maximum is masked out as a whole (a padded
+    query under a two-sided or causal mask) and does not count: it would sink the floor to the
+    mask (a grid from -1e4 again, 2.7 dB).
 
     The other way round: calibrated on unpadded samples, a mask term is 0 throughout, and the grid
     ended at the scores' own minimum (-1.5 on a small BERT): a padded batch at deployment had
@@ -184,8 +195,8 @@ def softmax_floors(graph, data, indices, stats: dict[str, TensorStats], comm, de
     calibrated minimum lies less than ``SOFTMAX_MASK_MARGIN`` below the lowest row maximum, the
     grid is widened down to that margin.
 
-    One extra float pass measures the row maxima (ReduceMax over the Softmax's axes, then
-    ReduceMin, inside the graph) for the tensors whose calibrated range is wider than
+    One extra float pass measures the row maxima (ReduceMax over the Softmax's axes, inside the
+    graph; one value per row leaves onnxruntime) for the tensors whose calibrated range is wider than
     ``SOFTMAX_WIDE`` and the mask-fed ones, only where there is one; they are merged across
     processes (their minimum). Sets ``stats[t].floor`` (and ``floor_exact`` where it widens the
     grid) and returns ``{tensor: floor}``."""
@@ -213,7 +224,7 @@ def softmax_floors(graph, data, indices, stats: dict[str, TensorStats], comm, de
     names = {t: t + ROWMAX_SUFFIX for t in cands}
     try:
         for t, axes in cands.items():
-            row = t + "__dpl_rowmax"
+            row = names[t]
             if opset >= 18:
                 g.node.append(helper.make_node("Constant", [], [row + "_axes"], name=row + "_axes",
                                                value=helper.make_tensor(row + "_axes", onnx.TensorProto.INT64,
@@ -221,7 +232,6 @@ def softmax_floors(graph, data, indices, stats: dict[str, TensorStats], comm, de
                 g.node.append(helper.make_node("ReduceMax", [t, row + "_axes"], [row], name=row, keepdims=0))
             else:
                 g.node.append(helper.make_node("ReduceMax", [t], [row], name=row, axes=axes, keepdims=0))
-            g.node.append(helper.make_node("ReduceMin", [row], [names[t]], name=names[t], keepdims=0))
         types = {n: (onnx.TensorProto.FLOAT, None) for n in names.values()}
         runner = Runner(graph.model, list(names.values()), types=types, device=device, spin=True)
     finally:
@@ -232,9 +242,11 @@ def softmax_floors(graph, data, indices, stats: dict[str, TensorStats], comm, de
     for i in progress(indices, "calibration: Softmax row maxima", comm):
         found, _ = runner.run(data.sample(i), ranges=False)
         for k, t in enumerate(order):
-            v = float(np.asarray(found[names[t]], np.float64).min(initial=np.inf))
-            if not math.isnan(v):
-                low[k] = min(low[k], v)
+            rows = np.asarray(found[names[t]], np.float64).reshape(-1)
+            rows = rows[np.isfinite(rows)]
+            if rows.size:
+                live = rows[rows >= rows.max() - MASKED_ROW_GAP]
+                low[k] = min(low[k], float(live.min()))
     low = -comm.allreduce_max(-low)
     out, extended = {}, {}
     for t, v in zip(order, low):

@@ -216,7 +216,8 @@ def test_an_attention_mask_of_float32_lowest_is_not_taken_for_nan(tmp_path, capl
     assert res.report["bias_correction"]["samples"] == 8
 
 
-def _masked_attention(opset: int, extra_reader: bool = False, length: int = 16, dim: int = 32):
+def _masked_attention(opset: int, extra_reader: bool = False, length: int = 16, dim: int = 32,
+                      two_sided: bool = False):
     """q k^T + additive -1e4 mask -> Softmax -> p v, the masked positions differing per sample."""
     rng = np.random.default_rng(0)
     nodes = [helper.make_node("MatMul", ["x", "wq"], ["q"], name="mq"),
@@ -232,14 +233,17 @@ def _masked_attention(opset: int, extra_reader: bool = False, length: int = 16, 
         nodes.append(helper.make_node("ReduceMean", ["sm"], ["side"], name="side", keepdims=0))
         outputs.append(vi("side", []))
     inits = {k: rand((dim, dim), i, 1.5 / np.sqrt(dim)) for i, k in enumerate(("wq", "wk", "wv"))}
-    model = make_model(nodes, [vi("x", [1, length, dim]), vi("mask", [1, 1, length])], outputs, inits, opset=opset)
+    mshape = [1, length, length] if two_sided else [1, 1, length]
+    model = make_model(nodes, [vi("x", [1, length, dim]), vi("mask", mshape)], outputs, inits, opset=opset)
     feeds = []
     for i in range(12):
-        n = int(rng.integers(3, length + 1))
+        n = int(rng.integers(3, length))
         x = rng.standard_normal((1, length, dim)).astype(np.float32)
         x[:, n:] = 0
-        mask = np.zeros((1, 1, length), np.float32)
+        mask = np.zeros(mshape, np.float32)
         mask[..., n:] = -1e4
+        if two_sided:
+            mask[:, n:, :] = -1e4
         feeds.append({"x": x, "mask": mask})
     return model, feeds
 
@@ -283,7 +287,27 @@ def test_a_softmax_input_grid_stops_short_of_an_additive_mask(tmp_path, opset, c
     assert 10 * np.log10(sig / err) > 20, 10 * np.log10(sig / err)     # 6 dB before
 
 
-@pytest.mark.parametrize("style", ["add", "where"])
+def test_rows_masked_out_as_a_whole_do_not_set_the_softmax_floor(tmp_path):
+    """A two-sided mask also masks the padded queries' rows as a whole: their maximum sits near
+    -1e4, and taken as the lowest row maximum it sank the floor to the mask (a grid from -1e4
+    again, steps of 39). Such rows are left out of it (numpy oracle: the live rows' maxima)."""
+    from dipoorlet.calibrate import SOFTMAX_MARGIN
+
+    model, feeds = _masked_attention(13, two_sided=True)
+    _, qm = quantize_model(tmp_path, model, feeds=feeds, act_quant="mse", deploy="qnn", skip_prof_layer=True)
+    exposed = onnx.ModelProto()
+    exposed.CopyFrom(model)
+    exposed.graph.output.append(vi("sm", None))
+    live = []
+    for f in feeds:
+        rows = ort_run(exposed, f)[-1].max(axis=-1).reshape(-1)
+        live.append(rows[rows > -1000].min())
+    lowest, step = _grid_of(qm, "sm")
+    assert abs(lowest - (min(live) - SOFTMAX_MARGIN)) <= step, (lowest, min(live))
+    assert step < 1.0
+
+
+@pytest.mark.parametrize("style", ["add", "where", "add_reshape"])
 def test_a_masked_softmax_calibrated_without_padding_still_hides_padding(tmp_path, style):
     """An int64 attention_mask turned into (1 - m) * -1e4 and added to the scores (or a Where
     choosing -1e4 by it), calibrated on unpadded samples: qnn's Softmax-input grid ended at the
@@ -302,13 +326,22 @@ def test_a_masked_softmax_calibrated_without_padding_still_hides_padding(tmp_pat
                   helper.make_node("Sub", ["one", "mf"], ["inv"], name="inv"),
                   helper.make_node("Mul", ["inv", "big"], ["bias"], name="scale"),
                   helper.make_node("Add", ["s", "bias"], ["sm"], name="addmask")]
+    elif style == "add_reshape":       # BART: view to [B, H, L, L], + mask, view back
+        nodes += [helper.make_node("Cast", ["m3"], ["mf"], to=TensorProto.FLOAT, name="cast"),
+                  helper.make_node("Sub", ["one", "mf"], ["inv"], name="inv"),
+                  helper.make_node("Mul", ["inv", "big"], ["bias3"], name="scale"),
+                  helper.make_node("Unsqueeze", ["bias3", "ax"], ["bias"], name="unsq2"),
+                  helper.make_node("Reshape", ["s", "shape4"], ["s4"], name="view4"),
+                  helper.make_node("Add", ["s4", "bias"], ["sm4"], name="addmask"),
+                  helper.make_node("Reshape", ["sm4", "shape3"], ["sm"], name="view3")]
     else:
         nodes += [helper.make_node("Cast", ["m3"], ["mb"], to=TensorProto.BOOL, name="cast"),
                   helper.make_node("Where", ["mb", "s", "big"], ["sm"], name="wheremask")]
     nodes += [helper.make_node("Softmax", ["sm"], ["p"], name="softmax", axis=-1),
               helper.make_node("MatMul", ["p", "v"], ["y"], name="pv")]
     inits = {k: rand((dim, dim), i, 0.3 / np.sqrt(dim)) for i, k in enumerate(("wq", "wk", "wv"))}
-    inits.update({"ax": np.array([1], np.int64), "one": np.float32(1.0), "big": np.float32(-1e4)})
+    inits.update({"ax": np.array([1], np.int64), "one": np.float32(1.0), "big": np.float32(-1e4),
+                  "shape4": np.array([1, 1, length, length], np.int64), "shape3": np.array([1, length, length], np.int64)})
     model = make_model(nodes, [vi("x", [1, length, dim]), vi("attention_mask", [1, length], TensorProto.INT64)],
                        [vi("y", [1, length, dim])], inits)
     rng = np.random.default_rng(1)
