@@ -587,6 +587,36 @@ def test_a_skipped_conv_before_a_relu_gets_no_filled_in_range(tmp_path, deploy):
     assert fill[0] in keys and fill[1] not in keys, sorted(keys)
 
 
+@pytest.mark.parametrize("deploy", ["rv", "stpu"])
+def test_a_conv_auto_skip_keeps_float_gets_no_filled_in_range(tmp_path, deploy):
+    """As with --skip_layers, a Conv that --auto_skip keeps float (an outlier weight its
+    per-tensor grid cannot hold) gets no ReLU range for its output."""
+    from conftest import quantize_model, rand
+
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1"),
+             helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+             helper.make_node("Conv", ["r1", "w2"], ["c2"], name="conv2"),
+             helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
+             helper.make_node("Conv", ["r2", "w3"], ["c3"], name="conv3"),
+             helper.make_node("Relu", ["c3"], ["r3"], name="relu3"),
+             helper.make_node("Conv", ["r3", "w4"], ["y"], name="conv4")]
+    inits = {f"w{i}": rand((4, 4, 1, 1), i) for i in (2, 3, 4)}
+    inits["w1"] = rand((4, 2, 1, 1), 1)
+    inits["w3"][0, 0] = 200.0
+    model = make_model(nodes, [vi("x", [1, 2, 4, 4])], [vi("y", [1, 4, 4, 4])], inits)
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.standard_normal((1, 2, 4, 4)).astype(np.float32)} for _ in range(8)]
+    res, qm = quantize_model(tmp_path, model, feeds=feeds, deploy=deploy, equalize=False, auto_skip="0.99999",
+                             max_float_layers=1)
+    assert res.report["auto_skip"]["float_layers"] == ["conv3"]
+    assert not any(n.op_type == "QuantizeLinear" and n.input[0] == "c3" for n in qm.graph.node)
+    name = {"rv": "rv_quantized_param.json", "stpu": "stpu_minmax.json"}[deploy]
+    doc = json.loads((tmp_path / "out" / name).read_text())
+    keys = set(doc.get("quantize_parameters", doc))
+    fill = {"rv": ("@conv1:out0", "@conv3:out0"), "stpu": ("c1", "c3")}[deploy]
+    assert fill[0] in keys and fill[1] not in keys, sorted(keys)
+
+
 def test_rockchip_fills_in_every_fused_activation_and_the_corrected_bias(tmp_path):
     """RKNN fuses Conv+Clip (ReLU6) as it fuses Conv+Relu: the Conv output gets the Clip output's
     range. With --bc the bias entry describes the corrected bias the model holds."""

@@ -37,8 +37,10 @@ class DeployContext:
 # formats that hold clip ranges only, from which the vendor's tool builds 8-bit grids of its own
 # (trt says so itself, for asymmetric grids as well)
 RANGES_ONLY = {"rockchip_rk": "rk_quantized_param", "stpu": "stpu_minmax.json", "ti": "ti_blob_range",
-               "magicmind": "magicmind_quant_param.json", "atlas": "atlas_record (int8 scale/offset)",
-               "imx": "imx_scale.json"}
+               "magicmind": "magicmind_quant_param.json"}
+# formats that hold a scale (and offset) per tensor, no bit width: the toolkit's int8 grid has the
+# simulated grid's step but a wider range
+SCALES_ONLY = {"atlas": "atlas_record (int8 scale/offset)", "imx": "imx_scale.json"}
 
 
 def warn_narrow(ctx: DeployContext) -> None:
@@ -47,15 +49,25 @@ def warn_narrow(ctx: DeployContext) -> None:
     quant_model.onnx simulates."""
     narrow = sorted({(t, int(qp.bits)) for grids in (ctx.plan.activations, ctx.plan.weights)
                      for t, qp in grids.items() if int(qp.bits) < 8})
-    formats = [f for f in ctx.platform.deploy if f in RANGES_ONLY]
-    if narrow and formats:
-        import logging
+    if not narrow:
+        return
+    import logging
 
-        logging.getLogger(__name__).warning(
-            "%s: %d grids narrower than 8 bits (e.g. %s, %d bits); %s holds ranges or scales, no bit widths, "
+    log = logging.getLogger(__name__)
+    formats = [f for f in ctx.platform.deploy if f in RANGES_ONLY]
+    if formats:
+        log.warning(
+            "%s: %d grids narrower than 8 bits (e.g. %s, %d bits); %s holds clip ranges only, no bit widths, "
             "and the toolkit builds 8-bit grids of its own: the deployed model is finer than the one "
             "quant_model.onnx simulates and the report measures", ctx.platform.name, len(narrow), narrow[0][0],
             narrow[0][1], " and ".join(RANGES_ONLY[f] for f in formats))
+    formats = [f for f in ctx.platform.deploy if f in SCALES_ONLY]
+    if formats:
+        log.warning(
+            "%s: %d grids narrower than 8 bits (e.g. %s, %d bits); %s holds scales, no bit widths, and the "
+            "toolkit builds int8 grids on them: the same steps over a wider range, so the deployed model does "
+            "not clip where quant_model.onnx simulates and the report measures", ctx.platform.name, len(narrow),
+            narrow[0][0], narrow[0][1], " and ".join(SCALES_ONLY[f] for f in formats))
 
 
 def export_all(ctx: DeployContext, folder: Path) -> list[Path]:

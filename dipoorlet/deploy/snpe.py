@@ -181,9 +181,14 @@ def relu_fill_ins(ctx, ops=("Relu",)) -> dict[str, str]:
     producer's output the ReLU output's range, as the reference does, but never override a grid
     the plan holds (the reference overwrote it, and matched node names by substring)."""
     g, acts = ctx.graph, ctx.plan.activations
-    # a producer --skip_layers keeps float computes in float: no range for its output (the
-    # files gave one to a skipped Conv's output, which the simulated model leaves float)
+    # a producer kept float (--skip_layers, --auto_skip) computes in float: no range for its
+    # output (the files gave one to a skipped Conv's output, which the simulated model leaves float)
     skipped = set(getattr(ctx.config, "skip_layers", ()) or ())
+    quantized = getattr(ctx.placement, "quantized_nodes", None)
+    quantizable = getattr(ctx.platform, "quantize_ops", None)
+    if quantized is not None and quantizable is not None:
+        quantized = set(quantized)
+        skipped |= {n.name for n in g.graph.node if n.op_type in quantizable and n.name not in quantized}
     out = {}
     for node in g.graph.node:
         if node.op_type not in ops or not node.input or not node.output:
