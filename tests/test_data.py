@@ -535,6 +535,22 @@ def test_npz_rows_are_read_without_keeping_the_file_resident(tmp_path):
     assert _rss_file_kb() - before < 8 * 1024
 
 
+@pytest.mark.skipif(_rss_file_kb() is None, reason="needs Linux's /proc/self/status RssFile")
+def test_fortran_ordered_npz_rows_are_read_without_keeping_the_file_resident(tmp_path):
+    """A Fortran-order member's rows are spread over the whole file: a memory map of it held every
+    page any row touched (RSS grew with the file). It is copied, a block at a time, to a
+    temporary file that holds each row together; rows read back equal numpy's."""
+    arr = np.random.default_rng(0).standard_normal((128, 1, 64, 1024)).astype(np.float32)   # 32 MB
+    np.savez(tmp_path / "calib.npz", x=np.asfortranarray(arr))
+    before = _rss_file_kb()
+    src = DataSource(tmp_path / "calib.npz", [InputSpec("x", F32, (1, 64, 1024))], 128)
+    for i in (0, 77, 127):
+        np.testing.assert_array_equal(src.sample(i)["x"], arr[i])
+    for i in range(128):
+        src.sample(i)
+    assert _rss_file_kb() - before < 8 * 1024
+
+
 def test_npz_with_a_fortran_ordered_or_compressed_array_reads_the_same_rows(tmp_path):
     arr = rand((6, 3, 4, 4), 3)
     np.savez(tmp_path / "f.npz", x=np.asfortranarray(arr))
