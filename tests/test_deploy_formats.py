@@ -562,12 +562,8 @@ def test_atlas_and_ti_text_files_with_a_line_break_in_a_name(tmp_path, caplog):
     assert any("\n" in t for t in blob) and "1 tensor names hold a line break" in caplog.text
 
 
-@pytest.mark.parametrize("deploy", ["rv", "rk", "stpu"])
-def test_a_skipped_conv_before_a_relu_gets_no_filled_in_range(tmp_path, deploy):
-    """Formats that give a fused Conv's output its ReLU's range left that range on a Conv that
-    --skip_layers keeps float (quant_model.onnx has no grid there); the quantized one keeps it."""
-    from conftest import input_feeds, quantize_model, rand
-
+def _four_convs(inits: dict, out_channels: int):
+    """x -> conv1 -> relu1 -> conv2 -> relu2 -> conv3 -> relu3 -> conv4 -> y, 1x1 Convs."""
     nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1"),
              helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
              helper.make_node("Conv", ["r1", "w2"], ["c2"], name="conv2"),
@@ -575,8 +571,16 @@ def test_a_skipped_conv_before_a_relu_gets_no_filled_in_range(tmp_path, deploy):
              helper.make_node("Conv", ["r2", "w3"], ["c3"], name="conv3"),
              helper.make_node("Relu", ["c3"], ["r3"], name="relu3"),
              helper.make_node("Conv", ["r3", "w4"], ["y"], name="conv4")]
-    model = make_model(nodes, [vi("x", [1, 2, 4, 4])], [vi("y", [1, 2, 4, 4])],
-                       {f"w{i}": rand((2, 2, 1, 1), i) for i in (1, 2, 3, 4)})
+    return make_model(nodes, [vi("x", [1, 2, 4, 4])], [vi("y", [1, out_channels, 4, 4])], inits)
+
+
+@pytest.mark.parametrize("deploy", ["rv", "rk", "stpu"])
+def test_a_skipped_conv_before_a_relu_gets_no_filled_in_range(tmp_path, deploy):
+    """Formats that give a fused Conv's output its ReLU's range left that range on a Conv that
+    --skip_layers keeps float (quant_model.onnx has no grid there); the quantized one keeps it."""
+    from conftest import input_feeds, quantize_model, rand
+
+    model = _four_convs({f"w{i}": rand((2, 2, 1, 1), i) for i in (1, 2, 3, 4)}, 2)
     _, qm = quantize_model(tmp_path, model, feeds=input_feeds(model, 2), deploy=deploy, skip_prof_layer=True,
                            skip_layers=["conv3"])
     assert not any(n.op_type == "QuantizeLinear" and n.input[0] == "c3" for n in qm.graph.node)
@@ -593,17 +597,10 @@ def test_a_conv_auto_skip_keeps_float_gets_no_filled_in_range(tmp_path, deploy):
     per-tensor grid cannot hold) gets no ReLU range for its output."""
     from conftest import quantize_model, rand
 
-    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1"),
-             helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
-             helper.make_node("Conv", ["r1", "w2"], ["c2"], name="conv2"),
-             helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
-             helper.make_node("Conv", ["r2", "w3"], ["c3"], name="conv3"),
-             helper.make_node("Relu", ["c3"], ["r3"], name="relu3"),
-             helper.make_node("Conv", ["r3", "w4"], ["y"], name="conv4")]
     inits = {f"w{i}": rand((4, 4, 1, 1), i) for i in (2, 3, 4)}
     inits["w1"] = rand((4, 2, 1, 1), 1)
     inits["w3"][0, 0] = 200.0
-    model = make_model(nodes, [vi("x", [1, 2, 4, 4])], [vi("y", [1, 4, 4, 4])], inits)
+    model = _four_convs(inits, 4)
     rng = np.random.default_rng(0)
     feeds = [{"x": rng.standard_normal((1, 2, 4, 4)).astype(np.float32)} for _ in range(8)]
     res, qm = quantize_model(tmp_path, model, feeds=feeds, deploy=deploy, equalize=False, auto_skip="0.99999",

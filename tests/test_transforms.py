@@ -459,7 +459,7 @@ def test_equalization_chooses_nothing_when_channels_are_already_balanced():
     assert s is None and gain == 0.0
 
 
-def _sqnr_on(tmp_path, model, feeds, deploy, equalize: bool):
+def _sqnr_on(tmp_path, model, feeds, deploy, equalize: bool, tag: str | None = None, **kw):
     """Quantize for ``deploy`` with or without equalization; output SQNR against the float model
     in onnxruntime (the oracle), the result and the output folder."""
     import onnx
@@ -468,9 +468,9 @@ def _sqnr_on(tmp_path, model, feeds, deploy, equalize: bool):
 
     onnx.save(model, tmp_path / "m.onnx")
     data = write_samples(tmp_path / f"d{equalize}", feeds)
-    out = tmp_path / f"o{deploy}{equalize}"
+    out = tmp_path / (tag or f"o{deploy}{equalize}")
     res = dipoorlet.quantize(model=tmp_path / "m.onnx", input_dir=data, data_num=len(feeds), deploy=deploy,
-                             output_dir=out, skip_prof_layer=True, equalize=equalize, bias_correction=False)
+                             output_dir=out, skip_prof_layer=True, equalize=equalize, bias_correction=False, **kw)
     qm = onnx.load(str(out / "quant_model.onnx"))
     err = sig = 0.0
     for f in feeds:
@@ -576,27 +576,10 @@ def test_weight_equalization_keeps_a_pair_whose_member_is_kept_float(tmp_path, s
     Skipping a layer then never ends below the run that quantizes it (the pair used to be left
     alone, and skipping lowered the output)."""
     import onnx
-    import dipoorlet
-    from conftest import write_samples
 
     model, feeds = _mobilenet_block(), _feeds(8)
-    onnx.save(model, tmp_path / "m.onnx")
-    data = write_samples(tmp_path / "d", feeds)
-
-    def run(tag, **kw):
-        out = tmp_path / tag
-        res = dipoorlet.quantize(model=tmp_path / "m.onnx", input_dir=data, data_num=len(feeds), deploy="ti",
-                                 output_dir=out, skip_prof_layer=True, bias_correction=False, **kw)
-        qm = onnx.load(str(out / "quant_model.onnx"))
-        err = sig = 0.0
-        for f in feeds:
-            want, got = ort_run(model, f)[0], ort_run(qm, f)[0]
-            err += float(((want - got) ** 2).sum())
-            sig += float((want ** 2).sum())
-        return 10 * np.log10(sig / err), res, out
-
-    base, _, _ = run("all")
-    skipped, res, out = run("skip", skip_layers=[skip])
+    base, _, _ = _sqnr_on(tmp_path, model, feeds, "ti", True, tag="all")
+    skipped, res, out = _sqnr_on(tmp_path, model, feeds, "ti", True, tag="skip", skip_layers=[skip])
     assert {(r["producer"], tuple(r["absorbers"])) for r in res.report["equalization"]} == \
         {("pw1", ("dw",)), ("dw", ("pw2",))}
     tm = onnx.load(str(out / "transformed_model.onnx"))
