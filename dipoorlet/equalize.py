@@ -294,63 +294,91 @@ def channel_stats(g, items: list[tuple[str, list[int] | None, int]], data, indic
         model.graph.node.append(helper.make_node(op, inputs, [out], name=out, **attrs))
         return out
 
-    try:
-        for t, axes, n in items:
-            src = t
-            if axes is None:  # channels on the last axis, rank unknown: view as [-1, n]
-                src = node("Reshape", [t, const(f"{t}{SUFFIX}_2d_shape", np.array([-1, n], np.int64))],
-                           f"{t}{SUFFIX}_2d")
-                axes = [0]
-            as_float = (types.get(t) or (TensorProto.FLOAT,))[0] not in (TensorProto.FLOAT, 0)
+    def build(full: bool):
+        """The pass's session; ``full=False``: the signed per-channel ranges only (no mean
+        squares, no sizes), for the samples outside ``subset``, which feed nothing else
+        (onnxruntime runs every node of a graph whatever is fetched, so they get their own)."""
+        for k in parts:
+            parts[k] = []
+        try:
+            for t, axes, n in items:
+                src = t
+                if axes is None:  # channels on the last axis, rank unknown: view as [-1, n]
+                    src = node("Reshape", [t, const(f"{t}{SUFFIX}_2d_shape", np.array([-1, n], np.int64))],
+                               f"{t}{SUFFIX}_2d")
+                    axes = [0]
+                as_float = (types.get(t) or (TensorProto.FLOAT,))[0] not in (TensorProto.FLOAT, 0)
 
-            def reduce(kind, op):
-                out = f"{t}{SUFFIX}_{kind}"
-                if g.opset >= 18:
-                    node(op, [src, const(f"{out}_axes", np.array(axes, np.int64))], out, keepdims=0)
+                def reduce(kind, op):
+                    out = f"{t}{SUFFIX}_{kind}"
+                    if g.opset >= 18:
+                        node(op, [src, const(f"{out}_axes", np.array(axes, np.int64))], out, keepdims=0)
+                    else:
+                        node(op, [src], out, axes=axes, keepdims=0)
+                    return node("Cast", [out], out + "_f32", to=TensorProto.FLOAT) if as_float else out
+
+                zeros = np.zeros(n, np.float32)
+                parts["hi"].append(reduce("hi", "ReduceMax"))
+                # reductions straight from the tensor: no full-size |x| or x*x temporaries. A Relu
+                # output's minimum is 0 (most measured tensors are one): no ReduceMin for it.
+                producer = g.producer.get(t)
+                nonneg = producer is not None and producer.op_type == "Relu"
+                parts["lo"].append(const(f"{t}{SUFFIX}_lo0", zeros) if nonneg else reduce("lo", "ReduceMin"))
+                if not full:
+                    continue
+                if t in ranges_only:
+                    parts["ss"].append(const(f"{t}{SUFFIX}_ss0", zeros))
+                    parts["size"].append(const(f"{t}{SUFFIX}_size0", np.array([n], np.int64)))
                 else:
-                    node(op, [src], out, axes=axes, keepdims=0)
-                return node("Cast", [out], out + "_f32", to=TensorProto.FLOAT) if as_float else out
+                    parts["ss"].append(reduce("ss", "ReduceSumSquare"))
+                    # measured per sample: a shape the model declares may be stale
+                    size = node("Size", [src], f"{t}{SUFFIX}_size")
+                    parts["size"].append(node("Reshape", [size, const(f"{t}{SUFFIX}_one", np.array([1], np.int64))],
+                                              f"{t}{SUFFIX}_size1"))
+            fetched = [k for k in parts if parts[k]]
+            if items:
+                for k in fetched:
+                    node("Concat", parts[k], outs[k], axis=0)
+                if full:
+                    types[outs["size"]] = (TensorProto.INT64, [len(items)])
+            return Runner(model, [outs[k] for k in fetched] if items else [], reduce_minmax=list(tensors),
+                          types=types, device=device, spin=True, nan_safe=True)
+        finally:
+            del model.graph.node[n_nodes:]
+            del model.graph.initializer[n_inits:]
 
-            zeros = np.zeros(n, np.float32)
-            parts["hi"].append(reduce("hi", "ReduceMax"))
-            # reductions straight from the tensor: no full-size |x| or x*x temporaries. A Relu
-            # output's minimum is 0 (most measured tensors are one): no ReduceMin for it.
-            producer = g.producer.get(t)
-            nonneg = producer is not None and producer.op_type == "Relu"
-            parts["lo"].append(const(f"{t}{SUFFIX}_lo0", zeros) if nonneg else reduce("lo", "ReduceMin"))
-            if t in ranges_only:
-                parts["ss"].append(const(f"{t}{SUFFIX}_ss0", zeros))
-                parts["size"].append(const(f"{t}{SUFFIX}_size0", np.array([n], np.int64)))
-            else:
-                parts["ss"].append(reduce("ss", "ReduceSumSquare"))
-                # measured per sample: a shape the model declares may be stale
-                size = node("Size", [src], f"{t}{SUFFIX}_size")
-                parts["size"].append(node("Reshape", [size, const(f"{t}{SUFFIX}_one", np.array([1], np.int64))],
-                                          f"{t}{SUFFIX}_size1"))
-        if items:
-            for k, names in parts.items():
-                node("Concat", names, outs[k], axis=0)
-            types[outs["size"]] = (TensorProto.INT64, [len(items)])
-        runner = Runner(model, list(outs.values()) if items else [], reduce_minmax=list(tensors), types=types,
-                        device=device, spin=True, nan_safe=True)
-    finally:
-        del model.graph.node[n_nodes:]
-        del model.graph.initializer[n_inits:]
-
+    # the mean squares serve the samples in ``subset`` alone (64 of -N's samples by default with
+    # -A minmax's one pass): the others run without them
+    # (every statistic is a max or a min: the order of the samples does not matter, so the two
+    # groups run one after the other, one session at a time)
+    rest = [i for i in indices if subset is not None and i not in subset] if items else []
+    groups = [(list(indices) if not rest else [i for i in indices if i in subset], True), (rest, False)]
     ns = np.array([n for _, _, n in items], np.int64)
     total = int(ns.sum())
     r_acc, ms_acc = np.zeros(total), np.zeros(total)
     hi_acc, nlo_acc = np.full(total, -np.inf), np.full(total, -np.inf)
     per_tensor = {t: TensorStats() for t in tensors}
-    for i in progress(indices, label, comm):
-        got, ranges = runner.run(data.sample(i), tensors=bool(items), ranges=bool(per_tensor))
+
+    def run_all():
+        for group, full in groups:
+            if not group:
+                continue
+            runner = build(full)
+            for i in group:
+                yield i, runner.run(data.sample(i), tensors=bool(items), ranges=bool(per_tensor))
+            del runner
+
+    passes = run_all()
+    for _ in progress(indices, label, comm):
+        i, (got, ranges) = next(passes)
         for t, (lo, hi) in ranges.items():
             per_tensor[t].minmax.update(lo, hi)
         if not items:
             continue
-        hi, lo, ss = (np.asarray(got[outs[k]], np.float64).reshape(-1) for k in ("hi", "lo", "ss"))
-        size = np.asarray(got[outs["size"]], np.float64).reshape(-1)
+        hi, lo = (np.asarray(got[outs[k]], np.float64).reshape(-1) for k in ("hi", "lo"))
         if subset is None or i in subset:
+            ss = np.asarray(got[outs["ss"]], np.float64).reshape(-1)
+            size = np.asarray(got[outs["size"]], np.float64).reshape(-1)
             per_channel = np.maximum(np.repeat(size / ns, ns), 1.0)
             r_acc = np.maximum(r_acc, np.maximum(hi, -lo))
             ms_acc = np.maximum(ms_acc, ss / per_channel)

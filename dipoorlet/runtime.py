@@ -87,9 +87,16 @@ def choose_providers(device: str = "cpu") -> list[str]:
     return ["CPUExecutionProvider"]
 
 
+NAN_GUARD = "__dpl_nan_guard"
+
+
 def _exposed_model_bytes_or_path(model: onnx.ModelProto, outputs: list[str],
-                                 reduce_minmax: list[str], types: dict, tmpdir: str, nan_safe: bool = False):
-    """Serialize ``model`` with the requested outputs (and reductions) without copying it."""
+                                 reduce_minmax: list[str], types: dict, tmpdir: str, nan_safe: bool = False,
+                                 guard: bool = False):
+    """Serialize ``model`` with the requested outputs (and reductions) without copying it.
+    ``guard``: plain reductions plus one scalar output :data:`NAN_GUARD`, the sum of every
+    reduced tensor's sum: NaN where any of them holds a NaN (a NaN always propagates through a
+    sum), so the caller redoes only those samples NaN-safe."""
     g = model.graph
     saved_outputs = list(g.output)
     n_nodes = len(g.node)
@@ -124,6 +131,15 @@ def _exposed_model_bytes_or_path(model: onnx.ModelProto, outputs: list[str],
                     g.node.append(helper.make_node("Where", [nan, fill, name], [src], name=src))
                 g.node.append(helper.make_node(op, [src], [out], name=out, keepdims=0))
                 g.output.append(helper.make_tensor_value_info(out, onnx.TensorProto.FLOAT, []))
+        if reduce_minmax and guard:
+            sums = []
+            for name in reduce_minmax:
+                s = name + "__dpl_sum"
+                g.node.append(helper.make_node("ReduceSum", [name], [s], name=s, keepdims=0))
+                g.node.append(helper.make_node("Cast", [s], [s + "_f"], name=s + "_f", to=onnx.TensorProto.FLOAT))
+                sums.append(s + "_f")
+            g.node.append(helper.make_node("Sum", sums, [NAN_GUARD], name=NAN_GUARD))
+            g.output.append(helper.make_tensor_value_info(NAN_GUARD, onnx.TensorProto.FLOAT, []))
         # ByteSize() costs as much as serializing; the weights' own bytes decide all but the
         # borderline cases
         if not _graph.over_threshold(model):
@@ -218,12 +234,24 @@ class Runner:
 
     def __init__(self, model: onnx.ModelProto, outputs: list[str], *, reduce_minmax=(),
                  types: dict | None = None, optimize: bool | str = True, device: str = "cpu",
-                 threads: int = 0, spin: bool = False, nan_safe: bool = False):
-        """``nan_safe``: the min/max reductions leave NaN out (two more ops per tensor; a pass that
-        fetches the tensors themselves finds NaN in them for less, see calibrate.histogram_pass)."""
+                 threads: int = 0, spin: bool = False, nan_safe: bool | str = False):
+        """``nan_safe``: the min/max reductions leave NaN out. ``True``: plain reductions plus a
+        guard that flags a sample holding NaN, which a NaN-safe session (built on first need)
+        measures again; ``"where"``: that NaN-safe session itself (IsNaN and two Where per tensor,
+        full-size copies that cost as much as the reductions). A pass that fetches the tensors
+        themselves finds NaN in them for less, see calibrate.histogram_pass."""
         ort = _ort()
         self.outputs = list(outputs)
         self.reduced = list(reduce_minmax)
+        # NaN-safe reductions (IsNaN and two Where per tensor: two full-size copies) cost a
+        # range pass as much as the reductions themselves; plain ones give the same ranges on a
+        # sample without NaN. So plain ones run, with a guard that flags a NaN, and a flagged
+        # sample is measured again by a NaN-safe session built on first need (from ``model``,
+        # which the caller leaves as it is while it runs this one)
+        self._guard = bool(nan_safe and self.reduced and nan_safe != "where")
+        self._safe = None
+        if self._guard:
+            self._safe_args = (model, dict(types or {}), optimize, device, threads, spin)
         so = session_options()
         disabled = []
         if optimize == SIMULATE:
@@ -248,7 +276,8 @@ class Runner:
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         providers = choose_providers(device)
         with tempfile.TemporaryDirectory(prefix="dipoorlet-") as tmp:
-            src = _exposed_model_bytes_or_path(model, self.outputs, self.reduced, types or {}, tmp, nan_safe)
+            src = _exposed_model_bytes_or_path(model, self.outputs, self.reduced, types or {}, tmp,
+                                               bool(nan_safe) and not self._guard, guard=self._guard)
             try:
                 self.session = ort.InferenceSession(src, so, providers=providers, disabled_optimizers=disabled)
             except Exception as exc:
@@ -267,12 +296,16 @@ class Runner:
     def run(self, feed: dict[str, np.ndarray], tensors: bool = True, ranges: bool = True):
         """Run one batch; returns (exposed tensors by name, {tensor: (min, max)}).
 
-        ``tensors=False`` / ``ranges=False`` skip fetching those outputs: onnxruntime then runs
-        only what the requested ones need, so one session serves a range pass and a tensor pass.
+        ``tensors=False`` / ``ranges=False`` skip fetching those outputs (their copies out of
+        onnxruntime; it still runs every node of the graph, so a pass that needs fewer outputs
+        on some samples is faster with a session of its own).
         """
         out_names = self.outputs if tensors else []
         red_names = self.reduced if ranges else []
         fetch = out_names + [n + s for n in red_names for s in (MIN_SUFFIX, MAX_SUFFIX)]
+        guard = self._guard and bool(red_names)
+        if guard:
+            fetch = fetch + [NAN_GUARD]
         try:
             values = self.session.run(fetch, {k: feed[k] for k in self.input_names})
         except Exception as exc:
@@ -285,4 +318,13 @@ class Runner:
         n = len(out_names)
         found = dict(zip(out_names, values[:n]))
         mm = {name: (float(values[n + 2 * i]), float(values[n + 2 * i + 1])) for i, name in enumerate(red_names)}
+        if guard and np.isnan(values[-1]):
+            mm = self._safe_ranges(feed)
         return found, mm
+
+    def _safe_ranges(self, feed) -> dict:
+        if self._safe is None:
+            model, types, optimize, device, threads, spin = self._safe_args
+            self._safe = Runner(model, [], reduce_minmax=self.reduced, types=types, optimize=optimize,
+                                device=device, threads=threads, spin=spin, nan_safe="where")
+        return self._safe.run(feed, tensors=False)[1]
