@@ -92,3 +92,24 @@ def test_ort_message_drops_only_the_cpp_location_and_signature(raw, want):
     from dipoorlet.runtime import ort_message
 
     assert ort_message(RuntimeError(raw)) == want
+
+
+def test_nan_safe_ranges_measure_again_only_the_samples_that_hold_nan():
+    """Plain reductions plus a NaN guard: a sample without NaN keeps the plain session's ranges,
+    and one whose tensor holds NaN is measured again NaN-safe (numpy oracle: nanmin/nanmax); the
+    NaN-safe session is built on the first such sample only."""
+    nodes = [helper.make_node("Sqrt", ["x"], ["s"], name="sqrt"), helper.make_node("Relu", ["x"], ["r"], name="relu")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                              [helper.make_tensor_value_info("s", TensorProto.FLOAT, [2, 4]),
+                               helper.make_tensor_value_info("r", TensorProto.FLOAT, [2, 4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    runner = Runner(model, [], reduce_minmax=["s", "r"], nan_safe=True)
+    clean = np.array([[1.0, 4.0, 9.0, 0.25]] * 2, np.float32)
+    _, mm = runner.run({"x": clean}, tensors=False)
+    assert mm == {"s": (0.5, 3.0), "r": (0.25, 9.0)} and runner._safe is None
+    dirty = np.array([[4.0, -1.0, 2.25, 16.0], [1.0, 1.0, 1.0, 1.0]], np.float32)   # sqrt(-1) is NaN
+    _, mm = runner.run({"x": dirty}, tensors=False)
+    with np.errstate(invalid="ignore"):
+        s = np.sqrt(dirty)
+    assert mm["s"] == (float(np.nanmin(s)), float(np.nanmax(s))) == (1.0, 4.0)
+    assert mm["r"] == (0.0, 16.0) and runner._safe is not None
