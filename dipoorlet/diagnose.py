@@ -184,7 +184,13 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
         row = {"node": s.node, "op_type": s.op_type, "isolated_cosine": s.isolated.cosine,
                "isolated_sqnr_db": s.isolated.sqnr_db}
         if s.weight_only is not None and s.activation_only is not None:
-            row["cause"] = "activations" if s.activation_only.sqnr_db < s.weight_only.sqnr_db else "weights"
+            # a NaN score is the worst: the activations alone turning the output NaN blame them,
+            # not the weights (a weightless Sigmoid was told "weight rounding dominates")
+            a_db, w_db = s.activation_only.sqnr_db, s.weight_only.sqnr_db
+            if a_db != a_db or w_db != w_db:
+                row["cause"] = "activations" if a_db != a_db else "weights"
+            else:
+                row["cause"] = "activations" if a_db < w_db else "weights"
         acts = []
         for t in inputs.get(s.node, []):
             a = {"tensor": t, "amax": float(np.max(plan.activations[t].amax)), "bits": int(plan.activations[t].bits),

@@ -41,6 +41,7 @@ class ErrorRow:
     max_abs_err: float
     is_output: bool = False
     pooled: bool = False    # cosine over the samples together (fewer than TINY values per sample)
+    resized: int = 0        # samples left out: the quantization changed the tensor's size
 
 
 # float64 sums over pieces of this many values, converted into buffers held for the whole run: a
@@ -193,8 +194,8 @@ class ExactSum:
 
 class ErrorStats:
     """One tensor's error over the samples seen: count, exact sums of cosine, error and signal
-    energy, the lowest cosine and the largest |error| (NaN samples counted apart, and among them
-    those whose quantized tensor has another size than the float one: ``resized``)."""
+    energy, the lowest cosine and the largest |error| (NaN samples counted apart; samples whose
+    quantized tensor has another size than the float one are not added, only counted: ``resized``)."""
 
     __slots__ = ("n", "cos", "err", "sig", "min_cos", "max_abs", "nan", "fq", "qq", "tiny", "resized")
 
@@ -363,6 +364,12 @@ def collect_errors(graph, qmodel, data, indices, targets: dict, comm, device="cp
         q_out, _ = qr.run(feed)
         inside = []
         for t in names:
+            if f_out[t].size != q_out[t].size:
+                # a value-dependent size the quantization moved (NonZero, NMS): no value-by-value
+                # comparison on this sample; left out for this tensor and sample only (its NaN made
+                # the whole output unscored)
+                stats[t].resized += 1
+                continue
             m = sample_sums(f_out[t], q_out[t])
             if not math.isfinite(m[2]):
                 # the float tensor holds a NaN or an Inf: no error is defined against it (scored,
@@ -375,7 +382,6 @@ def collect_errors(graph, qmodel, data, indices, targets: dict, comm, device="cp
                     inside.append(t)
                 continue
             stats[t].add(*m, size=f_out[t].size)
-            stats[t].resized += int(f_out[t].size != q_out[t].size)
             if t in out_cos:
                 # sample, cosine, float output energy per value (windows of other sizes compare)
                 out_cos[t].append((i, m[0], m[2] / max(f_out[t].size, 1)))
@@ -419,7 +425,7 @@ def summarize(stats: dict, targets: dict, outputs: list[str], quantized=()) -> l
         # no sample compared (each NaN, or of another size): no largest error either
         values = (mean_cos, min_cos, sqnr, st.max_abs if st.nan < st.n else math.nan)
         if t not in outputs or node in quantized:
-            rows.append(ErrorRow(t, node, op, *values, False, st.tiny))
+            rows.append(ErrorRow(t, node, op, *values, False, st.tiny, st.resized))
         if t in outputs:
-            rows.append(ErrorRow(t, node, op, *values, True, st.tiny))
+            rows.append(ErrorRow(t, node, op, *values, True, st.tiny, st.resized))
     return rows

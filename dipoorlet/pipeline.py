@@ -1018,14 +1018,14 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
         # Every collective step is done (the gather waited for all ranks): rank 0 writes.
         rows = layer_errors.summarize(errors, targets_prof, g.output_names,
                                  places.quantized_nodes if not cfg.skip_prof_layer else ())
-        unscored = [r.tensor for r in rows if r.is_output and not math.isfinite(r.cosine)]
-        resized = [t for t in unscored if errors[t].resized]
-        broken = [t for t in unscored if not errors[t].resized]
+        broken = [r.tensor for r in rows if r.is_output and not math.isfinite(r.cosine)]
+        resized = [t for t in g.output_names if t in errors and errors[t].resized]
         if resized:    # NonZero, NMS, TopK by a threshold: the count itself moved
             log.warning("network output %s: its size differs between the float and the quantized model on %s "
                         "(a data-dependent shape: values crossed a threshold that NonZero, NMS or the like "
                         "counts); such samples cannot be compared value by value and are not scored",
-                        ", ".join(resized[:4]), ", ".join(f"{errors[t].resized} of {errors[t].n} samples"
+                        ", ".join(resized[:4]), ", ".join(f"{errors[t].resized} of {errors[t].n + errors[t].resized} "
+                                                          f"samples{' (none left)' if not errors[t].n else ''}"
                                                           for t in resized[:4]))
         if broken:   # the float model's NaN samples were left out before: these are the quantization's
             log.warning("network output %s: the quantized model computes NaN or Inf where the float model is "
@@ -1207,10 +1207,18 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, pl
             out["_scorer"] = scorer
     if out.get("auto_skip") is not None and not out["auto_skip"].met:
         a = out["auto_skip"]
+        if len(a.float_layers) >= cfg.max_float_layers:
+            more = "a larger --max_float_layers may meet it"
+        elif len(a.steps) >= a.candidates:
+            # every layer tried: advice to allow more float layers cannot help (it said so)
+            more = ("every quantized layer was tried, and keeping the others float does not reach it: the loss is "
+                    "spread over layers too small to move it one at a time (report.md's worst layers show where it goes)")
+        else:
+            more = "the search stops after 3 trials per allowed float layer: a larger --max_float_layers tries more"
         log.warning("auto_skip: target %s %s not met (%s %.6f with %d layers float over the %d sensitivity "
-                    "samples%s); a larger --max_float_layers may meet it", a.criterion, a.target, a.criterion,
+                    "samples%s); %s", a.criterion, a.target, a.criterion,
                     a.after.value(a.criterion), len(a.float_layers), n,
-                    ", on the logits" if out.get("sens_scored_on") else "")
+                    ", on the logits" if out.get("sens_scored_on") else "", more)
     return out
 
 

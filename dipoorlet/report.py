@@ -142,7 +142,8 @@ def build(rows, places, meta: dict, analysis: dict | None = None, stats=None, pl
         **meta,
         "outputs": [{"tensor": r.tensor, "cosine": _num(r.cosine), "min_cosine": _num(r.min_cosine),
                      "sqnr_db": _num(r.sqnr_db), "max_abs_err": _num(r.max_abs_err),
-                     **({"cosine_over_samples": True} if r.pooled else {})}
+                     **({"cosine_over_samples": True} if r.pooled else {}),
+                     **({"resized_samples": r.resized} if r.resized else {})}
                     for r in rows if r.is_output],
         "layers": layers,
         "worst_layers": worst_nodes,

@@ -178,22 +178,30 @@ class Scorer:
     def _score(self, runner, extra: dict) -> OutputScore:
         def one(i):
             q, _ = runner.run(with_extra(self.samples[i], extra))
-            return i, [sample_sums(self.reference[i][t], q[t]) + (q[t].size,) for t in self.outputs]
+            return i, [sample_sums(self.reference[i][t], q[t]) + (q[t].size, self.reference[i][t].size)
+                       for t in self.outputs]
 
         rows = self._map(one, self.indices)
         rows = self.comm.gather_samples({"_": rows})["_"]
         rows.sort(key=lambda r: r[0])
         worst = None
         for k, _ in enumerate(self.outputs):
-            if rows and all(r[1][k][6] < TINY for r in rows):   # one cosine over the samples together
-                cos = pooled_cosine(math.fsum(r[1][k][2] for r in rows), math.fsum(r[1][k][5] for r in rows),
-                                    math.fsum(r[1][k][4] for r in rows))
+            # a sample whose output size the quantization changed (NonZero, NMS) has no value-by-
+            # value error: left out, as the error profile leaves it out (it made every score NaN);
+            # where every sample changed, the score is NaN and ranks worst
+            same = [r[1][k] for r in rows if r[1][k][6] == r[1][k][7]]
+            if not same:
+                cos = err = sig = mx = math.nan
+            elif all(m[6] < TINY for m in same):   # one cosine over the samples together
+                cos = pooled_cosine(math.fsum(m[2] for m in same), math.fsum(m[5] for m in same),
+                                    math.fsum(m[4] for m in same))
             else:
-                cos = math.fsum(r[1][k][0] for r in rows) / max(len(rows), 1)
-            err = math.fsum(r[1][k][1] for r in rows)
-            sig = math.fsum(r[1][k][2] for r in rows)
-            sqnr = sqnr_db(sig, err)
-            mx = max((r[1][k][3] for r in rows), default=0.0)
+                cos = math.fsum(m[0] for m in same) / len(same)
+            if same:
+                err = math.fsum(m[1] for m in same)
+                sig = math.fsum(m[2] for m in same)
+                mx = max(m[3] for m in same)
+            sqnr = sqnr_db(sig, err) if same else math.nan
             s = OutputScore(cos, sqnr, mx)
             if worst is None or s.rank(self.criterion) < worst.rank(self.criterion):
                 worst = s
@@ -284,6 +292,7 @@ def auto_skip(graph, places, plan, scorer: Scorer, sens: list[LayerSensitivity],
     before = scorer.score_variant(places, plan, sb.owners, sb.owners)
     res = AutoSkipResult(target, criterion, before, before)
     order = [s.node for s in sorted(sens, key=lambda s: s.isolated.rank(criterion))]
+    res.candidates = len(order)
     current = before
     for node in order[:3 * max_layers]:  # bounded: at most 3 trials per float layer allowed
         if current.value(criterion) >= target or len(res.float_layers) >= max_layers:

@@ -585,7 +585,10 @@ def test_summary_marks_outputs_scored_over_the_samples_together(tmp_path):
 def test_an_output_whose_size_the_quantization_changes_is_named_for_that(tmp_path, capsys):
     """GatherND over NonZero of a thresholded Conv: quantization moves values across the
     threshold, so the output's length differs. It was reported as NaN/Inf with the advice for a
-    Reciprocal, and as a max error of 0.0 though no sample was compared."""
+    Reciprocal, and as a max error of 0.0 though no sample was compared. The samples of another
+    size are left out and the others scored (they made the whole output NaN: no mean cosine,
+    --fail_below blamed NaN/Inf, every sensitivity score NaN): onnxruntime oracle on the
+    samples of equal size."""
     from dipoorlet.cli import main
 
     nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1] * 4, name="conv"),
@@ -594,22 +597,26 @@ def test_an_output_whose_size_the_quantization_changes_is_named_for_that(tmp_pat
              helper.make_node("NonZero", ["gt"], ["nz"], name="nz"),
              helper.make_node("Transpose", ["nz"], ["nzt"], name="tr"),
              helper.make_node("GatherND", ["y", "nzt"], ["sel"], name="gnd")]
-    model = make_model(nodes, [vi("x", [1, 3, 16, 16])], [vi("y", [1, 8, 16, 16]), vi("sel", ["K"])],
-                       {"w": rand((8, 3, 3, 3), 0, 0.3), "b": rand((8,), 1, 0.1), "thr": np.array(0.5, np.float32)})
-    feeds = input_feeds(model, 4, seed=0)
+    model = make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("y", [1, 2, 8, 8]), vi("sel", ["K"])],
+                       {"w": rand((2, 3, 3, 3), 0, 0.3), "b": rand((2,), 1, 0.1), "thr": np.array(0.5, np.float32)})
+    feeds = input_feeds(model, 8, seed=0)
     sizes = [(ort_run(model, f)[1].size) for f in feeds]
     out = tmp_path / "out"
-    rc = main(["-M", str(save(model, tmp_path / "m.onnx")), "-I", str(write_samples(tmp_path / "d", feeds)), "-N", "4",
-               "-D", "qnn", "-O", str(out)])
+    rc = main(["-M", str(save(model, tmp_path / "m.onnx")), "-I", str(write_samples(tmp_path / "d", feeds)), "-N", "8",
+               "-D", "qnn", "-O", str(out), "--score_outputs", "sel", "--fail_below", "0.9"])
     err = capsys.readouterr().err
-    assert rc == 0
     q = onnx.load(str(out / "quant_model.onnx"))
     moved = sum(ort_run(q, f)[1].size != n for f, n in zip(feeds, sizes))
-    assert moved > 0                                            # the case holds
-    row = {o["tensor"]: o for o in json.loads((out / "report.json").read_text())["outputs"]}["sel"]
-    if moved == len(feeds):
-        assert row["cosine"] is None and row["max_abs_err"] is None
-    assert f"network output sel: its size differs between the float and the quantized model on {moved} of 4" in err
+    assert 0 < moved < len(feeds)                               # the case holds
+    rep = json.loads((out / "report.json").read_text())
+    row = {o["tensor"]: o for o in rep["outputs"]}["sel"]
+    same = [(ort_run(model, f)[1], ort_run(q, f)[1]) for f in feeds]
+    same = [(a, b) for a, b in same if a.size == b.size]
+    want = np.mean([float(a @ b / np.linalg.norm(a) / np.linalg.norm(b)) for a, b in same])
+    assert row["resized_samples"] == moved and row["cosine"] == pytest.approx(want, abs=2e-6)
+    assert rc == 0, err
+    assert all(s["isolated"]["cosine"] is not None for s in rep["sensitivity"])
+    assert f"network output sel: its size differs between the float and the quantized model on {moved} of 8" in err
     assert "computes NaN or Inf" not in err
 
 

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import onnx
 import pytest
-from onnx import helper
+from onnx import TensorProto, helper
 
 from conftest import input_feeds, make_model, ort_run, quantize_model, rand, tiny_cnn, vi
 from dipoorlet.cli import parse_layer_bits
@@ -930,3 +930,46 @@ def test_a_gemm_input_gets_channel_ranges_and_clipped_held_out_values_no_finer_g
     text = _advice({"node": "fc", "cause": "activations", "activations": [act]}, "snpe", max_act_bits=16,
                    gptq_hint=True)
     assert text.startswith("activation clipping dominates") and "=a16" not in text and "re-rounds" not in text
+
+
+def test_auto_skip_that_tried_every_layer_does_not_advise_more_float_layers(tmp_path, caplog):
+    """A TopK detector whose boxes follow the top indices: every layer tried, the target missed
+    with 2 of the 10 allowed float layers. The warning advised a larger --max_float_layers,
+    which could change nothing; it now says every layer was tried."""
+    import logging
+
+    from conftest import quantize_model
+
+    r = np.random.default_rng(0)
+    inits = {"w1": r.standard_normal((8, 3, 3, 3)) * 0.3, "b1": r.standard_normal(8) * 0.1,
+             "w2": r.standard_normal((8, 8, 3, 3)) * 0.3, "b2": r.standard_normal(8) * 0.1,
+             "ws": r.standard_normal((1, 8, 1, 1)) * 0.3, "bs": r.standard_normal(1) * 0.1,
+             "wb": r.standard_normal((4, 8, 1, 1)) * 0.3, "bb": r.standard_normal(4) * 0.1}
+    inits = {k: v.astype(np.float32) for k, v in inits.items()}
+    inits.update({"shp_s": np.array([1, 256], np.int64), "shp_b": np.array([1, 4, 256], np.int64),
+                  "k": np.array([10], np.int64), "ax0": np.array([0], np.int64)})
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1] * 4),
+             helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+             helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], name="conv2", pads=[1] * 4),
+             helper.make_node("Relu", ["c2"], ["f"], name="relu2"),
+             helper.make_node("Conv", ["f", "ws", "bs"], ["logit"], name="conv_s"),
+             helper.make_node("Sigmoid", ["logit"], ["prob"], name="sig"),
+             helper.make_node("Reshape", ["prob", "shp_s"], ["pf"], name="rs_s"),
+             helper.make_node("TopK", ["pf", "k"], ["top_scores", "top_idx"], name="topk", axis=1),
+             helper.make_node("Conv", ["f", "wb", "bb"], ["braw"], name="conv_b"),
+             helper.make_node("Reshape", ["braw", "shp_b"], ["b3"], name="rs_b"),
+             helper.make_node("Transpose", ["b3"], ["ball"], name="tr_b", perm=[0, 2, 1]),
+             helper.make_node("Squeeze", ["top_idx", "ax0"], ["i1"], name="sq"),
+             helper.make_node("Gather", ["ball", "i1"], ["top_boxes"], name="gather_b", axis=1)]
+    model = make_model(nodes, [vi("x", [1, 3, 16, 16])],
+                       [vi("top_scores", [1, 10]), vi("top_idx", [1, 10], TensorProto.INT64),
+                        vi("top_boxes", [1, 10, 4])], inits, opset=17)
+    dr = np.random.default_rng(1)
+    feeds = [{"x": (dr.standard_normal((1, 3, 16, 16)) * (0.05 if k % 4 == 3 else 1)).astype(np.float32)}
+             for k in range(16)]
+    with caplog.at_level(logging.WARNING):
+        res, _ = quantize_model(tmp_path, model, feeds=feeds, deploy="qnn", act_quant="mse", auto_skip="0.999")
+    a = res.report["auto_skip"]
+    assert not a["met"] and len(a["float_layers"]) < 10
+    text = [rec.getMessage() for rec in caplog.records if "not met" in rec.getMessage()]
+    assert text and "every quantized layer was tried" in text[0] and "larger --max_float_layers" not in text[0], text
