@@ -268,12 +268,11 @@ def name_run_log(out_dir: Path | None, ok: bool) -> None:
 
 
 def summary(result, cfg) -> str:
-    from dipoorlet.report import lowest_cosine_notes, profile_source, table
+    from dipoorlet.report import lowest_cosine_notes, output_label, profile_source, table
 
     rep = result.report
     lines = ["", f"dipoorlet {__version__}: {rep['platform']} / -A {rep['method']} / {rep['samples']} samples"]
-    rows = [[o["tensor"] + (" *" if o.get("cosine_over_samples") else ""), o["cosine"], o["min_cosine"],
-             o["sqnr_db"]] for o in rep["outputs"]]
+    rows = [[output_label(o, rep), o["cosine"], o["min_cosine"], o["sqnr_db"]] for o in rep["outputs"]]
     if rep.get("profile_data"):
         lines.append(f"error profile over {profile_source(rep)}:")
     lines.append(table(["network output", "mean cos", "min cos", "SQNR dB"], rows))

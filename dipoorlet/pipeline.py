@@ -215,6 +215,12 @@ def load_graph(cfg: QuantConfig, plat=None) -> Graph:
         log.info("scoring the outputs %s; %s integer, not compared by cosine (--score_outputs to choose)",
                  ", ".join(rest[:6]), ", ".join(ints[:6]) + (" are" if len(ints) > 1 else " is"))
         cfg = dataclasses.replace(cfg, score_outputs=tuple(rest))
+    elif not cfg.score_outputs and ints:
+        # nothing else to judge: said, since the README's default leaves integer outputs out
+        log.warning("every output of the model is integer (%s): they are scored as they are, by cosine, which "
+                    "--fail_below and the --auto_* searches then judge (class ids that differ at a few pixels read "
+                    "as a cosine, not as an agreement); make the float tensor before them (an ArgMax's input) an "
+                    "output too to judge that instead", ", ".join(ints[:6]))
     missing = (set(cfg.skip_layers) | set(cfg.layer_bits)) - set(g.node_by_name)
     if missing:
         sample = ", ".join(sorted(g.node_by_name)[:5])

@@ -89,6 +89,15 @@ def _lowest_sample(per_sample: list) -> dict:
 NEARLY_EMPTY = 0.01   # a sample whose float output's energy per value is under 1% of the median sample's
 
 
+def output_label(o: dict, report: dict) -> str:
+    """A network output's name in the report tables: ``*`` for a cosine over the samples
+    together, "(not judged)" for one that --score_outputs (or the default, which leaves integer
+    outputs out) does not judge."""
+    judged = report.get("score_outputs")
+    return (o["tensor"] + (" *" if o.get("cosine_over_samples") else "")
+            + (" (not judged)" if judged and o["tensor"] not in judged else ""))
+
+
 def lowest_cosine_notes(report: dict) -> list[str]:
     """One line per network output whose lowest per-sample cosine comes from a nearly empty
     output, so that a min cos of 0.02 is read for what it is."""
@@ -228,7 +237,7 @@ def markdown(report: dict) -> str:
            + (f" ({report['qdq_tensors_16bit']} on 16-bit grids)" if report.get('qdq_tensors_16bit') else ""), "",
            "## Network outputs", "",
            table(["output", "mean cosine", "min cosine", "SQNR dB", "max |err|"],
-                 [[o["tensor"] + (" *" if o.get("cosine_over_samples") else ""), o["cosine"], o["min_cosine"],
+                 [[output_label(o, report), o["cosine"], o["min_cosine"],
                    o["sqnr_db"], o["max_abs_err"]] for o in report["outputs"]])]
     if any(o.get("cosine_over_samples") for o in report["outputs"]):
         out += ["", "\\* fewer than 8 values per sample: one cosine over all samples' values together "

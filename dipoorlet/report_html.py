@@ -110,6 +110,8 @@ def _cos_cell(v, bar=0.999):
 
 
 def html(rep: dict) -> str:
+    from dipoorlet.report import output_label
+
     layers = rep.get("layers", [])
     by_node = {l["node"]: l for l in layers}
     out = [f"<!doctype html><html><head><meta charset=utf-8><title>dipoorlet report</title>"
@@ -120,7 +122,7 @@ def html(rep: dict) -> str:
            f"{esc(rep['qdq_tensors'])} activations with Q/DQ.</p>",
            "<h2>Network outputs</h2>",
            _table(["output", "mean cosine", "min cosine", "SQNR dB", "max |err|"],
-                  [[esc(o["tensor"]) + (" *" if o.get("cosine_over_samples") else ""), _cos_cell(o["cosine"]),
+                  [[esc(output_label(o, rep)), _cos_cell(o["cosine"]),
                     _cos_cell(o["min_cosine"]), _fmt(o["sqnr_db"], 2), _fmt(o["max_abs_err"])]
                    for o in rep.get("outputs", [])])]
     if any(o.get("cosine_over_samples") for o in rep.get("outputs", [])):

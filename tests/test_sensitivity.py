@@ -973,3 +973,37 @@ def test_auto_skip_that_tried_every_layer_does_not_advise_more_float_layers(tmp_
     assert not a["met"] and len(a["float_layers"]) < 10
     text = [rec.getMessage() for rec in caplog.records if "not met" in rec.getMessage()]
     assert text and "every quantized layer was tried" in text[0] and "larger --max_float_layers" not in text[0], text
+
+
+def test_a_model_whose_every_output_is_integer_says_how_it_is_scored(tmp_path, caplog):
+    """The default leaves integer outputs out of the judging, but a model with nothing else
+    (an ArgMax class map) was scored on its class ids by cosine without a word."""
+    import logging
+
+    from conftest import quantize_model
+
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1] * 4),
+             helper.make_node("ArgMax", ["c"], ["cls"], name="argmax", axis=1, keepdims=0)]
+    model = make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("cls", [1, 8, 8], TensorProto.INT64)],
+                       {"w": rand((4, 3, 3, 3), 0, 0.3)})
+    with caplog.at_level(logging.WARNING):
+        quantize_model(tmp_path, model, n=4, skip_prof_layer=True)
+    assert any("every output of the model is integer (cls)" in r.getMessage() for r in caplog.records)
+
+
+def test_outputs_left_out_of_the_judging_are_labelled_in_the_tables(tmp_path):
+    """Integer outputs beside float ones are not judged (not scored by cosine for --fail_below or
+    the searches), yet the tables showed their cosines unlabelled."""
+    from conftest import quantize_model
+    from dipoorlet.cli import summary
+
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1] * 4),
+             helper.make_node("ArgMax", ["c"], ["cls"], name="argmax", axis=1, keepdims=0)]
+    model = make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("c", [1, 4, 8, 8]), vi("cls", [1, 8, 8], TensorProto.INT64)],
+                       {"w": rand((4, 3, 3, 3), 0, 0.3)})
+    res, _ = quantize_model(tmp_path, model, n=4, skip_prof_layer=True)
+    md = (tmp_path / "out" / "report.md").read_text()
+    html = (tmp_path / "out" / "report.html").read_text()
+    text = summary(res, None)
+    for doc in (md, html, text):
+        assert "cls (not judged)" in doc and "c (not judged)" not in doc
