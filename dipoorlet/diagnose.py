@@ -47,6 +47,8 @@ def _channels(g, node, tensor: str) -> tuple[list[int] | None, int] | None:
         return (None, int(shape[1])) if isinstance(shape[1], int) and shape[1] > 0 else None
     if shape is not None and len(shape) >= 3 and isinstance(shape[1], int) and shape[1] > 0:
         return [0] + list(range(2, len(shape))), int(shape[1])    # NCHW ops: pooling, Add
+    if shape is not None and len(shape) == 2 and isinstance(shape[1], int) and shape[1] > 0:
+        return [0], int(shape[1])        # [N, C]: a recurrent cell's state, a head's features
     return None
 
 
@@ -165,6 +167,15 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
             continue
         for owner in dict.fromkeys(p.owners):
             inputs.setdefault(owner, []).append(t)
+    # a network output quantized in place belongs to its producer's grids (qnn, snpe: a state
+    # output that held-out samples clip was told as its input's rounding, and the a16 advice on
+    # it changed nothing)
+    owned_outputs = set()
+    for t, owner in places.output_owners.items():
+        p = places.activations.get(t)
+        if p is not None and p.output and t in plan.activations and t not in inputs.get(owner, []):
+            inputs.setdefault(owner, []).append(t)
+            owned_outputs.add(t)
     items, seen = [], set()
     for s in worst:
         node = g.node_by_name[s.node]
@@ -212,6 +223,10 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
                     a["channel_spread"] = float(live.max() / np.median(live))
                     a["channel_samples"] = n_samples
                     a["channel_held_out"] = held_out
+            if t in owned_outputs:
+                a["output"] = True       # its own output's grid: equalization is about inputs
+                acts.append(a)
+                continue
             kind, via = _blocker(g, t)
             node = g.node_by_name[s.node]
             conv_input = node.op_type == "Conv" and node.input[0] == t and g.is_constant(node.input[1])
@@ -378,20 +393,22 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | 
             part = [f"input {a['shifted_from']} clipped to [{lo:.4g}, {hi:.4g}] (asymmetric grid, shifted)"]
         elif a.get("channel_max") and a["amax"] > WIDE_GRID * a["channel_max"]:
             # not clipped: the grid is far wider than what this tensor carries
-            part = [f"input {a['tensor']} on a grid to {a['amax']:.4g}, {a['amax'] / a['channel_max']:.0f}x its "
+            part = [f"{'output' if a.get('output') else 'input'} {a['tensor']} on a grid to {a['amax']:.4g}, "
+                    f"{a['amax'] / a['channel_max']:.0f}x its "
                     f"largest value{over} ({a['channel_max']:.4g}), so its values use about "
                     f"{a['channel_max'] / a['step']:.0f} of the grid's {2 ** a['bits'] - 1} steps"]
             if a.get("grid_shared_by"):
                 part[0] += (f": one grid for the {a['grid_shared_by']} tensors that pass-through ops "
                             f"(MaxPool, Concat, Reshape...) tie together on {platform}")
         else:
-            part = [f"input {a['tensor']} clipped at {a['amax']:.4g}"]
+            part = [f"{'output' if a.get('output') else 'input'} {a['tensor']} clipped at {a['amax']:.4g}"]
         if "channel_max" in a and "on a grid to" in part[0]:
             part.append(f"channel ranges {a['channel_spread']:.1f}x apart under one per-tensor scale")
         elif "channel_max" in a:
             part.append(f"largest channel max{over} {a['channel_max']:.4g}, channel ranges "
                         f"{a['channel_spread']:.1f}x apart under one per-tensor scale")
-        part.append(f"equalization: {a['equalization']}")
+        if "equalization" in a:
+            part.append(f"equalization: {a['equalization']}")
         top = a.get("channel_max")
         clip = max(abs(a["clip"][0]), abs(a["clip"][1])) if "shifted_from" in a else a.get("amax")
         seen = a.get("calibration_max")

@@ -781,6 +781,7 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
                                   cfg.percentile)
         if shifted:   # same weights, new tensor names: the weight grids stay as planned
             places = placement_mod.place(g, plat, cfg.skip_layers, warn=False)
+    _gridless_to_float(g, places, plan)
     fit_biases(g, places, plan)    # before the steps that fit weights or biases to these grids
     corrections = None
 
@@ -871,7 +872,9 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
     if a16 is not None and a16.float_layers:   # before the diagnosis, which then sees the 16-bit grids
         changed = promote_a16(g, places, plan, stats, cfg, plat, a16.float_layers)
         log.info("auto_a16: %d layers' inputs on 16-bit grids (%d of %d tensors): %s", len(a16.float_layers),
-                 len(changed), len(plan.activations), ", ".join(a16.float_layers[:6]))
+                 len(changed), len(plan.activations), ", ".join(a16.float_layers[:6])
+                 + (f" and {len(a16.float_layers) - 6} more (report.json: auto_a16.a16_layers)"
+                    if len(a16.float_layers) > 6 else ""))
         # the search scored each reader's input on its own grid; the written model gives a tensor
         # two layers read one grid (16-bit where either asked) and replans int32 biases: measure it
         a16.measured = analysis.pop("_scorer").score(insert_qdq(g, places, plan))
@@ -1226,6 +1229,30 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, pl
                     a.after.value(a.criterion), len(a.float_layers), n,
                     ", on the logits" if out.get("sens_scored_on") else "", more)
     return out
+
+
+def _gridless_to_float(g, places, plan) -> None:
+    """Nodes placed as quantized whose every grid the plan left out (inputs 0 in every calibration
+    sample, warn_degenerate) compute in float: say so in their decision (report.json counted an
+    Add with no Q/DQ left as quantized)."""
+    from dipoorlet.placement import Decision
+
+    gridded = {n for (n, _), wp in places.weights.items() if wp.tensor in plan.weights}
+    for t, p in places.activations.items():
+        if t in plan.activations:      # the nodes that read it through its Q/DQ, own it, or produce it
+            gridded.update(u for u, _ in p.uses)
+            gridded.update(p.owners)
+            if t in g.producer:
+                gridded.add(g.producer[t].name)
+            if p.output and t in places.output_owners:
+                gridded.add(places.output_owners[t])
+    dropped = {t for t in places.activations if t not in plan.activations}
+    for k, d in enumerate(places.decisions):
+        if d.quantized and d.node not in gridded:
+            zero = sorted(t for t in dropped if d.node in places.activations[t].owners)
+            places.decisions[k] = Decision(d.node, d.op_type, False,
+                                           "kept float: no grid left" + (f" ({', '.join(zero[:3])} 0 in every "
+                                                                         "calibration sample)" if zero else ""))
 
 
 def _activation_owners(places) -> set[str]:

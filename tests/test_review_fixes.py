@@ -733,3 +733,48 @@ def test_a_custom_ops_declared_output_shape_reaches_the_ops_after_it():
     done = prepare.prepare(g)
     assert done["layernorms_fused"] == 1
     assert any(n.op_type == "LayerNormalization" for n in g.graph.node)
+
+
+def test_a_node_whose_every_grid_was_dropped_is_reported_float(tmp_path):
+    """A stateful cell calibrated with a zero state: the state's grids are dropped (0 in every
+    sample), and the Add reading the state product and a fused input had no Q/DQ left, yet
+    report.json counted it as quantized."""
+    I, H = 6, 8
+    nodes = [helper.make_node("MatMul", ["x", "Wx"], ["a"], name="mx"),
+             helper.make_node("MatMul", ["h_in", "Wh"], ["bh"], name="mh"),
+             helper.make_node("Add", ["a", "bh"], ["s"], name="add1"),
+             helper.make_node("Add", ["s", "b"], ["s2"], name="add2"),
+             helper.make_node("Tanh", ["s2"], ["h_out"], name="tanh"),
+             helper.make_node("MatMul", ["h_out", "Wo"], ["y"], name="mo")]
+    model = make_model(nodes, [vi("x", [1, I]), vi("h_in", [1, H])], [vi("y", [1, 4]), vi("h_out", [1, H])],
+                       {"Wx": rand((I, H), 0, 0.4), "Wh": rand((H, H), 1, 0.3), "b": rand((H,), 2, 0.1),
+                        "Wo": rand((H, 4), 3, 0.3)})
+    feeds = [{"x": rand((1, I), 10 + i), "h_in": np.zeros((1, H), np.float32)} for i in range(8)]
+    res, qm = quantize_model(tmp_path, model, feeds=feeds, skip_prof_layer=True)
+    add1 = next(n for n in qm.graph.node if n.name == "add1")
+    producers = {o: n.op_type for n in qm.graph.node for o in n.output}
+    assert all(producers.get(x) != "DequantizeLinear" for x in add1.input)     # float in the written model
+    decision = {d["node"]: d for d in res.report["decisions"]}["add1"]
+    assert not decision["quantized"] and "0 in every calibration sample" in decision["reason"]
+    assert res.report["quantized_nodes"] == sum(d["quantized"] for d in res.report["decisions"])
+
+
+def test_the_diagnosis_reads_the_output_grid_a_layer_owns(tmp_path):
+    """qnn quantizes a network output in place, on a grid its producer owns: a state output that
+    held-out samples take 5x past its clip was told as its input's rounding, with 16-bit advice
+    that changed nothing. The output's grid is now in the diagnosis, as clipping."""
+    from conftest import write_samples
+
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["a"], name="mm"),
+             helper.make_node("Add", ["a", "state"], ["y"], name="add_state")]
+    model = make_model(nodes, [vi("x", [1, 16]), vi("state", [1, 16])], [vi("y", [1, 16])],
+                       {"w": rand((16, 16), 0, 0.25)})
+    calib = [{"x": rand((1, 16), 10 + i), "state": np.zeros((1, 16), np.float32)} for i in range(8)]
+    held = [{"x": rand((1, 16), 30 + i), "state": rand((1, 16), 50 + i, 5.0)} for i in range(8)]
+    res, _ = quantize_model(tmp_path, model, feeds=calib, deploy="qnn",
+                            val_dir=write_samples(tmp_path / "val", held))
+    rows = {d["node"]: d for d in res.report["diagnosis"]}
+    assert "add_state" in rows, rows
+    text = rows["add_state"]["advice"]
+    assert "output y clipped" in text and "activation clipping dominates" in text, text
+    assert "=a16" not in text
