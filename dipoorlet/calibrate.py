@@ -50,8 +50,9 @@ def collect(graph, data, indices, targets: list[str], comm, histograms: bool, bi
     nan = sorted(t for t, st in stats.items() if st.hist is not None and st.hist.nan > 0)
     if nan:
         del runner
+        # known to hold NaN: straight to the NaN-safe reductions (the guard would run both)
         again = range_pass(Runner(graph.model, [], reduce_minmax=nan, types=graph.types, device=device,
-                                  spin=True, nan_safe=True), data, indices, nan, comm)
+                                  spin=True, nan_safe="where"), data, indices, nan, comm)
         for t in nan:
             stats[t].minmax = again[t].minmax
     for st in stats.values():

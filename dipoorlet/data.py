@@ -565,9 +565,9 @@ def _npz_arrays(path: Path) -> dict:
 
     ``np.load(npz)[name]`` reads the whole ``[N, ...]`` array on every access; reading each row
     at its offset inside the zip reads only the samples a process uses, and holds one at a time
-    (:class:`_Rows`). Compressed members (``savez_compressed``) and Fortran-order ones (a row's
-    values spread over the whole member) cannot be read so and are read once, whole: the log says
-    so where that is large.
+    (:class:`_Rows`; a Fortran-order member is first copied row by row, :class:`_FortranRows`).
+    Compressed members (``savez_compressed``) cannot be read so and are read once, whole: the log
+    says so where that is large.
     """
     import zipfile
 
@@ -607,18 +607,11 @@ def _npz_arrays(path: Path) -> dict:
             else:
                 with zf.open(info) as member:
                     arrays[name] = np.lib.format.read_array(member, allow_pickle=False)
-                _warn_whole(path, name, arrays[name], "compressed", "numpy.savez (uncompressed)")
+                if arrays[name].nbytes > 256 * 2 ** 20:
+                    log.warning("%s: array %r is compressed, so it is held in memory whole (%.0f MB); save the "
+                                "data with numpy.savez (uncompressed), which is read one sample at a time",
+                                path, name, arrays[name].nbytes / 2 ** 20)
     return arrays
-
-
-WHOLE_WARN_BYTES = 256 * 2 ** 20
-
-
-def _warn_whole(path, name: str, arr: np.ndarray, why: str, fix: str) -> None:
-    """An .npz member that cannot be read a sample at a time is held whole: say so where large."""
-    if arr.nbytes > WHOLE_WARN_BYTES:
-        log.warning("%s: array %r is %s, so it is held in memory whole (%.0f MB); save the data with %s, which is "
-                    "read one sample at a time", path, name, why, arr.nbytes / 2 ** 20, fix)
 
 
 def _odd_share(raw: np.ndarray) -> float:

@@ -833,17 +833,8 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
         if shifted and out.get("magnitude"):
             # a layer pruned by magnitude alone (too few rows to fit the bias with the weights)
             # reading a shifted input holds b - W_q d with the dense W_q: rebase it on the pruned one
-            from dipoorlet.qparams import dequantize_array, quantize_array
-            from dipoorlet.shift import rebased_for_values
-
-            old, new = {}, {}
-            for name in out["magnitude"]:
-                wt = g.node_by_name[name].input[1]
-                if wt in plan.values and wt in plan.weights:
-                    qp = plan.weights[wt]
-                    old[wt] = dequantize_array(quantize_array(g.weight(wt), qp), qp).astype(np.float64)
-                    new[wt] = np.asarray(plan.values[wt], np.float64)
-            plan.values.update(rebased_for_values(g, plan, shifted, old, new))
+            plan.values.update(shift_mod.rebased_for_fitted(
+                g, plan, shifted, [g.node_by_name[name].input[1] for name in out["magnitude"]]))
         timings[f"{rounding}_s"] = time.perf_counter() - t
         return out
 

@@ -243,11 +243,8 @@ class Runner:
         ort = _ort()
         self.outputs = list(outputs)
         self.reduced = list(reduce_minmax)
-        # NaN-safe reductions (IsNaN and two Where per tensor: two full-size copies) cost a
-        # range pass as much as the reductions themselves; plain ones give the same ranges on a
-        # sample without NaN. So plain ones run, with a guard that flags a NaN, and a flagged
-        # sample is measured again by a NaN-safe session built on first need (from ``model``,
-        # which the caller leaves as it is while it runs this one)
+        # the NaN-safe session is built from ``model`` on first need: the caller leaves the model
+        # as it is while it runs this one
         self._guard = bool(nan_safe and self.reduced and nan_safe != "where")
         self._safe = None
         if self._guard:

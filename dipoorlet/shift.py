@@ -190,9 +190,25 @@ def rebased_biases(g, plan, rows, weights: dict) -> dict:
         for name in r["consumers"]:
             wt = g.node_by_name[name].input[1]
             if wt in weights and wt in plan.weights and wt not in new:
-                w = g.weight(wt)
-                old[wt] = dequantize_array(quantize_array(w, plan.weights[wt]), plan.weights[wt]).astype(np.float64)
-                new[wt] = dequantize_array(quantize_array(w, weights[wt]), weights[wt]).astype(np.float64)
+                old[wt] = _nearest(g, wt, plan.weights[wt])
+                new[wt] = _nearest(g, wt, weights[wt])
+    return rebased_for_values(g, plan, rows, old, new)
+
+
+def _nearest(g, wt: str, qp) -> np.ndarray:
+    """Weight ``wt`` rounded to nearest on grid ``qp``, dequantized (float64)."""
+    return dequantize_array(quantize_array(g.weight(wt), qp), qp).astype(np.float64)
+
+
+def rebased_for_fitted(g, plan, rows, tensors) -> dict:
+    """:func:`rebased_for_values` for weights whose values a fit replaced on their own grids
+    (``plan.values``: --sparse's magnitude pruning), from the nearest rounding the shift was
+    absorbed with."""
+    old, new = {}, {}
+    for wt in tensors:
+        if wt in plan.values and wt in plan.weights:
+            old[wt] = _nearest(g, wt, plan.weights[wt])
+            new[wt] = np.asarray(plan.values[wt], np.float64)
     return rebased_for_values(g, plan, rows, old, new)
 
 

@@ -44,30 +44,27 @@ SCALES_ONLY = {"atlas": "atlas_record (int8 scale/offset)", "imx": "imx_scale.js
 
 
 def warn_narrow(ctx: DeployContext) -> None:
-    """Warn where a range-only format gets grids narrower than 8 bits (--w_bits 4, --a_bits 6,
-    --layer_bits): the toolkit would quantize those tensors on finer 8-bit grids than the ones
-    quant_model.onnx simulates."""
+    """Warn where a format without bit widths gets grids narrower than 8 bits (--w_bits 4,
+    --a_bits 6, --layer_bits): from ranges the toolkit builds finer 8-bit grids than the ones
+    quant_model.onnx simulates, from scales int8 grids of the same step over a wider range."""
     narrow = sorted({(t, int(qp.bits)) for grids in (ctx.plan.activations, ctx.plan.weights)
                      for t, qp in grids.items() if int(qp.bits) < 8})
     if not narrow:
         return
     import logging
 
-    log = logging.getLogger(__name__)
-    formats = [f for f in ctx.platform.deploy if f in RANGES_ONLY]
-    if formats:
-        log.warning(
-            "%s: %d grids narrower than 8 bits (e.g. %s, %d bits); %s holds clip ranges only, no bit widths, "
-            "and the toolkit builds 8-bit grids of its own: the deployed model is finer than the one "
-            "quant_model.onnx simulates and the report measures", ctx.platform.name, len(narrow), narrow[0][0],
-            narrow[0][1], " and ".join(RANGES_ONLY[f] for f in formats))
-    formats = [f for f in ctx.platform.deploy if f in SCALES_ONLY]
-    if formats:
-        log.warning(
-            "%s: %d grids narrower than 8 bits (e.g. %s, %d bits); %s holds scales, no bit widths, and the "
-            "toolkit builds int8 grids on them: the same steps over a wider range, so the deployed model does "
-            "not clip where quant_model.onnx simulates and the report measures", ctx.platform.name, len(narrow),
-            narrow[0][0], narrow[0][1], " and ".join(SCALES_ONLY[f] for f in formats))
+    for table, holds, result in (
+            (RANGES_ONLY, "clip ranges only", "the toolkit builds 8-bit grids of its own: the deployed model is finer "
+                                              "than the one quant_model.onnx simulates and the report measures"),
+            (SCALES_ONLY, "scales", "the toolkit builds int8 grids on them: the same steps over a wider range, so the "
+                                    "deployed model does not clip where quant_model.onnx simulates and the report "
+                                    "measures")):
+        formats = [f for f in ctx.platform.deploy if f in table]
+        if formats:
+            logging.getLogger(__name__).warning(
+                "%s: %d grids narrower than 8 bits (e.g. %s, %d bits); %s holds %s, no bit widths, and %s",
+                ctx.platform.name, len(narrow), narrow[0][0], narrow[0][1], " and ".join(table[f] for f in formats),
+                holds, result)
 
 
 def export_all(ctx: DeployContext, folder: Path) -> list[Path]:

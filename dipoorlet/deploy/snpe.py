@@ -183,12 +183,13 @@ def relu_fill_ins(ctx, ops=("Relu",)) -> dict[str, str]:
     g, acts = ctx.graph, ctx.plan.activations
     # a producer kept float (--skip_layers, --auto_skip) computes in float: no range for its
     # output (the files gave one to a skipped Conv's output, which the simulated model leaves float)
-    skipped = set(getattr(ctx.config, "skip_layers", ()) or ())
     quantized = getattr(ctx.placement, "quantized_nodes", None)
     quantizable = getattr(ctx.platform, "quantize_ops", None)
-    if quantized is not None and quantizable is not None:
+    if quantized is not None and quantizable is not None:       # the placement (skipped layers are float there)
         quantized = set(quantized)
-        skipped |= {n.name for n in g.graph.node if n.op_type in quantizable and n.name not in quantized}
+        skipped = {n.name for n in g.graph.node if n.op_type in quantizable and n.name not in quantized}
+    else:                                                        # a context built by hand
+        skipped = set(getattr(ctx.config, "skip_layers", ()) or ())
     out = {}
     for node in g.graph.node:
         if node.op_type not in ops or not node.input or not node.output:
