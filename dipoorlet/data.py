@@ -510,64 +510,117 @@ class _Rows:
         return np.frombuffer(buf, dtype=self.dtype).reshape(self.shape[1:])
 
 
-class _FortranRows:
-    """An uncompressed ``[N, ...]`` .npz member in Fortran order (``numpy.savez`` of a transposed
-    array), whose rows' values are spread over the whole member. It is copied once, a block at
-    a time, into an unlinked temporary file holding each row's values together (a row at a time
-    is then one read, as :class:`_Rows` does). A memory map of the member, the first design,
-    held every page any row had touched: peak RSS grew with the file (148.9 MB against 100.8 MB
-    for the same 48 MB of samples in C order)."""
+class _TempRows:
+    """An ``[N, ...]`` .npz member copied once into an unlinked temporary file that holds each
+    row's values together, read back a row at a time (as :class:`_Rows` reads a plain member).
 
-    BLOCK_BYTES = 4 * 2 ** 20
+    Two kinds of member need the copy. A Fortran-order member (``numpy.savez`` of a transposed
+    array) spreads every row's values over the whole member: a memory map of it held every page
+    any row had touched (peak RSS 148.9 MB against 100.8 MB for the same 48 MB of samples in C
+    order). A compressed member (``numpy.savez_compressed``) has no offset for a row at all: it
+    was read whole, so memory grew with -N. Both are streamed through, 1 MB at a time; the
+    temporary file goes with the process, whatever ends it. The copy is made on the first row
+    read, so arrays of the .npz that no model input reads are never copied."""
 
-    def __init__(self, path: Path, offset: int, shape: tuple, dtype: np.dtype):
+    BLOCK_BYTES = 2 ** 20      # 4 MB blocks left up to 20 MB of freed heap behind (glibc keeps it)
+
+    def __init__(self, path: Path, opener, shape: tuple, dtype: np.dtype, fortran: bool, compressed: bool):
+        """``opener()``: a binary stream positioned at the member's first value."""
+        self.path, self._opener, self.fortran, self.compressed = Path(path), opener, fortran, compressed
+        self.shape, self.dtype, self.ndim = tuple(shape), dtype, len(shape)
+        self.row_bytes = dtype.itemsize * int(np.prod(self.shape[1:], dtype=np.int64))
+        self.fd = None
+
+    def _copy(self):
         import tempfile
 
-        self.shape, self.dtype, self.ndim = tuple(shape), dtype, len(shape)
         n, rest = self.shape[0], int(np.prod(self.shape[1:], dtype=np.int64))
-        self.row_bytes = dtype.itemsize * rest
+        item = self.dtype.itemsize
         fd, name = tempfile.mkstemp(prefix="dipoorlet-npz-")
         os.unlink(name)                  # gone with the process, whatever ends it
+        truncated = DataError(f"{self.path} ends inside its array of {list(self.shape)}: save it again with "
+                              "numpy.savez")
+        try:
+            with self._opener() as f:
+                if not self.fortran:
+                    # C order: the member is the rows one after another
+                    total = n * self.row_bytes
+                    for at in range(0, total, self.BLOCK_BYTES):
+                        chunk = _read_exactly(f, min(self.BLOCK_BYTES, total - at))
+                        if chunk is None:
+                            raise truncated
+                        os.pwrite(fd, chunk, at)
+                else:
+                    # Fortran order: the member is the C-order [rest, n] matrix; a block of its rows
+                    # is every sample's values at those positions
+                    step = max(1, self.BLOCK_BYTES // max(1, n * item))
+                    for r0 in range(0, rest, step):
+                        k = min(step, rest - r0)
+                        raw = _read_exactly(f, k * n * item)
+                        if raw is None:
+                            raise truncated
+                        cols = np.ascontiguousarray(np.frombuffer(raw, dtype=self.dtype).reshape(k, n).T)
+                        for i in range(n):
+                            os.pwrite(fd, cols[i].tobytes(), i * self.row_bytes + r0 * item)
+        except OSError as exc:
+            os.close(fd)
+            raise DataError(f"{self.path}: cannot copy its {'compressed' if self.compressed else 'Fortran-order'} "
+                            f"array ({n * self.row_bytes / 2 ** 20:.0f} MB) to a temporary file in "
+                            f"{tempfile.gettempdir()} ({exc.strerror or exc}); set TMPDIR to a folder with room, "
+                            "or save the data with numpy.savez of C-ordered arrays, which needs no copy") from exc
+        except DataError:
+            os.close(fd)
+            raise
+        except Exception as exc:        # a compressed member that fails its CRC or does not inflate
+            os.close(fd)
+            raise DataError(f"{self.path} is not a readable .npz file ({type(exc).__name__}: {exc}); save it "
+                            "again with numpy.savez") from exc
         self.fd = fd
-        # the member is the C-order [rest, n] matrix: a block of its rows is every sample's values
-        # at those positions
-        step = max(1, self.BLOCK_BYTES // max(1, n * dtype.itemsize))
-        with open(path, "rb") as f:
-            f.seek(offset)
-            for r0 in range(0, rest, step):
-                k = min(step, rest - r0)
-                block = np.fromfile(f, dtype=dtype, count=k * n)
-                if block.size != k * n:
-                    raise DataError(f"{path} ends inside its Fortran-order array: save it again with numpy.savez")
-                cols = np.ascontiguousarray(block.reshape(k, n).T)
-                for i in range(n):
-                    os.pwrite(fd, cols[i].tobytes(), i * self.row_bytes + r0 * dtype.itemsize)
-        log.info("%s: a Fortran-order array %s copied to a temporary file of %.0f MB, to be read a sample at a "
-                 "time (numpy.savez of numpy.ascontiguousarray(arr) saves that step)", path, list(shape),
-                 n * self.row_bytes / 2 ** 20)
+        log.info("%s: a %s array %s copied to a temporary file of %.0f MB, to be read a sample at a time "
+                 "(numpy.savez of numpy.ascontiguousarray(arr) saves that step)", self.path,
+                 "compressed" if self.compressed else "Fortran-order", list(self.shape), n * self.row_bytes / 2 ** 20)
 
     def __getitem__(self, i) -> np.ndarray:
         i = int(i)
         if not 0 <= i < self.shape[0]:
             raise IndexError(f"row {i} of {self.shape[0]}")
+        if self.fd is None:
+            self._copy()
         buf = os.pread(self.fd, self.row_bytes, i * self.row_bytes)
-        return np.ascontiguousarray(np.frombuffer(buf, dtype=self.dtype).reshape(self.shape[1:], order="F"))
+        return np.ascontiguousarray(np.frombuffer(buf, dtype=self.dtype).reshape(
+            self.shape[1:], order="F" if self.fortran else "C"))
 
     def __del__(self):
         try:
-            os.close(self.fd)
+            if self.fd is not None:
+                os.close(self.fd)
         except (OSError, AttributeError):
             pass
 
 
-def _npz_arrays(path: Path) -> dict:
-    """The arrays of an .npz, read a row at a time where stored uncompressed (``numpy.savez``).
+def _read_exactly(f, size: int) -> bytes | None:
+    """``size`` bytes from the stream ``f`` (a zip member may return fewer per read), None at its end."""
+    parts, got = [], 0
+    while got < size:
+        b = f.read(size - got)
+        if not b:
+            return None
+        parts.append(b)
+        got += len(b)
+    return b"".join(parts)
 
-    ``np.load(npz)[name]`` reads the whole ``[N, ...]`` array on every access; reading each row
-    at its offset inside the zip reads only the samples a process uses, and holds one at a time
-    (:class:`_Rows`; a Fortran-order member is first copied row by row, :class:`_FortranRows`).
-    Compressed members (``savez_compressed``) cannot be read so and are read once, whole: the log
-    says so where that is large.
+
+_HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+
+
+def _npz_arrays(path: Path) -> dict:
+    """The arrays of an .npz, read a row at a time.
+
+    ``np.load(npz)[name]`` reads the whole ``[N, ...]`` array on every access. A plain member
+    (``numpy.savez`` of a C-ordered array) is read a row at a time at the row's offset inside the
+    zip (:class:`_Rows`), so only the samples a process uses are read and one is held at a time.
+    A Fortran-order or compressed member (``numpy.savez_compressed``) is first streamed into a
+    temporary file that holds each row together (:class:`_TempRows`).
     """
     import zipfile
 
@@ -577,41 +630,64 @@ def _npz_arrays(path: Path) -> dict:
             if not info.filename.endswith(".npy"):
                 continue
             name = info.filename[:-4]
-            if info.compress_type == zipfile.ZIP_STORED:
+            stored = info.compress_type == zipfile.ZIP_STORED
+            if stored:
                 raw.seek(info.header_offset)
                 header = raw.read(30)
                 n_name, n_extra = int.from_bytes(header[26:28], "little"), int.from_bytes(header[28:30], "little")
                 start = info.header_offset + 30 + n_name + n_extra
                 raw.seek(start)
                 version = np.lib.format.read_magic(raw)
-                readers = {(1, 0): np.lib.format.read_array_header_1_0,
-                           (2, 0): np.lib.format.read_array_header_2_0}
-                if version not in readers:
-                    with zf.open(info) as member:
-                        arrays[name] = np.lib.format.read_array(member, allow_pickle=False)
-                    continue
-                shape, fortran, dtype = readers[version](raw)
-                if dtype.hasobject:
-                    raise ValueError(f"array {name!r} holds Python objects")
-                # a header that claims more than the member stores would read the zip's own records as samples
-                stored = info.file_size - (raw.tell() - start)
-                if dtype.itemsize * int(np.prod(shape, dtype=np.int64)) > stored:
-                    raise ValueError(f"array {name!r} is truncated: its header says {list(shape)} but the member "
-                                     f"stores {stored} bytes")
-                if not shape:
-                    arrays[name] = np.memmap(path, dtype=dtype, mode="r", offset=raw.tell(), shape=shape)
-                elif fortran:
-                    arrays[name] = _FortranRows(Path(path), raw.tell(), shape, dtype)
-                else:
-                    arrays[name] = _Rows(Path(path), raw.tell(), shape, dtype)
+                if version in _HEADER_READERS:
+                    shape, fortran, dtype = _HEADER_READERS[version](raw)
+                    first, size = raw.tell(), info.file_size - (raw.tell() - start)
             else:
                 with zf.open(info) as member:
+                    version = np.lib.format.read_magic(member)
+                    if version in _HEADER_READERS:
+                        shape, fortran, dtype = _HEADER_READERS[version](member)
+                        first, size = member.tell(), info.file_size - member.tell()
+            if version not in _HEADER_READERS:
+                with zf.open(info) as member:
                     arrays[name] = np.lib.format.read_array(member, allow_pickle=False)
-                if arrays[name].nbytes > 256 * 2 ** 20:
-                    log.warning("%s: array %r is compressed, so it is held in memory whole (%.0f MB); save the "
-                                "data with numpy.savez (uncompressed), which is read one sample at a time",
-                                path, name, arrays[name].nbytes / 2 ** 20)
+                continue
+            if dtype.hasobject:
+                raise ValueError(f"array {name!r} holds Python objects")
+            # a header that claims more than the member stores would read the zip's own records as samples
+            if dtype.itemsize * int(np.prod(shape, dtype=np.int64)) > size:
+                raise ValueError(f"array {name!r} is truncated: its header says {list(shape)} but the member "
+                                 f"stores {size} bytes")
+            if not shape:
+                with zf.open(info) as member:
+                    arrays[name] = np.lib.format.read_array(member, allow_pickle=False)
+            elif stored and not fortran:
+                arrays[name] = _Rows(Path(path), first, shape, dtype)
+            else:
+                arrays[name] = _TempRows(Path(path), _member_opener(Path(path), info, first, stored), shape, dtype,
+                                         fortran, not stored)
     return arrays
+
+
+def _member_opener(path: Path, info, first: int, stored: bool):
+    """A function that opens the .npz member ``info`` as a stream positioned at its first value
+    (a context manager)."""
+    import contextlib
+    import zipfile
+
+    @contextlib.contextmanager
+    def open_plain():
+        with open(path, "rb") as f:
+            f.seek(first)
+            yield f
+
+    @contextlib.contextmanager
+    def open_compressed():
+        with zipfile.ZipFile(path) as zf, zf.open(info.filename) as member:
+            if _read_exactly(member, first) is None:       # past the .npy header
+                raise ValueError(f"member {info.filename!r} ends inside its header")
+            yield member
+
+    return open_plain if stored else open_compressed
 
 
 def _odd_share(raw: np.ndarray) -> float:

@@ -511,10 +511,10 @@ def test_float64_bin_for_a_static_float32_input_says_twice_as_many(tmp_path):
         src.sample(0)
 
 
-def _rss_file_kb() -> int | None:
+def _rss_file_kb(kind: str = "RssFile") -> int | None:
     try:
         for line in open("/proc/self/status"):
-            if line.startswith("RssFile:"):
+            if line.startswith(kind + ":"):
                 return int(line.split()[1])
     except OSError:
         pass
@@ -549,6 +549,45 @@ def test_fortran_ordered_npz_rows_are_read_without_keeping_the_file_resident(tmp
     for i in range(128):
         src.sample(i)
     assert _rss_file_kb() - before < 8 * 1024
+
+
+@pytest.mark.skipif(_rss_file_kb("RssAnon") is None, reason="needs Linux's /proc/self/status RssAnon")
+@pytest.mark.parametrize("fortran", [False, True])
+def test_compressed_npz_is_not_held_in_memory_whole(tmp_path, fortran, caplog):
+    """A savez_compressed member has no offset for a row: it was read whole (memory grew with
+    -N). It is streamed once into a temporary file that holds each row together, on the first
+    row read; an array no input reads (labels) is never copied."""
+    import logging
+
+    arr = np.random.default_rng(0).standard_normal((128, 1, 64, 1024)).astype(np.float32)   # 32 MB
+    np.savez_compressed(tmp_path / "calib.npz", x=np.asfortranarray(arr) if fortran else arr, labels=np.arange(128))
+    before = _rss_file_kb("RssAnon")
+    with caplog.at_level(logging.INFO, logger="dipoorlet.data"):
+        src = DataSource(tmp_path / "calib.npz", [InputSpec("x", F32, (1, 64, 1024))], 128)
+        for i in (0, 77, 127):
+            np.testing.assert_array_equal(src.sample(i)["x"], arr[i])
+        for i in range(128):
+            src.sample(i)
+    assert _rss_file_kb("RssAnon") - before < 12 * 1024
+    copies = [r.getMessage() for r in caplog.records if "copied to a temporary file" in r.getMessage()]
+    assert len(copies) == 1 and "compressed" in copies[0] and "[128, 1, 64, 1024]" in copies[0]
+
+
+def test_corrupt_compressed_npz_is_a_data_error_naming_the_file(tmp_path):
+    import zipfile
+
+    arr = rand((16, 3, 8, 8), 1)
+    np.savez_compressed(tmp_path / "c.npz", x=arr)
+    data = bytearray((tmp_path / "c.npz").read_bytes())
+    with zipfile.ZipFile(tmp_path / "c.npz") as zf:
+        info = zf.getinfo("x.npy")
+    body = info.header_offset + 30 + len(info.filename) + len(info.extra)
+    mid = body + info.compress_size // 2
+    data[mid:mid + 64] = bytes(64)          # zeros in the middle of the deflate stream
+    (tmp_path / "c.npz").write_bytes(bytes(data))
+    src = DataSource(tmp_path / "c.npz", [InputSpec("x", F32, (1, 3, 8, 8))], 16)
+    with pytest.raises(DataError, match=r"c\.npz is not a readable \.npz file .*save it again with numpy\.savez"):
+        src.sample(0)
 
 
 def test_npz_with_a_fortran_ordered_or_compressed_array_reads_the_same_rows(tmp_path):
