@@ -553,7 +553,9 @@ class _TempRows:
                 else:
                     # Fortran order: the member is the C-order [rest, n] matrix; a block of its rows
                     # is every sample's values at those positions
-                    step = max(1, self.BLOCK_BYTES // max(1, n * item))
+                    # at least 256 values per write (one write per sample per block), in at most 16 MB
+                    block = min(16 * 2 ** 20, max(self.BLOCK_BYTES, 256 * n * item))
+                    step = max(1, block // max(1, n * item))
                     for r0 in range(0, rest, step):
                         k = min(step, rest - r0)
                         raw = _read_exactly(f, k * n * item)
