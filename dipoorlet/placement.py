@@ -89,14 +89,14 @@ def weight_axis(g: Graph, node, index: int, per_channel: bool, batched: bool = T
         # one gets a per-tensor grid (a per-channel one would have C_out/group scales, which no
         # backend's per-output-channel format can express)
         return 1 if rank >= 2 and int(node_attr(node, "group", 1) or 1) == 1 else None
-    if node.op_type == "Gemm":
+    if node.op_type == "Gemm" and index == 1:
         trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
         return 0 if trans_b else 1
     if node.op_type == "MatMul" and index == 1:
         return rank - 1 if rank == 2 or (rank > 2 and batched) else None
-    # MatMul(W, x), the weight on the left (torch.matmul(W, x) exports): its output channels are
-    # W's rows, which lie along the reduction axis of no backend's per-channel MatMul format, so
-    # it gets one per-tensor grid
+    # MatMul(W, x) or Gemm(W, x), the weight on the left (torch.matmul(W, x) exports): its output
+    # channels are W's rows, which lie along the per-channel axis of no backend's MatMul or
+    # FullyConnected format, so it gets one per-tensor grid
     return None
 
 
@@ -178,10 +178,11 @@ def _one_axis_per_weight(plan: Placement) -> None:
 
 
 def left_weight(g: Graph, node, index: int) -> bool:
-    """A constant first input of a MatMul whose second input is not constant: MatMul(W, x), the
-    weight on the left (``torch.matmul(W, x)``). It is quantized as a weight; left out, the layer
-    read as quantized in the report while its weight stayed float in the model."""
-    return (node.op_type == "MatMul" and index == 0 and len(node.input) > 1
+    """A constant first input of a MatMul or Gemm whose second input is not constant: MatMul(W,
+    x) or Gemm(W, x), the weight on the left (``torch.matmul(W, x)``, ``torch.addmm(b, W, x)``).
+    It is quantized as a weight; left out, the layer read as quantized in the report while its
+    weight stayed float in the model."""
+    return (node.op_type in ("MatMul", "Gemm") and index == 0 and len(node.input) > 1
             and not g.is_constant(node.input[1]))
 
 

@@ -93,7 +93,7 @@ class Layer:
     trans_b: bool = False
 
 
-LEFT_WEIGHT = "weight on the MatMul's left (MatMul(W, x)), which the fitted rounding does not handle"
+LEFT_WEIGHT = "weight on the layer's left (MatMul(W, x) or Gemm(W, x)), which the fitted rounding does not handle"
 
 
 def wide_input(bits: int) -> str:

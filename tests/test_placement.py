@@ -309,13 +309,18 @@ def test_matmul_of_two_activations_quantizes_both_inputs(tmp_path):
     assert not any(t.name.endswith("_quantized") for t in qm.graph.initializer)
 
 
+@pytest.mark.parametrize("op", ["MatMul", "Gemm"])
 @pytest.mark.parametrize("deploy", ["trt", "qnn"])
-def test_matmul_with_its_weight_on_the_left_quantizes_that_weight(tmp_path, deploy):
-    # MatMul(W, x), as torch.matmul(W, x) exports: the weight was left float while the report
-    # counted the layer as quantized
+def test_matmul_with_its_weight_on_the_left_quantizes_that_weight(tmp_path, deploy, op):
+    # MatMul(W, x), as torch.matmul(W, x) exports, and Gemm(W, x) (torch.addmm(b, W, x)): the
+    # weight was left float while the report counted the layer as quantized
     w = rand((8, 16), 1, 0.3)
-    model = make_model([helper.make_node("MatMul", ["w", "x"], ["y"], name="mm")],
-                       [vi("x", [2, 16, 10])], [vi("y", [2, 8, 10])], {"w": w})
+    if op == "MatMul":
+        model = make_model([helper.make_node("MatMul", ["w", "x"], ["y"], name="mm")],
+                           [vi("x", [2, 16, 10])], [vi("y", [2, 8, 10])], {"w": w})
+    else:
+        model = make_model([helper.make_node("Gemm", ["w", "x"], ["y"], name="mm", transB=1)],
+                           [vi("x", [10, 16])], [vi("y", [8, 10])], {"w": w})
     _, qm = quantize_model(tmp_path, model, n=4, deploy=deploy)
     mm = node(qm, "mm")
     assert mm.input[0] == "w_dq" and is_dequantized(qm, mm.input[1])
