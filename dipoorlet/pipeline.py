@@ -240,8 +240,21 @@ def _follow_folds(cfg: QuantConfig, g: Graph) -> QuantConfig:
         log.info("%s was folded into %s (as the backends fold it); --skip_layers/--layer_bits apply to %s",
                  n, conv, conv)
     skip = tuple(dict.fromkeys(moved.get(n, n) for n in cfg.skip_layers))
-    bits = {moved.get(n, n): v for n, v in cfg.layer_bits.items() if n in moved}
-    bits.update({n: v for n, v in cfg.layer_bits.items() if n not in moved})   # the Conv's own setting wins
+    # merged field by field (bn=w3 conv=a4: w3 and a4); where both give one field, the Conv's own
+    # setting wins, with a warning
+    bits, source = {}, {}
+    for n, v in sorted(cfg.layer_bits.items(), key=lambda kv: kv[0] not in moved):   # folded nodes first
+        target = moved.get(n, n)
+        had = bits.get(target, (None, None))
+        for k, (old, new) in enumerate(zip(had, v)):
+            if old is not None and new is not None and old != new:
+                f = "wa"[k]
+                log.warning("--layer_bits asks %s%d for %s and %s%d for %s, both %s once folded; %s%d is used",
+                            f, old, source[(target, k)], f, new, n, target, f, new)
+        bits[target] = tuple(o if w is None else w for o, w in zip(had, v))
+        for k, w in enumerate(v):
+            if w is not None:
+                source[(target, k)] = n
     return dataclasses.replace(cfg, skip_layers=skip, layer_bits=bits)
 
 

@@ -1600,3 +1600,35 @@ def test_equalization_does_not_look_through_a_pad_that_moves_channels(tmp_path, 
             t = onnx.load(str(root / "out" / "transformed_model.onnx"))
             a, b = ort_run(model, feeds[0])[0], ort_run(t, feeds[0])[0]
             assert np.abs(a - b).max() <= 1e-4 * np.abs(a).max()
+
+
+@pytest.mark.parametrize("bits,want_w,want_a,clash", [
+    (["bn=w3", "conv=a4"], 3, 4, False),     # one field each: both kept (the BN's w3 was dropped)
+    (["bn=w3"], 3, None, False),
+    (["bn=w3", "conv=w5a4"], 5, 4, True),    # both give w: the Conv's own wins, with a warning
+])
+def test_layer_bits_of_a_folded_batchnorm_merge_with_the_convs_own(tmp_path, caplog, bits, want_w, want_a, clash):
+    import logging
+
+    from conftest import quantize_model
+    from onnx.numpy_helper import to_array
+
+    with caplog.at_level(logging.WARNING, logger="dipoorlet"):
+        _, qm = quantize_model(tmp_path, conv_bn(), n=4, layer_bits=bits, skip_prof_layer=True)
+    inits = {t.name: to_array(t) for t in qm.graph.initializer}
+    by_out = {o: n for n in qm.graph.node for o in n.output}
+    conv = next(n for n in qm.graph.node if n.name == "conv")
+    wq = inits[by_out[conv.input[1]].input[0]]
+    assert np.abs(wq).max() == 2 ** (want_w - 1) - 1
+    x_dq = by_out[conv.input[0]]
+    chain = [by_out[x_dq.input[0]]]                # the DQ's producer: a Clip (narrow grid) or the Q
+    if want_a is None:
+        assert chain[0].op_type == "QuantizeLinear"
+    else:
+        clip = chain[0]
+        assert clip.op_type == "Clip"
+        assert (inits[clip.input[1]], inits[clip.input[2]]) == (-2 ** (want_a - 1), 2 ** (want_a - 1) - 1)
+    warned = [r.getMessage() for r in caplog.records if "both conv once folded" in r.getMessage()]
+    assert bool(warned) == clash
+    if clash:
+        assert "w3 for bn and w5 for conv" in warned[0] and "w5 is used" in warned[0]
