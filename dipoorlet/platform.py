@@ -215,8 +215,12 @@ def parse(data: dict, source: str) -> Platform:
         if op in ("Conv", "ConvTranspose", "Gemm") and index == 2:
             raise ConfigError(f"platform spec {source} [ops]: weights {op} = 2 names its bias ([bias] quantize "
                               f"decides biases); give the index of its weight input, 1")
+    if "share_scale" in ops:
+        _check_op_types(ops["share_scale"], source + " [ops] share_scale")
     fusion = data["fusion"]
     _known(fusion, _FUSION_KEYS, source + " [fusion]")
+    for key, names in fusion.items():      # a typo ('ReLU') silently moved Q/DQ
+        _check_op_types(names, f"{source} [fusion] {key}")
     _known(data["bias"], {"quantize": bool}, source + " [bias]")
     from dipoorlet.deploy import FORMATS
     for fmt in data["deploy"]:

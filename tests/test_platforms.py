@@ -271,6 +271,15 @@ def test_user_spec_from_a_path(case, tmp_path):
     (lambda s: s.replace("weights = { Conv = 1,", "weights = { LinearRegressor = 0, Conv = 1,"),
      "LinearRegressor: not an op of the default ONNX domain"),
     (lambda s: s.replace("weights = { Conv = 1,", "weights = { Conv = 2,"), "weights Conv = 2 names its bias"),
+    # op names in the fusion lists and share_scale: a typo silently moved Q/DQ (found by a bug hunt)
+    (lambda s: s.replace('pad_into = ["Conv"', 'pad_into = ["conv"'),
+     "[fusion] pad_into: 'conv' (did you mean 'Conv'?)"),
+    (lambda s: s.replace('residual_add_producers = ["Conv"', 'residual_add_producers = ["conv"'),
+     "[fusion] residual_add_producers: 'conv' (did you mean 'Conv'?)"),
+    (lambda s: s.replace('residual_add_float_before = ["LayerNormalization"]', 'residual_add_float_before = ["LayerNorm"]'),
+     "[fusion] residual_add_float_before: 'LayerNorm' is not an ONNX op type"),
+    (lambda s: s.replace("[fusion]", 'share_scale = ["Maxpool"]\n\n[fusion]'),
+     "[ops] share_scale: 'Maxpool' (did you mean 'MaxPool'?)"),
 ])
 def test_bad_user_spec_names_the_key(tmp_path, edit, needle):
     spec = tmp_path / "bad.toml"
