@@ -402,14 +402,20 @@ def plan_activations(stats, cfg: QuantConfig, plat, places=None) -> QuantPlan:
         owners = list(point.owners) if point is not None else []
         if point is not None and point.output and t in places.output_owners:
             owners.append(places.output_owners[t])
-        bits = [cfg.layer_bits[o][1] for o in owners if o in cfg.layer_bits and cfg.layer_bits[o][1]]
+        asked = {o: cfg.layer_bits[o][1] for o in owners if o in cfg.layer_bits and cfg.layer_bits[o][1]}
+        bits = list(asked.values())
         # readers asking different widths share one grid: 16 bits where one asks for it (as in
-        # shared MaxPool/Concat groups), else the narrowest
-        pick = (max(bits) if max(bits) > 8 else min(bits)) if bits else cfg.a_bits
-        if len(set(bits)) > 1:   # an explicit NODE=aM does not stand here: say so
-            asked = {o: cfg.layer_bits[o][1] for o in owners if o in cfg.layer_bits and cfg.layer_bits[o][1]}
+        # shared MaxPool/Concat groups), else the narrowest; a reader that asks nothing asks for
+        # --a_bits or the backend's width (--a_bits 16 with conv=a8 kept the other reader at 16)
+        default = cfg.a_bits or plat.activation.bits
+        plain = [o for o in dict.fromkeys(owners) if o not in asked]
+        widths = bits + ([default] if plain and bits else [])
+        pick = (max(widths) if max(widths) > 8 else min(widths)) if bits else cfg.a_bits
+        # an explicit NODE=aM that does not stand here, or a reader narrowed below its width: say so
+        if any(b != pick for b in bits) or (plain and bits and pick < default):
+            readers = [f"{o}: {b}" for o, b in asked.items()] + [f"{o}: {default} (asked nothing)" for o in plain]
             log.warning("%s is read by layers asking different activation widths (%s); one grid serves them "
-                        "all: %d bits", t, ", ".join(f"{o}: {b}" for o, b in asked.items()), pick)
+                        "all: %d bits", t, ", ".join(readers), pick)
         rule = rule_for(plat.activation, pick)
         nonneg = rule.unsigned_nonnegative and st.minmax.lo >= 0
         qmin, qmax = levels(rule)

@@ -201,14 +201,20 @@ def share_scales(graph, plan: QuantPlan, ops) -> int:
         # narrowest wins (a4 asked for one member holds for the grid they share)
         wide = [r for r in rules if r.bits > 8]
         rule = max(wide, key=lambda r: r.bits) if wide else min(rules, key=lambda r: r.bits)
-        lost = sorted(t for t in members if plan.asked_bits.get(t, rule.bits) < rule.bits)
-        if lost:   # --layer_bits asked a narrower width for a member than the grid they share
+        # members whose --layer_bits width does not stand, and members nobody asked for that the
+        # group narrows below their own width (one widened to 16 bits is what a16 asks)
+        lost = {t: plan.asked_bits[t] if t in plan.asked_bits else plan.rules[t].bits for t in members
+                if t in plan.rules and (plan.asked_bits[t] != rule.bits if t in plan.asked_bits
+                                        else plan.rules[t].bits > rule.bits)}
+        if lost:
+            named = sorted(lost)
             logging.getLogger("dipoorlet").warning(
                 "--layer_bits: %s share one grid with %d other tensor(s) (pass-through ops keep their "
-                "input's grid on this backend) and take its %d bits, not the %s asked; give every "
-                "reader of the group the same width to change it", ", ".join(lost[:4]),
-                len(members) - len(lost), rule.bits,
-                "/".join(str(b) for b in sorted({plan.asked_bits[t] for t in lost})))
+                "input's grid on this backend) and take its %d bits, not the %s %s; give every "
+                "reader of the group the same width to change it",
+                ", ".join(named[:4]) + (f" and {len(named) - 4} more" if len(named) > 4 else ""),
+                len(members) - len(lost), rule.bits, "/".join(str(b) for b in sorted(set(lost.values()))),
+                "asked" if all(t in plan.asked_bits for t in lost) else "asked or their own")
         shared = make_qparams(lo, hi, rule)
         for t in members:
             plan.activations[t] = shared

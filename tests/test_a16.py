@@ -304,12 +304,31 @@ def test_a_narrower_width_lost_to_a_shared_grid_is_warned(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="dipoorlet"):
         _, _, qm, _ = _run(tmp_path, tiny_cnn(), a_bits=16, layer_bits={"conv2": (None, 8)})
     assert _zero_points(qm)["p1"].dtype == np.uint16
-    assert any("p1 share one grid" in r.getMessage() and "not the 8 asked" in r.getMessage()
-               for r in caplog.records)
+    # p1's other reader, the residual Add, asked nothing, that is --a_bits' 16
+    assert any("p1 is read by layers asking different activation widths" in r.getMessage()
+               and "conv2: 8" in r.getMessage() and "(asked nothing)" in r.getMessage()
+               and "16 bits" in r.getMessage() for r in caplog.records)
     caplog.clear()
     with caplog.at_level("WARNING", logger="dipoorlet"):   # a16 asked for one member: no request lost
         _run(tmp_path / "b", tiny_cnn(), layer_bits={"conv2": (None, 16)})
     assert not any("share one grid" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("a_bits,asked,want", [(16, 8, np.uint16), (None, 4, np.uint8)])
+def test_a_reader_that_asks_no_width_counts_at_the_default(tmp_path, caplog, a_bits, asked, want):
+    """A tensor read by conv2 (which asks a width) and by the residual Add (which asks none):
+    the Add asks for --a_bits or the backend's width. --a_bits 16 with conv2=a8 put both on 8
+    bits without a word; conv2=a4 narrows the Add's input to 4 bits, and the log now says so."""
+    kw = {"a_bits": a_bits} if a_bits else {}
+    with caplog.at_level("WARNING", logger="dipoorlet"):
+        _, _, qm, _ = _run(tmp_path, tiny_cnn(), layer_bits={"conv2": (None, asked)}, **kw)
+    assert _zero_points(qm)["p1"].dtype == want
+    msgs = [r.getMessage() for r in caplog.records if r.getMessage().startswith("p1 is read by layers asking")]
+    assert len(msgs) == 1 and f"conv2: {asked}" in msgs[0] and f"{a_bits or 8} (asked nothing)" in msgs[0]
+    assert msgs[0].endswith(f"{16 if a_bits else asked} bits")
+    if not a_bits:      # the MaxPool's input r1 shares p1's grid: narrowed below its own 8 bits
+        shared = [r.getMessage() for r in caplog.records if "share one grid" in r.getMessage()]
+        assert len(shared) == 1 and shared[0].startswith("--layer_bits: r1 share") and "not the 8 asked or their own" in shared[0]
 
 
 def _two_layers(op):

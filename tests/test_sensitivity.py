@@ -722,7 +722,7 @@ def test_weight_advice_does_not_name_gptq_for_a_layer_it_would_leave_alone(tmp_p
         model = make_model([helper.make_node("MatMul", ["w", "x"], ["y"], name="mm")], [vi("x", [1, 16, 10])],
                            [vi("y", [1, 8, 10])], {"w": rand((8, 16), 1, 0.3)})
         kw = {"deploy": "trt", "layer_bits": {"mm": (2, None)}}
-        node, why = "mm", "MatMul's left"
+        node, why = "mm", "weight on the layer's left (MatMul(W, x)"
     else:
         model = make_model([helper.make_node("Conv", ["x", "w"], ["y"], name="conv", pads=[1] * 4)],
                            [vi("x", [1, 3, 8, 8])], [vi("y", [1, 4, 8, 8])], {"w": rand((4, 3, 3, 3), 1, 0.3)})
