@@ -275,6 +275,8 @@ def summary(result, cfg) -> str:
     rows = [[output_label(o, rep), o["cosine"], o["min_cosine"], o["sqnr_db"]] for o in rep["outputs"]]
     if rep.get("profile_data"):
         lines.append(f"error profile over {profile_source(rep)}:")
+    elif rep.get("profile_samples", rep["samples"]) < rep["samples"]:
+        lines.append(f"error profile over {rep['profile_samples']} of them, spread evenly (--prof_samples):")
     lines.append(table(["network output", "mean cos", "min cos", "SQNR dB"], rows))
     if any(o.get("cosine_over_samples") for o in rep["outputs"]):
         lines.append("* fewer than 8 values per sample: one cosine over all samples' values together")

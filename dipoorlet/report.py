@@ -215,7 +215,10 @@ def build(rows, places, meta: dict, analysis: dict | None = None, stats=None, pl
 
 
 def table(headers, body) -> str:
-    cells = [list(map(str, headers))] + [["-" if c is None else str(c) for c in row] for row in body]
+    # a '|' inside a cell ends it in every Markdown table renderer (the header "max |err|" turned
+    # GitHub's rendering of the outputs table into a paragraph of pipes)
+    cell = lambda c: "-" if c is None else str(c).replace("|", "\\|")
+    cells = [list(map(cell, headers))] + [[cell(c) for c in row] for row in body]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     fmt = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
@@ -230,9 +233,7 @@ def _iso(layer, key="isolated"):
 def markdown(report: dict) -> str:
     out = [f"# dipoorlet report: {report['model']}", "",
            f"platform `{report['platform']}`, method `{report['method']}`, {report['samples']} samples"
-           + (f" (error profile over {profile_source(report)})" if report.get("profile_data") else
-              f" (error profile over {report['profile_samples']} of them, spread evenly)"
-              if report.get("profile_samples", report["samples"]) < report["samples"] else "") + ", "
+           + profile_note(report) + ", "
            f"{report['quantized_nodes']} quantized nodes, {report['qdq_tensors']} Q/DQ activations"
            + (f" ({report['qdq_tensors_16bit']} on 16-bit grids)" if report.get('qdq_tensors_16bit') else ""), "",
            "## Network outputs", "",
@@ -284,11 +285,22 @@ def markdown(report: dict) -> str:
     if a:
         out += _auto_section("auto_w8", a, ", as written", "weights on 8-bit grids", a["w8_layers"],
                              a.get("after_measured") or a["after_estimated"], "")
-    skipped = [d for d in report["decisions"] if not d["quantized"] and "not quantized on" not in d["reason"]]
+    skipped, more = kept_float(report)
     if skipped:
         out += ["", "## Nodes kept in float, and why", "",
-                table(["node", "op", "reason"], [[d["node"], d["op_type"], d["reason"]] for d in skipped[:50]])]
+                table(["node", "op", "reason"], [[d["node"], d["op_type"], d["reason"]] for d in skipped])]
+        if more:
+            out += ["", f"… and {more} more (report.json's decisions list every node)"]
     return "\n".join(out) + "\n"
+
+
+def profile_note(report: dict) -> str:
+    """" (error profile over ...)" where the profile did not read all the calibration samples, else ""."""
+    if report.get("profile_data"):
+        return f" (error profile over {profile_source(report)})"
+    if report.get("profile_samples", report["samples"]) < report["samples"]:
+        return f" (error profile over {report['profile_samples']} of them, spread evenly)"
+    return ""
 
 
 def profile_source(report: dict) -> str:
@@ -322,10 +334,38 @@ def _clipped_section(report: dict) -> list[str]:
 
 
 def _auto_section(name, a, how, label, layers, after, note) -> list[str]:
-    """The markdown lines of an --auto_skip / --auto_a16 result."""
-    return ["", f"## {name}: target {a['criterion']} ≥ {a['target']} ({'met' if a['met'] else 'NOT met'}{how})", "",
-            f"{label}: {', '.join(layers) or 'none'}; output cosine {a['before']['cosine']} → {after['cosine']}, "
-            f"SQNR {a['before']['sqnr_db']} → {after['sqnr_db']} dB{note}"]
+    """The markdown lines of an --auto_skip / --auto_a16 / --auto_w8 result, with one row per trial."""
+    lines = ["", f"## {name}: target {a['criterion']} ≥ {a['target']} ({'met' if a['met'] else 'NOT met'}{how})", "",
+             f"{label}: {', '.join(layers) or 'none'}; output cosine {a['before']['cosine']} → {after['cosine']}, "
+             f"SQNR {a['before']['sqnr_db']} → {after['sqnr_db']} dB{note}"]
+    head, rows = auto_trials(name, a)
+    if rows:
+        lines += ["", table(head, rows)]
+    return lines
+
+
+def auto_trials(name: str, a: dict) -> tuple[list, list]:
+    """The trial table of an --auto_skip / --auto_a16 / --auto_w8 result: headers and rows."""
+    r = lambda v, k: None if v is None else round(v, k)
+    steps = a.get("steps") or []
+    if name == "auto_skip":
+        return (["step", "layer tried in float", "output cosine", "SQNR dB", "kept float"],
+                [[i + 1, s["float_layer"], r(s["cosine"], 6), r(s["sqnr_db"], 2), "yes" if s.get("kept") else "no gain"]
+                 for i, s in enumerate(steps)])
+    key, what = ("a16_layers", "most sensitive layers at 16 bits") if name == "auto_a16" else \
+        ("w8_layers", "most sensitive layers with 8-bit weights")
+    return (["trial", what, "output cosine", "SQNR dB"],
+            [[i + 1, s.get(key), r(s["cosine"], 6), r(s["sqnr_db"], 2)] for i, s in enumerate(steps)])
+
+
+KEPT_FLOAT_ROWS = 200     # report.md / report.html list at most this many float nodes (report.json all)
+
+
+def kept_float(report: dict) -> tuple[list, int]:
+    """The nodes kept float for a reason the reader can act on (not "not quantized on <backend>"),
+    at most KEPT_FLOAT_ROWS, and how many more there are."""
+    skipped = [d for d in report.get("decisions", []) if not d["quantized"] and "not quantized on" not in d["reason"]]
+    return skipped[:KEPT_FLOAT_ROWS], max(0, len(skipped) - KEPT_FLOAT_ROWS)
 
 
 def _transforms(report: dict) -> list[str]:

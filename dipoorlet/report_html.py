@@ -87,14 +87,17 @@ def bar_plot(counts, lo, hi, title, clip=None, width=420, height=170) -> str:
     return "".join(parts)
 
 
-def _auto_section(name, a, how, label, layers, after, note, head, rows) -> list[str]:
-    """The HTML of an --auto_skip / --auto_a16 result: heading, summary, one row per trial."""
+def _auto_section(name, a, how, label, layers, after, note) -> list[str]:
+    """The HTML of an --auto_skip / --auto_a16 / --auto_w8 result: heading, summary, one row per trial."""
+    from dipoorlet.report import auto_trials
+
     status = '<span class=ok>met</span>' if a["met"] else '<span class=bad>not met</span>'
+    head, rows = auto_trials(name, a)
     return [f"<h2>{name}: {esc(a['criterion'])} ≥ {esc(a['target'])} — {status}{how}</h2>",
             f"<p>{label}: <b>{esc(', '.join(layers) or 'none')}</b>; output cosine "
             f"{_fmt(a['before']['cosine'], 6)} → {_fmt(after['cosine'], 6)}, SQNR "
             f"{_fmt(a['before']['sqnr_db'], 2)} → {_fmt(after['sqnr_db'], 2)} dB{note}</p>",
-            _table(head, rows)]
+            _table(head, [["-" if c is None else esc(str(c)) for c in row] for row in rows])]
 
 
 def _table(headers, rows) -> str:
@@ -112,13 +115,15 @@ def _cos_cell(v, bar=0.999):
 def html(rep: dict) -> str:
     from dipoorlet.report import output_label
 
+    from dipoorlet.report import profile_note
+
     layers = rep.get("layers", [])
     by_node = {l["node"]: l for l in layers}
     out = [f"<!doctype html><html><head><meta charset=utf-8><title>dipoorlet report</title>"
            f"<style>{CSS}</style></head><body>",
            f"<h1>Quantization report: {esc(rep['model'])}</h1>",
            f"<p>platform <b>{esc(rep['platform'])}</b>, activation ranges <b>{esc(rep['method'])}</b>, "
-           f"{esc(rep['samples'])} calibration samples; {esc(rep['quantized_nodes'])} nodes quantized, "
+           f"{esc(rep['samples'])} calibration samples{esc(profile_note(rep))}; {esc(rep['quantized_nodes'])} nodes quantized, "
            f"{esc(rep['qdq_tensors'])} activations with Q/DQ.</p>",
            "<h2>Network outputs</h2>",
            _table(["output", "mean cosine", "min cosine", "SQNR dB", "max |err|"],
@@ -154,25 +159,17 @@ def html(rep: dict) -> str:
                 *[f"<li>{esc(line[2:])}</li>" for line in transforms if line.startswith("- ")], "</ul>"]
     a = rep.get("auto_skip")
     if a:
-        out += _auto_section("auto_skip", a, "", "kept in float", a["float_layers"], a["after"], "",
-                             ["step", "layer tried in float", "output cosine", "SQNR dB", "kept float"],
-                             [[i + 1, esc(s["float_layer"]), _fmt(s["cosine"], 6), _fmt(s["sqnr_db"], 2),
-                               "yes" if s.get("kept") else "no gain"] for i, s in enumerate(a["steps"])])
+        out += _auto_section("auto_skip", a, "", "kept in float", a["float_layers"], a["after"], "")
     a = rep.get("auto_a16")
     if a:
         out += _auto_section("auto_a16", a, " (estimated)", "inputs on 16-bit grids", a["a16_layers"],
                              a["after_estimated"], " in the search (the outputs table measures the "
-                             "model as written)",
-                             ["trial", "most sensitive layers at 16 bits", "output cosine", "SQNR dB"],
-                             [[i + 1, s["a16_layers"], _fmt(s["cosine"], 6), _fmt(s["sqnr_db"], 2)]
-                              for i, s in enumerate(a["steps"])])
+                             "model as written)")
     a = rep.get("auto_w8")
     if a:
         out += _auto_section("auto_w8", a, " (as written)" if a.get("after_measured") else " (estimated)",
                              "weights on 8-bit grids", a["w8_layers"], a.get("after_measured") or a["after_estimated"],
-                             "", ["trial", "most sensitive layers with 8-bit weights", "output cosine", "SQNR dB"],
-                             [[i + 1, s.get("w8_layers"), _fmt(s["cosine"], 6), _fmt(s["sqnr_db"], 2)]
-                              for i, s in enumerate(a["steps"])])
+                             "")
     if rep.get("diagnosis"):
         out += ["<h2>What limits accuracy, and what to do</h2><ul>",
                 *[f"<li><b>{esc(d['node'])}</b> ({esc(d['op_type'])}, isolated output cosine "
@@ -212,10 +209,14 @@ def html(rep: dict) -> str:
                 "large values hurt per-tensor weight quantization</p>",
                 _table(["node", "channels", "spread"],
                        [[esc(w["node"]), w["channels"], _fmt(w["spread"], 2)] for w in rep["weight_spread"]])]
-    skipped = [d for d in rep.get("decisions", []) if not d["quantized"] and "not quantized on" not in d["reason"]]
+    from dipoorlet.report import kept_float
+
+    skipped, more = kept_float(rep)
     if skipped:
         out += ["<h2>Nodes kept in float</h2>",
                 _table(["node", "op", "reason"], [[esc(d["node"]), esc(d["op_type"]), esc(d["reason"])]
-                                                  for d in skipped[:100]])]
+                                                  for d in skipped])]
+        if more:
+            out.append(f"<p class=muted>… and {more} more (report.json's decisions list every node)</p>")
     out.append("</body></html>")
     return "\n".join(out)

@@ -178,6 +178,12 @@ def test_auto_a16_promotes_the_chosen_layers_inputs_and_replans_their_biases(tmp
         for i in nodes[layer].input:
             if i.endswith("_dq") and not i.startswith(("w", "b")):
                 assert i[:-3] in wide, (layer, i)
+    # every trial is listed in report.md (as the README says) and report.html, with its figures
+    md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
+    section = md.split("## auto_a16")[1].split("\n## ")[0]
+    for i, step in enumerate(rep["steps"]):
+        assert f"| {i + 1} " in section and str(round(step["cosine"], 6)) in section
+        assert f"<tr><td>{i + 1}</td><td>{step['a16_layers']}</td><td>{round(step['cosine'], 6)}</td>" in page
     scales = {t.name[:-6]: numpy_helper.to_array(t) for t in qm.graph.initializer if t.name.endswith("_scale")}
     for conv, x, w, b in (("conv1", "x", "w1", "b1"), ("conv2", "p1", "w2", "b2")):
         if conv in rep["a16_layers"]:            # its int32 bias on the 16-bit input's scale

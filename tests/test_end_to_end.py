@@ -288,17 +288,63 @@ def test_a_failed_rerun_keeps_the_log_of_the_outputs_in_the_folder(tmp_path):
     assert f"dipoorlet: error: {exc.value}" in (out / "dipoorlet.failed.log").read_text()
 
 
-def test_profile_reads_prof_samples_spread_over_n_and_savefp_all(tmp_path):
+def test_profile_reads_prof_samples_spread_over_n_and_savefp_all(tmp_path, capsys):
     """--prof_samples 2 of N: the report's output cosine is the mean over samples 0 and N // 2
-    (onnxruntime oracle) and says how many it read. (With --savefp, which saves every sample's
-    float outputs, it is refused: test_cli_errors.)"""
+    (onnxruntime oracle) and says how many it read, in report.md, report.html and the console
+    summary. (With --savefp, which saves every sample's float outputs, it is refused:
+    test_cli_errors.)"""
     model, feeds, out = run_cli(tmp_path / "a", extra=["--prof_samples", "2"])
+    assert "error profile over 2 of them, spread evenly" in (out / "report.html").read_text()
+    assert "error profile over 2 of them, spread evenly" in capsys.readouterr().err
     report = json.loads((out / "report.json").read_text())
     assert report["profile_samples"] == 2 and report["samples"] == len(feeds)
     fp, qs = ort_session(model), ort_session(out / "quant_model.onnx")
     cosines = [_cosine(fp.run(None, f)[0], qs.run(None, f)[0]) for f in (feeds[0], feeds[len(feeds) // 2])]
     assert report["outputs"][0]["cosine"] == pytest.approx(np.mean(cosines), abs=1e-6)
     assert "error profile over 2 of them, spread evenly" in (out / "report.md").read_text()
+
+
+def _md_cells(line: str) -> int:
+    """Cells of a Markdown table row: '|' not escaped by a backslash separate them."""
+    import re
+
+    return len(re.findall(r"(?<!\\)\|", line)) - 1
+
+
+def test_report_md_tables_have_one_cell_per_header(run):
+    # the outputs table's "max |err|" header made 7 cells against the separator's 5: GitHub
+    # rendered the main table as a paragraph of pipes
+    _, _, out = run
+    lines = (out / "report.md").read_text().splitlines()
+    tables = 0
+    for i, line in enumerate(lines):
+        if line.startswith("|-"):
+            tables += 1
+            width = _md_cells(line)
+            k = i - 1
+            while k < len(lines) and lines[k].startswith("|"):
+                assert _md_cells(lines[k]) == width, lines[k]
+                k += 1
+    assert tables >= 3 and "max \\|err\\|" in lines[[l.startswith("| output") for l in lines].index(True)]
+
+
+def test_report_lists_many_float_nodes_with_a_count_of_the_rest(run):
+    """report.md cut the kept-float list at 50 and report.html at 100, silently; both now list
+    up to report.KEPT_FLOAT_ROWS and say how many more report.json holds."""
+    from dipoorlet import report as rp
+    from dipoorlet.report_html import html
+
+    _, _, out = run
+    rep = json.loads((out / "report.json").read_text())
+    rep["decisions"] = [d for d in rep["decisions"] if d["quantized"]]
+    rep["decisions"] += [{"node": f"n{i}", "op_type": "Conv", "quantized": False, "reason": "skipped by --skip_layers"}
+                         for i in range(rp.KEPT_FLOAT_ROWS + 30)]
+    md, page = rp.markdown(rep), html(rep)
+    last, first_left_out = f"n{rp.KEPT_FLOAT_ROWS - 1}", f"n{rp.KEPT_FLOAT_ROWS}"
+    assert f"| {last} " in md and f"| {first_left_out} " not in md
+    assert f"<td>{last}</td>" in page and f"<td>{first_left_out}</td>" not in page
+    for text in (md, page):
+        assert "… and 30 more (report.json's decisions list every node)" in text
 
 
 def test_python_api_profile_and_quantize_can_be_called_again(tmp_path):
