@@ -147,6 +147,11 @@ class QuantConfig:
                 raise ConfigError(f"{name} must be a name or a list of them, got {type(value).__name__} {value!r}")
         if not isinstance(self.act_quant, str):
             raise ConfigError(f"-A must be a method name, got {self.act_quant!r}; one of {', '.join(sorted(RANGE_METHODS))}")
+        if not isinstance(self.deploy, (str, os.PathLike)):
+            from dipoorlet.platform import available
+
+            raise ConfigError(f"-D must be a backend name or the path of a .toml spec, got {self.deploy!r}; one of "
+                              f"{', '.join(available())}")
         object.__setattr__(self, "model", Path(self.model))
         object.__setattr__(self, "input_dir", Path(self.input_dir))
         out = Path(self.output_dir) if self.output_dir else self.model.parent / "results"

@@ -395,7 +395,9 @@ def test_python_api_takes_the_clis_long_flag_names(tmp_path):
                        # wrong types: one line each, not a TypeError from deep inside
                        ({"threshold": None}, ["--threshold", "None"]), ({"percentile": "99"}, ["--percentile", "'99'"]),
                        ({"output_dir": 3}, ["-O must be a path", "int"]), ({"skip_layers": 3}, ["skip_layers", "int"]),
-                       ({"model": model}, ["-M must be a path", "onnx.save"])):
+                       ({"model": model}, ["-M must be a path", "onnx.save"]),
+                       ({"deploy": None}, ["-D must be a backend name", "got None", "trt"]),   # was a TypeError
+                       ({"deploy": 3}, ["-D must be a backend name", "got 3"])):
         with pytest.raises(DipoorletError) as err:
             dipoorlet.quantize(**{"model": model_path, "input_dir": data, "data_num": N, "output_dir": tmp_path / "bad",
                                   **bad})
