@@ -251,11 +251,20 @@ def _layout(tg, learn_pos: list[int]):
 def reconstruct_blocks(g, places, plan, data, indices, comm, iters: int, drop: bool,
                        shifted=(), batch: int | None = None, lsq: bool = False) -> dict:
     """Fit the rounding of every Conv/ConvTranspose/Gemm/MatMul weight block by block; results go
-    into ``plan.values`` (owned by the layer). Returns the summary for report.json."""
-    from dipoorlet.pipeline import is_bias
-    from dipoorlet.torch_graph import TorchGraph, import_torch
+    into ``plan.values`` (owned by the layer). Returns the summary for report.json. The fit seeds
+    torch's random generator; the caller's generator state is restored afterwards (an API caller's
+    next torch.rand was the seeded sequence's)."""
+    from dipoorlet.torch_graph import import_torch
 
     torch = import_torch()
+    with torch.random.fork_rng():
+        return _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop, shifted, batch, lsq)
+
+
+def _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop, shifted, batch, lsq) -> dict:
+    from dipoorlet.pipeline import is_bias
+    from dipoorlet.torch_graph import TorchGraph
+
     t0 = time.perf_counter()
     qmodel = insert_qdq(g, places, plan)
     qnodes = {n.name: n for n in qmodel.graph.node}

@@ -508,3 +508,19 @@ def test_lsq_keeps_shared_and_power_of_two_grids(tmp_path, deploy):
     assert rep["lsq"]["learned"] >= 1
     np.testing.assert_array_equal(initializer(q, "r1_scale"), initializer(q, "p1_scale"))
     np.testing.assert_array_equal(initializer(q, "r1_zero_point"), initializer(q, "p1_zero_point"))
+
+
+def test_brecq_leaves_the_callers_torch_random_state_alone(tmp_path):
+    """The fit seeds torch's generator; an API caller's next torch.rand was then the seeded
+    sequence's instead of its own (found by a bug hunt)."""
+    model = tiny_cnn()
+    path = save(model, tmp_path / "m.onnx")
+    data = write_samples(tmp_path / "data", input_feeds(model, 4, seed=2))
+    torch.manual_seed(1234)
+    torch.rand(3)
+    want = torch.rand(3)
+    torch.manual_seed(1234)
+    torch.rand(3)
+    dipoorlet.quantize(model=path, input_dir=data, data_num=4, deploy="trt", output_dir=tmp_path / "o",
+                       act_quant="minmax", skip_prof_layer=True, brecq=True, ada_iters=5)
+    assert torch.equal(torch.rand(3), want)
