@@ -1226,7 +1226,10 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, pl
             out["_scorer"] = scorer
     if out.get("auto_skip") is not None and not out["auto_skip"].met:
         a = out["auto_skip"]
-        if len(a.float_layers) >= cfg.max_float_layers:
+        if a.last_kept:
+            more = (f"every other layer is float, and {a.last_kept}, the last with a grid, stays quantized (a model "
+                    "without one is the float model; the target is tighter than one quantized layer allows)")
+        elif len(a.float_layers) >= cfg.max_float_layers:
             more = "a larger --max_float_layers may meet it"
         elif len(a.steps) >= a.candidates:
             # every layer tried: advice to allow more float layers cannot help (it said so)

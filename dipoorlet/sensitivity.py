@@ -257,6 +257,7 @@ class AutoSkipResult:
     met: bool = False
     candidates: int = 0    # layers the search could choose from (--auto_a16: not the fixed ones)
     measured: OutputScore | None = None    # --auto_a16: the promoted model as written
+    last_kept: str | None = None    # --auto_skip: a layer not tried, the last one with a grid
 
 
 def parse_target(text: str, flag: str = "--auto_skip", any_cosine: bool = False) -> tuple[str, float]:
@@ -298,6 +299,13 @@ def auto_skip(graph, places, plan, scorer: Scorer, sens: list[LayerSensitivity],
         if current.value(criterion) >= target or len(res.float_layers) >= max_layers:
             break
         keep = [n for n in quantized if n not in res.float_layers and n != node]
+        left = places.restrict(keep)
+        if not left.activations and not left.weights:
+            # the last layer with a grid: keeping it float too would leave a float model (written
+            # with no Q/DQ, its target "met"), which --skip_layers of the same layers refuses
+            log.info("auto_skip: %s stays quantized: it is the last layer with a grid", node)
+            res.last_kept = node
+            continue
         trial = scorer.score_variant(places, plan, keep, keep)
         helped = trial.rank(criterion) > current.rank(criterion)   # NaN: the worst
         res.steps.append({"float_layer": node, "cosine": trial.cosine, "sqnr_db": trial.sqnr_db,

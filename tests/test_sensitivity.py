@@ -116,6 +116,26 @@ def test_auto_skip_reports_not_met_when_capped(tmp_path):
     assert not a["met"] and len(a["float_layers"]) <= 1
 
 
+def test_auto_skip_never_writes_the_float_model(tmp_path, caplog, deploy="trt"):
+    """A target only the float model meets, with room for every layer to go float: the search
+    kept them all float and wrote a model without one Q/DQ, 'met', exit 0 (--skip_layers of the
+    same layers is refused as nothing quantizable). The last layer with a grid stays quantized."""
+    import logging
+
+    model = make_model([helper.make_node("Conv", ["x", "w1"], ["c"], name="conv1", pads=[1] * 4),
+                        helper.make_node("Conv", ["c", "w2"], ["y"], name="conv2", pads=[1] * 4)],
+                       [vi("x", [1, 3, 8, 8])], [vi("y", [1, 4, 8, 8])],
+                       {"w1": rand((6, 3, 3, 3), 1, 0.3), "w2": rand((4, 6, 3, 3), 2, 0.3)})
+    with caplog.at_level(logging.INFO, logger="dipoorlet"):
+        result, qm = quantize_model(tmp_path, model, n=4, sens_samples=4, deploy=deploy, equalize=False,
+                                    auto_skip="cosine:1.0", max_float_layers=20)
+    a = result.report["auto_skip"]
+    assert not a["met"]
+    assert any(n.op_type == "QuantizeLinear" for n in qm.graph.node) and result.report["qdq_tensors"] >= 1
+    assert any("the last layer with a grid" in r.getMessage() for r in caplog.records)
+    assert any("stays quantized (a model without one is the float model" in r.getMessage() for r in caplog.records)
+
+
 def test_weight_and_activation_split_for_the_worst_layer(tmp_path):
     result, _ = quantize_model(tmp_path, sensitive_model(), n=4, sens_samples=4, equalize=False)
     conv2 = next(s for s in result.report["sensitivity"] if s["node"] == "conv2")
