@@ -190,6 +190,13 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
     # ``indices`` this one's share), the clip from all N: say so
     n_samples = samples if samples is not None else len(list(indices))
     rescaled = {n for r in equalized for n in [r.get("producer"), *r.get("absorbers", [])] if n}
+    from dipoorlet.sensitivity import grid_copies, grid_partners
+
+    copies = grid_copies(g, places, plan)           # B -> (A, c): B's grid is A's times c
+    copied = {}
+    for b, (a, c) in copies.items():
+        copied.setdefault(a, (b, c))
+    partners = grid_partners(g, places, plan)
     rows = []
     for s in worst:
         row = {"node": s.node, "op_type": s.op_type, "isolated_cosine": s.isolated.cosine,
@@ -223,6 +230,10 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
                     a["channel_spread"] = float(live.max() / np.median(live))
                     a["channel_samples"] = n_samples
                     a["channel_held_out"] = held_out
+            if t in copies:
+                a["grid_copy_of"], a["grid_factor"] = copies[t]
+            elif t in copied:
+                a["grid_copied_to"], a["grid_factor"] = copied[t]
             if t in owned_outputs:
                 a["output"] = True       # its own output's grid: equalization is about inputs
                 acts.append(a)
@@ -255,6 +266,8 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
                     a["equalization"] += "; " + _smoothing_note(smooth)
             acts.append(a)
         row["activations"] = acts
+        if partners.get(s.node):
+            row["grid_partners"] = list(partners[s.node])
         wsq = _weight_sqnr(g, places, plan, s.node)
         if wsq is not None:
             row["weight_sqnr_db"] = wsq
@@ -346,8 +359,11 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | 
     --adaround). ``unfit``: why the rounding that ran left this layer alone. ``gptq_flag``: how to
     ask for --gptq in this run's setting (see :func:`_gptq_flag`)."""
     node = row["node"]
+    # layers whose input grids repeat one rounding go together (sensitivity.grid_partners)
+    names = [node] + list(row.get("grid_partners", []))
     runs = "TensorRT runs it in FP16" if platform == "trt" else f"if {platform} can run it in float or FP16"
-    keep = f"keep it float with --skip_layers {node} ({runs})"
+    keep = (f"keep it float with --skip_layers {node} ({runs})" if len(names) == 1 else
+            f"keep it float with --skip_layers {' '.join(names)} ({runs}; together, as the rounding is shared)")
     if row.get("cause") == "weights":
         w = row.get("weight_sqnr_db")
         at = (f" (its weights are at {w:.1f} dB on their grid, rounded to nearest)"
@@ -418,6 +434,13 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | 
             part.append(f"the held-out samples reach {top / clip:.1f}x its clip and {top / seen:.1f}x the largest "
                         f"value of the calibration data there ({seen:.4g}): they are clipped, not rounded; "
                         f"calibrate on data like them (-I), or check that both are preprocessed alike")
+        if "grid_copy_of" in a:
+            part.append(f"its grid is {a['grid_copy_of']}'s scaled by {a['grid_factor']:.4g} (a constant Mul): "
+                        f"its values were rounded there already, one rounding for "
+                        f"{' and '.join(names)}")
+        elif "grid_copied_to" in a:
+            part.append(f"{a['grid_copied_to']} repeats its grid scaled by {a['grid_factor']:.4g} (a constant Mul): "
+                        f"one rounding for {' and '.join(names)}")
         if method in ("entropy", "percentile") and top and clip is not None and clip < TIGHT_CLIP * top:
             part.append(f"-A {method} clips it at {clip / top:.0%} of the largest value seen; "
                         f"-A mse (the default) or hist clip by the rounding error they cost")
@@ -428,6 +451,7 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | 
             if gptq_hint and row.get("activations") and not uncovered else "")
     narrow = [a for a in row.get("activations", []) if a.get("bits", 8) < max_act_bits]
     if narrow and not uncovered:      # clipped held-out values: a finer grid does not reach them
-        hint += (f"; --layer_bits {node}=a{max_act_bits} gives its inputs {max_act_bits}-bit grids "
-                 f"({platform} runs them; --a_bits {max_act_bits} for every layer)")
+        flags = " ".join(f"{n}=a{max_act_bits}" for n in names)
+        hint += (f"; --layer_bits {flags} gives {'its' if len(names) == 1 else 'their'} inputs {max_act_bits}-bit "
+                 f"grids ({platform} runs them; --a_bits {max_act_bits} for every layer)")
     return f"{lead} ({' / '.join(facts) or 'no quantized activation input'}){hint}; {keep}"

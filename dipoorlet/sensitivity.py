@@ -285,35 +285,122 @@ def parse_target(text: str, flag: str = "--auto_skip", any_cosine: bool = False)
     return crit, value
 
 
+def grid_copies(graph, places, plan) -> dict[str, tuple[str, float]]:
+    """Quantized activations whose grid is another quantized activation's scaled by a positive
+    constant they are multiplied by: ``{B: (A, c)}`` for ``B = A * c`` (or ``A / (1/c)``, a scalar
+    constant), where B's per-tensor grid is A's times c, close enough that every level of A's
+    lands on the same level of B's (same width and zero point; the range methods give about that
+    for a scaled copy of the values). A backend that quantizes Mul's
+    inputs and outputs (qnn, snpe, rk) rounds the values onto A's grid and then onto B's, which
+    puts them where they are: one rounding, not two (PP-LCNetV3's learnable affine blocks, x * a
+    + b after every activation, in the PP-OCRv4 detector and recognizer)."""
+    out = {}
+    if graph is None or plan is None:     # a search driven without a graph (tests)
+        return out
+    for t, qb in plan.activations.items():
+        prod = graph.producer.get(t)
+        if (prod is None or prod.op_type not in ("Mul", "Div") or len(prod.input) != 2 or qb.axis is not None
+                or t not in places.activations):
+            continue
+        a, c = prod.input
+        if prod.op_type == "Mul" and graph.is_constant(a):
+            a, c = c, a
+        if graph.is_constant(a) or not graph.is_constant(c) or graph.weight(c).size != 1:
+            continue
+        k = float(np.asarray(graph.weight(c), np.float64).reshape(-1)[0])
+        k = (1.0 / k if k else 0.0) if prod.op_type == "Div" else k
+        qa = plan.activations.get(a)
+        if not (k > 0 and math.isfinite(k)) or qa is None or qa.axis is not None or qa.bits != qb.bits:
+            continue
+        # level n of A (from the zero point) lands on level n / (1 + d) of B: the same level over the
+        # whole grid while |n d| < 1/2 (-A mse's clips are scaled copies to ~5e-4, not exactly)
+        zp = int(qa.zero_point)
+        d = float(qb.scale) / (float(qa.scale) * k) - 1.0
+        if int(qb.zero_point) == zp and abs(d) * max(abs(qa.qmin - zp), abs(qa.qmax - zp)) < 0.5 * (1 + d):
+            out[t] = (a, k)
+    return out
+
+
+def grid_partners(graph, places, plan) -> dict[str, list[str]]:
+    """For each quantized node reading an activation that :func:`grid_copies` ties to others, the
+    other quantized nodes reading one of them: widening or floating one of them alone leaves the
+    rounding in place, on the copy's grid or on its source's (the PP-OCRv4 detector on qnn:
+    --layer_bits p2o.Mul.10=a16 alone 9.31 -> 9.52 dB, p2o.Add.14=a16 alone 9.28 dB)."""
+    parent: dict[str, str] = {}
+
+    def find(t):
+        while parent.get(t, t) != t:
+            t = parent[t]
+        return t
+
+    for b, (a, _) in grid_copies(graph, places, plan).items():
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[rb] = ra
+    groups: dict[str, set] = {}
+    for t in set(parent) | set(parent.values()):
+        groups.setdefault(find(t), set()).add(t)
+    quantized = set(places.quantized_nodes)
+    out: dict[str, list[str]] = {}
+    for tensors in groups.values():
+        readers = [o for t in sorted(tensors) if t in places.activations
+                   for o in dict.fromkeys(places.activations[t].owners) if o in quantized]
+        readers = list(dict.fromkeys(readers))
+        for n in readers:
+            out.setdefault(n, [])
+            out[n] += [m for m in readers if m != n and m not in out[n]]
+    return {n: p for n, p in out.items() if p}
+
+
+def _with_partners(order: list[str], partners: dict[str, list[str]], allowed=None) -> list[tuple]:
+    """``order`` as groups: each node with its grid partners (those in ``allowed``) not already
+    in an earlier group."""
+    seen, groups = set(), []
+    for n in order:
+        if n in seen:
+            continue
+        group = (n,) + tuple(m for m in partners.get(n, ()) if m not in seen and m != n
+                              and (allowed is None or m in allowed))
+        seen.update(group)
+        groups.append(group)
+    return groups
+
+
 def auto_skip(graph, places, plan, scorer: Scorer, sens: list[LayerSensitivity], criterion: str,
               target: float, max_layers: int) -> AutoSkipResult:
-    """Keep the most sensitive layers float, one at a time, until the output meets ``target``."""
+    """Keep the most sensitive layers float, one at a time, until the output meets ``target``.
+    A layer whose input's grid another's repeats (:func:`grid_partners`) goes float with it."""
     quantized = list(places.quantized_nodes)
     sb, _ = scorer.board(places, plan)
     before = scorer.score_variant(places, plan, sb.owners, sb.owners)
     res = AutoSkipResult(target, criterion, before, before)
-    order = [s.node for s in sorted(sens, key=lambda s: s.isolated.rank(criterion))]
+    order = _with_partners([s.node for s in sorted(sens, key=lambda s: s.isolated.rank(criterion))],
+                           grid_partners(graph, places, plan), set(quantized))
     res.candidates = len(order)
     current = before
-    for node in order[:3 * max_layers]:  # bounded: at most 3 trials per float layer allowed
+    for group in order[:3 * max_layers]:  # bounded: at most 3 trials per float layer allowed
         if current.value(criterion) >= target or len(res.float_layers) >= max_layers:
             break
-        keep = [n for n in quantized if n not in res.float_layers and n != node]
+        group = tuple(n for n in group if n not in res.float_layers)
+        if not group or len(res.float_layers) + len(group) > max_layers:
+            continue                       # a group that would pass --max_float_layers
+        name = " + ".join(group)
+        keep = [n for n in quantized if n not in res.float_layers and n not in group]
         left = places.restrict(keep)
         if not left.activations and not left.weights:
             # the last layer with a grid: keeping it float too would leave a float model (written
             # with no Q/DQ, its target "met"), which --skip_layers of the same layers refuses
-            log.info("auto_skip: %s stays quantized: it is the last layer with a grid", node)
-            res.last_kept = node
+            log.info("auto_skip: %s stays quantized: it is the last layer with a grid", name)
+            res.last_kept = name
             continue
         trial = scorer.score_variant(places, plan, keep, keep)
         helped = trial.rank(criterion) > current.rank(criterion)   # NaN: the worst
-        res.steps.append({"float_layer": node, "cosine": trial.cosine, "sqnr_db": trial.sqnr_db,
+        res.steps.append({"float_layer": name, "cosine": trial.cosine, "sqnr_db": trial.sqnr_db,
                           "kept": helped})
-        log.info("auto_skip: %s float -> output cosine %.6f, SQNR %.2f dB%s", node, trial.cosine,
+        log.info("auto_skip: %s float -> output cosine %.6f, SQNR %.2f dB%s", name, trial.cosine,
                  trial.sqnr_db, "" if helped else " (no gain: quantized again)")
         if helped:
-            res.float_layers.append(node)
+            res.float_layers.extend(group)
             current = trial
     res.after = current
     res.met = current.value(criterion) >= target
@@ -335,6 +422,8 @@ def auto_a16(graph, places, plan, scorer: Scorer, sens: list[LayerSensitivity], 
     quantized = list(places.quantized_nodes)
     sb, _ = scorer.board(places, plan)
     order = [s.node for s in sorted(sens, key=lambda s: s.isolated.rank(criterion)) if s.node not in fixed]
+    # a layer whose input's grid another's repeats is widened with it (grid_partners)
+    order = _with_partners(order, grid_partners(graph, places, plan), set(order))
 
     def score(wide: set) -> OutputScore:
         acts = [n for n in quantized if n not in wide]
@@ -374,15 +463,22 @@ def _promote_search(scorer: Scorer, places, plan, order: list, score, criterion:
     sb, _ = scorer.board(places, plan)
     before = scorer.score_variant(places, plan, sb.owners, sb.owners)
     res = AutoSkipResult(target, criterion, before, before)
-    cap = len(order) if max_layers is None else min(max_layers, len(order))
-    res.candidates = len(order)
+    # ``order``'s entries are layers or groups of layers promoted together (grid_partners); k
+    # counts entries, max_layers and the report count layers
+    groups = [tuple(e) if isinstance(e, (tuple, list)) else (e,) for e in order]
+    first = lambda k: [n for grp in groups[:k] for n in grp]
+    cap = len(groups)
+    while max_layers is not None and cap and len(first(cap)) > max_layers:
+        cap -= 1
+    res.candidates = len(first(len(groups)))
     tried: dict[int, OutputScore] = {0: before}
 
     def trial(k: int) -> OutputScore:
         if k not in tried:
-            tried[k] = score(set(order[:k]))
-            res.steps.append({f"{kind}_layers": k, "cosine": tried[k].cosine, "sqnr_db": tried[k].sqnr_db})
-            log.info(f"auto_{kind}: {what} -> output cosine %.6f, SQNR %.2f dB", k, tried[k].cosine,
+            layers = first(k)
+            tried[k] = score(set(layers))
+            res.steps.append({f"{kind}_layers": len(layers), "cosine": tried[k].cosine, "sqnr_db": tried[k].sqnr_db})
+            log.info(f"auto_{kind}: {what} -> output cosine %.6f, SQNR %.2f dB", len(layers), tried[k].cosine,
                      tried[k].sqnr_db)
         return tried[k]
 
@@ -409,10 +505,10 @@ def _promote_search(scorer: Scorer, places, plan, order: list, score, criterion:
         # 0.9973 against 0.9987 without them): then none
         hi = cap
         if trial(cap).rank(criterion) < before.rank(criterion):
-            log.warning(f"auto_{kind}: even {cap} layers miss the target and score below none at all "
+            log.warning(f"auto_{kind}: even {len(first(cap))} layers miss the target and score below none at all "
                         f"(%.6g against %.6g); none is kept", trial(cap).value(criterion), before.value(criterion))
             hi = 0
-    res.float_layers = order[:hi]
+    res.float_layers = first(hi)
     res.after = tried[hi]
     res.met = ok(hi)
     return res

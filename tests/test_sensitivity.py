@@ -136,6 +136,74 @@ def test_auto_skip_never_writes_the_float_model(tmp_path, caplog, deploy="trt"):
     assert any("stays quantized (a model without one is the float model" in r.getMessage() for r in caplog.records)
 
 
+def _affine_block_model():
+    """conv1 -> Relu -> x * 0.6 -> + 0.25 -> conv2: PP-LCNetV3's learnable affine block. On qnn
+    the Mul's input r and its output m are both quantized, m's grid r's times 0.6: one rounding."""
+    w1 = rand((8, 3, 3, 3), 1, 0.5)
+    w1[0] *= 8
+    inits = {"w1": w1, "w2": rand((4, 8, 3, 3), 2, 0.3), "a": np.array([0.6], np.float32),
+             "b": np.array([0.25], np.float32)}
+    n = helper.make_node
+    nodes = [n("Conv", ["x", "w1"], ["c"], name="conv1", pads=[1] * 4), n("Relu", ["c"], ["r"], name="relu"),
+             n("Mul", ["r", "a"], ["m"], name="scale"), n("Add", ["m", "b"], ["s"], name="shift"),
+             n("Conv", ["s", "w2"], ["y"], name="conv2", pads=[1] * 4)]
+    return make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("y", [1, 4, 8, 8])], inits)
+
+
+def test_grid_copies_need_every_level_to_land_on_the_same_level():
+    from types import SimpleNamespace
+
+    from dipoorlet.graph import Graph
+    from dipoorlet.qparams import QParams
+    from dipoorlet.sensitivity import grid_copies, grid_partners
+
+    g = Graph(_affine_block_model())
+    qp = lambda scale, zp=0: QParams(np.float32(scale), np.int64(zp), 8, False, 0, 255)
+    places = SimpleNamespace(activations={t: SimpleNamespace(owners=[o]) for t, o in
+                                          (("r", "scale"), ("m", "shift"), ("s", "conv2"))},
+                             quantized_nodes=["conv1", "relu", "scale", "shift", "conv2"])
+    for m_scale, copy in ((0.06, True), (0.06 * (1 + 1.9e-3), True),    # 255 * 1.9e-3 < 0.5: same levels
+                          (0.06 * (1 + 2.2e-3), False), (0.05, False)):   # a level moves; clipped tighter
+        plan = SimpleNamespace(activations={"r": qp(0.1), "m": qp(m_scale), "s": qp(0.07)})
+        assert (grid_copies(g, places, plan) == {"m": ("r", pytest.approx(0.6))}) == copy, m_scale
+        assert grid_partners(g, places, plan) == ({"scale": ["shift"], "shift": ["scale"]} if copy else {})
+    plan = SimpleNamespace(activations={"r": qp(0.1), "m": qp(0.06, zp=3), "s": qp(0.07)})
+    assert grid_copies(g, places, plan) == {}             # another zero point: another grid
+
+
+def test_auto_searches_move_layers_that_share_one_rounding_together(tmp_path, caplog):
+    """--auto_skip floats scale and shift together, --auto_a16 widens them together: one of them
+    alone leaves the rounding in place (on the PP-OCRv4 recognizer 4 of 6 --auto_skip trials
+    scored exactly the baseline)."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="dipoorlet"):
+        res, _ = quantize_model(tmp_path / "skip", _affine_block_model(), n=8, deploy="qnn", sens_samples=4,
+                                auto_skip="cosine:1.0", max_float_layers=4)
+    steps = [s["float_layer"] for s in res.report["auto_skip"]["steps"]]
+    assert "scale" not in steps and "shift" not in steps
+    # tried as one, or kept as the last layers with a grid
+    assert "scale + shift" in steps or any("scale + shift stays quantized" in r.getMessage() for r in caplog.records)
+    res, _ = quantize_model(tmp_path / "a16", _affine_block_model(), n=8, deploy="qnn", sens_samples=4,
+                            auto_a16="cosine:1.0")
+    a = res.report["auto_a16"]
+    order = a["a16_layers"]
+    assert abs(order.index("scale") - order.index("shift")) == 1
+
+
+def test_advice_names_the_layers_that_share_one_rounding():
+    # the PP-OCRv4 detector on qnn: --layer_bits p2o.Mul.10=a16 alone 9.31 -> 9.52 dB, with
+    # p2o.Add.14=a16 too 11.18 dB
+    from dipoorlet.diagnose import _advice
+
+    row = {"node": "scale", "cause": "activations", "grid_partners": ["shift"],
+           "activations": [{"tensor": "r", "amax": 30.0, "bits": 8, "step": 0.12,
+                            "grid_copied_to": "m", "grid_factor": 0.6}]}
+    got = _advice(row, "qnn", max_act_bits=16)
+    assert "--layer_bits scale=a16 shift=a16 gives their inputs 16-bit grids" in got
+    assert "--skip_layers scale shift" in got and "m repeats its grid scaled by 0.6" in got
+
+
 def test_weight_and_activation_split_for_the_worst_layer(tmp_path):
     result, _ = quantize_model(tmp_path, sensitive_model(), n=4, sens_samples=4, equalize=False)
     conv2 = next(s for s in result.report["sensitivity"] if s["node"] == "conv2")
