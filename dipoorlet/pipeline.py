@@ -1077,9 +1077,11 @@ def _write_staging(cfg, g, plan, places, plat, data, indices, qmodel, staging: P
                    k, analysis, stats, out_cosines, clipped=None):
     """Every output file, written into the staging folder; returns (files, report)."""
     staging.mkdir(exist_ok=True)
+    qop_info = None
     if cfg.quant_format == "QOP":
+        qop_model, qop_info = _to_qop(qmodel, data.sample(indices[0]))
         files = [save_model(qmodel, staging / "quant_model_qdq.onnx"),
-                 save_model(_to_qop(qmodel, data.sample(indices[0])), staging / "quant_model.onnx")]
+                 save_model(qop_model, staging / "quant_model.onnx")]
     else:
         files = [save_model(qmodel, staging / "quant_model.onnx")]
     renamed = any(t not in g.source_names for t in [*plan.activations, *plan.weights])
@@ -1100,7 +1102,8 @@ def _write_staging(cfg, g, plan, places, plat, data, indices, qmodel, staging: P
             "qdq_tensors_16bit": sum(1 for t in places.activations
                                      if t in plan.activations and plan.activations[t].bits > 8),
             "weights": len(places.weights),
-            "int32_biases": sum(1 for (_, index) in places.weights if index == 2)}
+            "int32_biases": sum(1 for (_, index) in places.weights if index == 2),
+            **({"quant_format": qop_info} if qop_info is not None else {})}
     rep = report.build(rows, places, meta, analysis, stats, plan, out_cosines, clipped)
     files += report.write(staging, rep)
     return files, rep
@@ -1603,13 +1606,14 @@ def _runs_batched_by_default(g: Graph, places, qmodel, data, indices) -> None:
 
 
 def _to_qop(qmodel, feed: dict):
+    """(the QOperator model, what report.json says of it: ``quant_format``)."""
     from dipoorlet import qop
 
     try:
         model, converted, excluded, cos, fused_error = qop.convert_checked(qmodel, feed)
     except RuntimeError as exc:   # QOP is QDQ wherever an op cannot be converted: here, everywhere
         log.warning("--quant_format QOP: %s; quant_model.onnx is the QDQ model", exc)
-        return qmodel
+        return qmodel, {"format": "QDQ", "asked": "QOP", "why": str(exc)[:300]}
     log.info("--quant_format QOP: %d ops converted to QLinear form; the rest stay QDQ", converted)
     unq = qop.unquantized_outputs(qmodel)
     if unq:
@@ -1632,7 +1636,11 @@ def _to_qop(qmodel, feed: dict):
         log.warning("--quant_format QOP: the model runs in onnxruntime with graph optimizations off, but a "
                     "default session fails (%s); run it with GraphOptimizationLevel.ORT_ENABLE_BASIC, or "
                     "quantize with -D ort", fused_error[:200])
-    return model
+    info = {"format": "QOP", "converted_ops": int(converted), "qdq_left": sum(unq.values()) + len(wide) + len(excluded),
+            "cosine_to_qdq_first_sample": None if cos != cos else round(float(cos), 6)}
+    if fused_error:
+        info["default_session_error"] = fused_error[:300]
+    return model, info
 
 
 def _nested_quantizable(g: Graph, plat) -> dict[str, int]:

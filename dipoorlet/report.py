@@ -236,6 +236,7 @@ def markdown(report: dict) -> str:
            + profile_note(report) + ", "
            f"{report['quantized_nodes']} quantized nodes, {report['qdq_tensors']} Q/DQ activations"
            + (f" ({report['qdq_tensors_16bit']} on 16-bit grids)" if report.get('qdq_tensors_16bit') else ""), "",
+           *([format_note(report), ""] if format_note(report) else []),
            "## Network outputs", "",
            table(["output", "mean cosine", "min cosine", "SQNR dB", "max |err|"],
                  [[output_label(o, report), o["cosine"], o["min_cosine"],
@@ -292,6 +293,20 @@ def markdown(report: dict) -> str:
         if more:
             out += ["", f"… and {more} more (report.json's decisions list every node)"]
     return "\n".join(out) + "\n"
+
+
+def format_note(report: dict) -> str | None:
+    """What --quant_format QOP wrote, in words (None for a QDQ run)."""
+    q = report.get("quant_format")
+    if not q:
+        return None
+    if q.get("format") != "QOP":
+        return f"quant_model.onnx is the QDQ model: the QOperator conversion failed ({q.get('why')})"
+    cos = q.get("cosine_to_qdq_first_sample")
+    return (f"quant_model.onnx is in QOperator form ({q['converted_ops']} ops as QLinear ops, {q['qdq_left']} left "
+            f"as Q/DQ); the figures here measure quant_model_qdq.onnx, simulated (Q/DQ as float), which onnxruntime's "
+            f"integer kernels follow to within their rounding"
+            + (f" (output cosine QOP to QDQ on the first calibration sample: {cos})" if cos is not None else ""))
 
 
 def profile_note(report: dict) -> str:

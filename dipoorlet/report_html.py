@@ -115,7 +115,7 @@ def _cos_cell(v, bar=0.999):
 def html(rep: dict) -> str:
     from dipoorlet.report import output_label
 
-    from dipoorlet.report import profile_note
+    from dipoorlet.report import format_note, profile_note
 
     layers = rep.get("layers", [])
     by_node = {l["node"]: l for l in layers}
@@ -125,6 +125,7 @@ def html(rep: dict) -> str:
            f"<p>platform <b>{esc(rep['platform'])}</b>, activation ranges <b>{esc(rep['method'])}</b>, "
            f"{esc(rep['samples'])} calibration samples{esc(profile_note(rep))}; {esc(rep['quantized_nodes'])} nodes quantized, "
            f"{esc(rep['qdq_tensors'])} activations with Q/DQ.</p>",
+           *([f"<p>{esc(format_note(rep))}</p>"] if format_note(rep) else []),
            "<h2>Network outputs</h2>",
            _table(["output", "mean cosine", "min cosine", "SQNR dB", "max |err|"],
                   [[esc(output_label(o, rep)), _cos_cell(o["cosine"]),

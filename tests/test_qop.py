@@ -29,6 +29,18 @@ def _qop(tmp_path, model, feeds, deploy):
     for f in feeds:
         for a, b in zip(ort_run(qop, f), ort_run(qdq, f)):
             assert _cos(a, b) > 0.9999
+    # the reports say which form quant_model.onnx is in and which model their figures measure
+    # (they read as a QDQ run's; found by a bug hunt)
+    import json
+
+    rep = json.loads((out / "report.json").read_text())["quant_format"]
+    linear = sum(n.op_type.startswith("QLinear") or n.op_type in ("QGemm", "MatMulInteger", "ConvInteger")
+                 for n in qop.graph.node)
+    assert rep["format"] == "QOP" and rep["converted_ops"] >= 1 and linear >= 1
+    assert rep["cosine_to_qdq_first_sample"] > 0.9999
+    for name in ("report.md", "report.html"):
+        assert "quant_model.onnx is in QOperator form" in (out / name).read_text()
+        assert "the figures here measure quant_model_qdq.onnx" in (out / name).read_text()
     return qop
 
 
