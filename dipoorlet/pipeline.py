@@ -181,10 +181,11 @@ def load_graph(cfg: QuantConfig, plat=None) -> Graph:
              f", {done['layernorms_fused']} decomposed LayerNorms fused" if done.get("layernorms_fused") else "",
              f", {done['hardswish_fused']} decomposed HardSwish fused" if done.get("hardswish_fused") else "")
     if done["float16_widened"]:
-        log.warning("model %s is float16: calibrated and written in float32 (%d weights, types and Casts "
+        log.warning("model %s is %s: calibrated and written in float32 (%d weights, types and Casts "
                     "widened; inputs %s now float32); the backends build float32 Q/DQ models and run "
                     "the layers left float in FP16 when asked (e.g. TensorRT --fp16)", cfg.model,
-                    done["float16_widened"], sorted(g.file_dtypes) or "none")
+                    " and ".join(getattr(g, "half_types", None) or ["float16"]), done["float16_widened"],
+                    sorted(g.file_dtypes) or "none")
     untyped = [o for n in g.graph.node for o in n.output if o and g.elem_type(o) is None]
     if untyped:
         # ONNX shape inference knows no custom op's outputs: onnxruntime (with --custom_op_lib)

@@ -83,6 +83,12 @@ def widen_float16(g: Graph) -> int:
     half_inputs = {vi.name: np.dtype(helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type))
                    for vi in g.graph.input
                    if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type in _HALF}
+    # which half type the model holds, for the warning (a bfloat16 model was called float16)
+    seen = {t.data_type for t in g.graph.initializer} | {
+        vi.type.tensor_type.elem_type for vi in [*g.graph.input, *g.graph.output, *g.graph.value_info]
+        if vi.type.HasField("tensor_type")}
+    g.__dict__["half_types"] = [name for code, name in ((onnx.TensorProto.FLOAT16, "float16"),
+                                                        (onnx.TensorProto.BFLOAT16, "bfloat16")) if code in seen]
     n = _widen_graph(g.graph)
     if n:
         g.file_dtypes.update(half_inputs)
