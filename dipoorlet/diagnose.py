@@ -232,8 +232,10 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
                     a["channel_held_out"] = held_out
             if t in copies:
                 a["grid_copy_of"], a["grid_factor"] = copies[t]
+                a["grid_via"] = g.producer[t].op_type
             elif t in copied:
                 a["grid_copied_to"], a["grid_factor"] = copied[t]
+                a["grid_via"] = g.producer[copied[t][0]].op_type
             if t in owned_outputs:
                 a["output"] = True       # its own output's grid: equalization is about inputs
                 acts.append(a)
@@ -434,13 +436,12 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | 
             part.append(f"the held-out samples reach {top / clip:.1f}x its clip and {top / seen:.1f}x the largest "
                         f"value of the calibration data there ({seen:.4g}): they are clipped, not rounded; "
                         f"calibrate on data like them (-I), or check that both are preprocessed alike")
-        if "grid_copy_of" in a:
-            part.append(f"its grid is {a['grid_copy_of']}'s scaled by {a['grid_factor']:.4g} (a constant Mul): "
-                        f"its values were rounded there already, one rounding for "
-                        f"{' and '.join(names)}")
-        elif "grid_copied_to" in a:
-            part.append(f"{a['grid_copied_to']} repeats its grid scaled by {a['grid_factor']:.4g} (a constant Mul): "
-                        f"one rounding for {' and '.join(names)}")
+        if "grid_copy_of" in a or "grid_copied_to" in a:
+            how = (f"scaled by {a['grid_factor']:.4g} (a constant {a.get('grid_via', 'Mul')})"
+                   if a["grid_factor"] != 1.0 else f"(a {a.get('grid_via', 'pass-through op')} moves values only)")
+            part.append(f"its grid is {a['grid_copy_of']}'s {how}: its values were rounded there already, one "
+                        f"rounding for {' and '.join(names)}" if "grid_copy_of" in a else
+                        f"{a['grid_copied_to']} repeats its grid {how}: one rounding for {' and '.join(names)}")
         if method in ("entropy", "percentile") and top and clip is not None and clip < TIGHT_CLIP * top:
             part.append(f"-A {method} clips it at {clip / top:.0%} of the largest value seen; "
                         f"-A mse (the default) or hist clip by the rounding error they cost")

@@ -285,39 +285,58 @@ def parse_target(text: str, flag: str = "--auto_skip", any_cosine: bool = False)
     return crit, value
 
 
-def grid_copies(graph, places, plan) -> dict[str, tuple[str, float]]:
-    """Quantized activations whose grid is another quantized activation's scaled by a positive
-    constant they are multiplied by: ``{B: (A, c)}`` for ``B = A * c`` (or ``A / (1/c)``, a scalar
-    constant), where B's per-tensor grid is A's times c, close enough that every level of A's
-    lands on the same level of B's (same width and zero point; the range methods give about that
-    for a scaled copy of the values). A backend that quantizes Mul's
-    inputs and outputs (qnn, snpe, rk) rounds the values onto A's grid and then onto B's, which
-    puts them where they are: one rounding, not two (PP-LCNetV3's learnable affine blocks, x * a
-    + b after every activation, in the PP-OCRv4 detector and recognizer)."""
-    out = {}
+# ops that only move values: their output's Q/DQ on their input's grid moves none of them
+VALUE_MOVING = frozenset({"MaxPool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Identity",
+                          "Concat", "Slice", "Split", "DepthToSpace", "SpaceToDepth"})
+
+
+def _grid_edges(graph, places, plan):
+    """(B, A, c) for each quantized activation B whose grid is quantized activation A's scaled by
+    c > 0, B computed from A by a multiplication by the scalar constant c (Mul, or Div by 1/c)
+    or by an op that only moves values (c = 1: MaxPool, Reshape, Concat...), where every level
+    of A's grid lands on the same level of B's (same width and zero point, scales within half a
+    level at the grid's ends)."""
     if graph is None or plan is None:     # a search driven without a graph (tests)
-        return out
+        return
     for t, qb in plan.activations.items():
         prod = graph.producer.get(t)
-        if (prod is None or prod.op_type not in ("Mul", "Div") or len(prod.input) != 2 or qb.axis is not None
-                or t not in places.activations):
+        if prod is None or qb.axis is not None or t not in places.activations:
             continue
-        a, c = prod.input
-        if prod.op_type == "Mul" and graph.is_constant(a):
-            a, c = c, a
-        if graph.is_constant(a) or not graph.is_constant(c) or graph.weight(c).size != 1:
+        if prod.op_type in ("Mul", "Div") and len(prod.input) == 2:
+            a, c = prod.input
+            if prod.op_type == "Mul" and graph.is_constant(a):
+                a, c = c, a
+            if graph.is_constant(a) or not graph.is_constant(c) or graph.weight(c).size != 1:
+                continue
+            k = float(np.asarray(graph.weight(c), np.float64).reshape(-1)[0])
+            sources = [(a, (1.0 / k if k else 0.0) if prod.op_type == "Div" else k)]
+        elif prod.op_type in VALUE_MOVING:
+            data = prod.input if prod.op_type == "Concat" else prod.input[:1]
+            sources = [(a, 1.0) for a in data if a and not graph.is_constant(a)]
+        else:
             continue
-        k = float(np.asarray(graph.weight(c), np.float64).reshape(-1)[0])
-        k = (1.0 / k if k else 0.0) if prod.op_type == "Div" else k
-        qa = plan.activations.get(a)
-        if not (k > 0 and math.isfinite(k)) or qa is None or qa.axis is not None or qa.bits != qb.bits:
-            continue
-        # level n of A (from the zero point) lands on level n / (1 + d) of B: the same level over the
-        # whole grid while |n d| < 1/2 (-A mse's clips are scaled copies to ~5e-4, not exactly)
-        zp = int(qa.zero_point)
-        d = float(qb.scale) / (float(qa.scale) * k) - 1.0
-        if int(qb.zero_point) == zp and abs(d) * max(abs(qa.qmin - zp), abs(qa.qmax - zp)) < 0.5 * (1 + d):
-            out[t] = (a, k)
+        for a, k in sources:
+            qa = plan.activations.get(a)
+            if not (k > 0 and math.isfinite(k)) or qa is None or qa.axis is not None or qa.bits != qb.bits:
+                continue
+            # level n of A (from the zero point) lands on level n / (1 + d) of B: the same level
+            # over the whole grid while |n d| < 1/2 (-A mse's clips are scaled copies to ~5e-4)
+            zp = int(qa.zero_point)
+            d = float(qb.scale) / (float(qa.scale) * k) - 1.0
+            if int(qb.zero_point) == zp and abs(d) * max(abs(qa.qmin - zp), abs(qa.qmax - zp)) < 0.5 * (1 + d):
+                yield t, a, k
+
+
+def grid_copies(graph, places, plan) -> dict[str, tuple[str, float]]:
+    """Quantized activations whose grid repeats another's: ``{B: (A, c)}`` (the first such A) for
+    the edges of :func:`_grid_edges`. A backend that quantizes a Mul's (or a MaxPool's...) input
+    and output rounds the values onto A's grid and then onto B's, which puts them where they
+    are: one rounding, not two (PP-LCNetV3's learnable affine blocks, x * a + b after every
+    activation, in the PP-OCRv4 detector and recognizer on qnn; a MaxPool's input and output on
+    backends that share their grid)."""
+    out = {}
+    for b, a, k in _grid_edges(graph, places, plan):
+        out.setdefault(b, (a, k))
     return out
 
 
@@ -333,7 +352,7 @@ def grid_partners(graph, places, plan) -> dict[str, list[str]]:
             t = parent[t]
         return t
 
-    for b, (a, _) in grid_copies(graph, places, plan).items():
+    for b, a, _ in _grid_edges(graph, places, plan):
         ra, rb = find(a), find(b)
         if ra != rb:
             parent[rb] = ra

@@ -171,6 +171,26 @@ def test_grid_copies_need_every_level_to_land_on_the_same_level():
     assert grid_copies(g, places, plan) == {}             # another zero point: another grid
 
 
+def test_a_maxpool_on_its_inputs_grid_ties_its_readers_to_the_pools():
+    # qnn shares one grid between a MaxPool's input and output: floating conv2 (which reads the
+    # pooled tensor) alone leaves the rounding of the pool's input in its values
+    from types import SimpleNamespace
+
+    from dipoorlet.graph import Graph
+    from dipoorlet.qparams import QParams
+    from dipoorlet.sensitivity import grid_partners
+
+    g = Graph(tiny_cnn())
+    qp = lambda scale: QParams(np.float32(scale), np.int64(0), 8, False, 0, 255)
+    places = SimpleNamespace(activations={"r1": SimpleNamespace(owners=["pool1"]),
+                                          "p1": SimpleNamespace(owners=["conv2", "add2"])},
+                             quantized_nodes=["conv1", "pool1", "conv2", "add2"])
+    tied = grid_partners(g, places, SimpleNamespace(activations={"r1": qp(0.02), "p1": qp(0.02)}))
+    assert {k: set(v) for k, v in tied.items()} == {"pool1": {"conv2", "add2"}, "conv2": {"pool1", "add2"},
+                                                    "add2": {"pool1", "conv2"}}
+    assert grid_partners(g, places, SimpleNamespace(activations={"r1": qp(0.02), "p1": qp(0.017)})) == {}
+
+
 def test_auto_searches_move_layers_that_share_one_rounding_together(tmp_path, caplog):
     """--auto_skip floats scale and shift together, --auto_a16 widens them together: one of them
     alone leaves the rounding in place (on the PP-OCRv4 recognizer 4 of 6 --auto_skip trials
