@@ -457,17 +457,28 @@ def main(argv=None) -> int:
               f"{task.headline} {_fmt(m.get(task.headline, float('nan')))}", flush=True)
 
     md = table(rows, task.headline, float_s, fp.get("float_total_s"))
+    # what the task itself used: a --shared folder without the task's data gives rendered inputs
+    used = {(row.get("metrics") or {}).get("data") for row in rows} - {None}
+    real = bool(shared) and used <= {"real"}
+    data_line = (f"real, from {shared}" if real else
+                 f"{'/'.join(sorted(used)) or 'rendered'} here ("
+                 + (f"{shared} holds no real data for this task" if shared else "no real data folder") + ")")
+    splits = {(row.get("metrics") or {}).get("split") for row in rows} - {None}
+    split_line = f"Calibration / evaluation split: {'; '.join(sorted(splits))}.\n" if splits else ""
+    if shared and not real:
+        print(f"note: {task.name} found no real data under {shared}; its inputs are {data_line}", file=sys.stderr)
     header = (f"## {task.name}: {task.n_calib} calibration samples\n\n"
               f"Float pass over the calibration samples: {fp.get('float_run_s', float('nan')):.2f} s inference, "
               f"{r['wall_s']:.2f} s in a fresh process (the `× float pass` column divides by this).\n"
               f"Metrics: simulated (onnxruntime with graph optimizations off), versus the float model "
               f"and, where there are labels, versus them.\n"
-              f"Data: {'real, from ' + str(shared) if shared else 'rendered here (no real data folder)'}.\n\n")
+              f"Data: {data_line}.\n{split_line}\n")
     print()
     print(header + md)
     (out / "results.md").write_text(header + md + "\n")
     (out / "results.json").write_text(json.dumps(
-        {"task": task.name, "n_calib": task.n_calib, "model": str(task.model), "data": str(shared) if shared else None,
+        {"task": task.name, "n_calib": task.n_calib, "model": str(task.model), "data": str(shared) if real else None,
+         "data_used": sorted(used), "split": sorted(splits),
          "float_pass": fp,
          "float_pass_process_s": r["wall_s"], "rows": rows}, indent=2, default=str))
     if not any(row["status"] == "ok" for row in rows[1:]):

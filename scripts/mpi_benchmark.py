@@ -48,7 +48,10 @@ def main(argv=None) -> int:
         if not a.profile:
             cmd.append("--skip_prof_layer")
         t = time.perf_counter()
-        subprocess.run(cmd, check=True, capture_output=True)
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:          # dipoorlet's own line, not a CalledProcessError traceback
+            tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])
+            raise SystemExit(f"mpirun -n {ranks} dipoorlet exited {done.returncode}:\n{tail}")
         wall = time.perf_counter() - t
         first = first or out
         same = all((first / f).read_bytes() == (out / f).read_bytes() for f in COMPARED)

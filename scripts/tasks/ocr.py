@@ -27,6 +27,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -425,6 +426,25 @@ def _split(items: list, n_calib: int, rng: np.random.Generator, group=None):
     return calib, ev
 
 
+def _split_crops(crops: list, n_calib: int, rng: np.random.Generator, task: str) -> tuple[list, list, str]:
+    """(calibration crops, evaluation crops, how they were split). By image (see _split) where
+    that leaves enough evaluation crops; else crop by crop, which puts crops of the images
+    calibration used (other framings of the same lines among them) into the evaluation set:
+    said on stderr and in the metrics' ``split``."""
+    calib_c, eval_c = _split(crops, n_calib, rng, group=lambda it: it[0])
+    split = "by image (evaluation images disjoint from calibration's)"
+    if len(eval_c) < max(100, len(crops) // 3):
+        calib_c, eval_c = _split(crops, n_calib, rng)
+        split = "crop by crop (evaluation crops from the images calibration used)"
+        print(f"{task}: --n-calib {n_calib} leaves too few crops of unused images for evaluation; split crop by "
+              f"crop instead: evaluation crops come from the images calibration used (in distribution, not "
+              f"held out)", file=sys.stderr)
+    if not eval_c:
+        raise SystemExit(f"{task}: --n-calib {n_calib} leaves no evaluation crops of the {len(crops)} there are; "
+                         f"use a smaller --n-calib")
+    return [c for _, c in calib_c], [c for _, c in eval_c], split
+
+
 def _run_batched(sess, xs: np.ndarray, bs: int = 64) -> np.ndarray:
     name = sess.get_inputs()[0].name
     return np.concatenate([sess.run(None, {name: xs[i:i + bs]})[0] for i in range(0, len(xs), bs)])
@@ -441,12 +461,9 @@ def prepare_cls(work: Path, n_calib: int, shared: Path | None) -> Task:
     if len(crops) >= 50:
         # calibration crops from several images (see _split); if that would leave too few for
         # evaluation, split crop by crop instead
-        calib_c, eval_c = _split(crops, n_calib, rng, group=lambda it: it[0])
-        if len(eval_c) < max(100, len(crops) // 3):
-            calib_c, eval_c = _split(crops, n_calib, rng)
-        calib_c, eval_c = [c for _, c in calib_c], [c for _, c in eval_c]
+        calib_c, eval_c, split = _split_crops(crops, n_calib, rng, "ocr_cls")
     else:
-        source = "rendered"
+        source, split = "rendered", "rendered"
         fonts = _fonts()
         calib_c = [render_line(rng, fonts)[0] for _ in range(n_calib)]
         eval_c = [render_line(rng, fonts)[0] for _ in range(EVAL_MAX["cls"])]
@@ -476,7 +493,7 @@ def prepare_cls(work: Path, n_calib: int, shared: Path | None) -> Task:
                 "agreement_p70": float(agree[sure].mean()) if sure.any() else float("nan"),
                 "accuracy": float((q.argmax(1) == labels).mean()),
                 "turn_agreement": float((turn_f == turn_q).mean()),
-                "n_eval": int(len(xs)), "data": source}
+                "n_eval": int(len(xs)), "data": source, "split": split}
 
     return Task("ocr_cls", model, calib_dir, n_calib, evaluate, "agreement")
 
@@ -621,12 +638,10 @@ def prepare_rec(work: Path, n_calib: int, shared: Path | None, model: Path | Non
     truth = None
     source = "real"
     if len(crops) >= 50:
-        calib_c, eval_c = _split(crops, n_calib, rng, group=lambda it: it[0])
-        if len(eval_c) < max(100, len(crops) // 3):
-            calib_c, eval_c = _split(crops, n_calib, rng)
-        calib_c, eval_c = [c for _, c in calib_c], [c for _, c in eval_c][:EVAL_MAX["rec"]]
+        calib_c, eval_c, split = _split_crops(crops, n_calib, rng, "ocr_rec")
+        eval_c = eval_c[:EVAL_MAX["rec"]]
     else:
-        source = "rendered"
+        source, split = "rendered", "rendered"
         fonts = _fonts()
         calib_c = [render_line(rng, fonts)[0] for _ in range(n_calib)]
         ev = [render_line(rng, fonts) for _ in range(EVAL_MAX["rec"])]
@@ -646,7 +661,7 @@ def prepare_rec(work: Path, n_calib: int, shared: Path | None, model: Path | Non
         m = {"exact_match": exact, "cer": cer}
         if truth is not None:
             m["exact_match_gt"], m["cer_gt"] = _seq_metrics(truth, seqs)
-        m.update(n_eval=len(xs), data=source)
+        m.update(n_eval=len(xs), data=source, split=split)
         return m
 
     return Task("ocr_rec", model, calib_dir, n_calib, evaluate, "exact_match")
