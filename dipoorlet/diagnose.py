@@ -362,7 +362,7 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | 
     ask for --gptq in this run's setting (see :func:`_gptq_flag`)."""
     node = row["node"]
     # layers whose input grids repeat one rounding go together (sensitivity.grid_partners)
-    names = [node] + list(row.get("grid_partners", []))
+    names = [node] + (list(row.get("grid_partners", [])) if row.get("cause") != "weights" else [])
     runs = "TensorRT runs it in FP16" if platform == "trt" else f"if {platform} can run it in float or FP16"
     keep = (f"keep it float with --skip_layers {node} ({runs})" if len(names) == 1 else
             f"keep it float with --skip_layers {' '.join(names)} ({runs}; together, as the rounding is shared)")

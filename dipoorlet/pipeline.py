@@ -1235,6 +1235,10 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, pl
                     "without one is the float model; the target is tighter than one quantized layer allows)")
         elif len(a.float_layers) >= cfg.max_float_layers:
             more = "a larger --max_float_layers may meet it"
+        elif a.over_cap:
+            more = (f"{len(a.over_cap)} group(s) of layers that share one rounding (e.g. {a.over_cap[0]}) go float "
+                    f"together and would pass --max_float_layers {cfg.max_float_layers}: a larger "
+                    "--max_float_layers may meet it")
         elif len(a.steps) >= a.candidates:
             # every layer tried: advice to allow more float layers cannot help (it said so)
             more = ("every quantized layer was tried, and keeping the others float does not reach it: the loss is "
@@ -1637,7 +1641,12 @@ def _to_qop(qmodel, feed: dict):
         log.warning("--quant_format QOP: the model runs in onnxruntime with graph optimizations off, but a "
                     "default session fails (%s); run it with GraphOptimizationLevel.ORT_ENABLE_BASIC, or "
                     "quantize with -D ort", fused_error[:200])
-    info = {"format": "QOP", "converted_ops": int(converted), "qdq_left": sum(unq.values()) + len(wide) + len(excluded),
+    # ops that still read a DequantizeLinear output in the written model (the conversion leaves
+    # some without a word: a Gemm(W, x), an Add whose output stays float...)
+    dq_out = {o for n in model.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+    left = sum(1 for n in model.graph.node if n.op_type not in ("QuantizeLinear", "DequantizeLinear")
+               and any(i in dq_out for i in n.input))
+    info = {"format": "QOP", "converted_ops": int(converted), "qdq_left": left,
             "cosine_to_qdq_first_sample": None if cos != cos else round(float(cos), 6)}
     if fused_error:
         info["default_session_error"] = fused_error[:300]

@@ -303,8 +303,11 @@ def format_note(report: dict) -> str | None:
     if q.get("format") != "QOP":
         return f"quant_model.onnx is the QDQ model: the QOperator conversion failed ({q.get('why')})"
     cos = q.get("cosine_to_qdq_first_sample")
-    return (f"quant_model.onnx is in QOperator form ({q['converted_ops']} ops as QLinear ops, {q['qdq_left']} left "
-            f"as Q/DQ); the figures here measure quant_model_qdq.onnx, simulated (Q/DQ as float), which onnxruntime's "
+    if not q.get("converted_ops"):
+        return ("quant_model.onnx holds no QLinear op (--quant_format QOP converted none here): it is the QDQ "
+                "model, which the figures here measure, simulated")
+    return (f"quant_model.onnx is in QOperator form ({q['converted_ops']} ops as QLinear ops, {q['qdq_left']} still "
+            f"reading Q/DQ); the figures here measure quant_model_qdq.onnx, simulated (Q/DQ as float), which onnxruntime's "
             f"integer kernels follow to within their rounding"
             + (f" (output cosine QOP to QDQ on the first calibration sample: {cos})" if cos is not None else ""))
 

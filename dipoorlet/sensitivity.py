@@ -258,6 +258,7 @@ class AutoSkipResult:
     candidates: int = 0    # layers the search could choose from (--auto_a16: not the fixed ones)
     measured: OutputScore | None = None    # --auto_a16: the promoted model as written
     last_kept: str | None = None    # --auto_skip: a layer not tried, the last one with a grid
+    over_cap: list = field(default_factory=list)   # --auto_skip: groups not tried, past --max_float_layers
 
 
 def parse_target(text: str, flag: str = "--auto_skip", any_cosine: bool = False) -> tuple[str, float]:
@@ -342,33 +343,39 @@ def grid_copies(graph, places, plan) -> dict[str, tuple[str, float]]:
 
 def grid_partners(graph, places, plan) -> dict[str, list[str]]:
     """For each quantized node reading an activation that :func:`grid_copies` ties to others, the
-    other quantized nodes reading one of them: widening or floating one of them alone leaves the
-    rounding in place, on the copy's grid or on its source's (the PP-OCRv4 detector on qnn:
-    --layer_bits p2o.Mul.10=a16 alone 9.31 -> 9.52 dB, p2o.Add.14=a16 alone 9.28 dB)."""
+    other quantized nodes tied to it, directly or through others (closed: every member of a
+    group lists all the others, in the graph's order): widening or floating one of them alone
+    leaves the rounding in place, on the copy's grid or on its source's (the PP-OCRv4 detector
+    on qnn: --layer_bits p2o.Mul.10=a16 alone 9.31 -> 9.52 dB, p2o.Add.14=a16 alone 9.28 dB)."""
     parent: dict[str, str] = {}
 
-    def find(t):
-        while parent.get(t, t) != t:
-            t = parent[t]
-        return t
+    def find(x):
+        while parent.get(x, x) != x:
+            x = parent[x]
+        return x
 
+    def union(x, y):
+        rx, ry = find(x), find(y)
+        if rx != ry:
+            parent[ry] = rx
+
+    # tensors tied by a copy, and each tensor with the quantized nodes reading it: one
+    # union-find over both, so a node reading tensors of two groups joins them
+    quantized = list(places.quantized_nodes)
+    tied = set()
     for b, a, _ in _grid_edges(graph, places, plan):
-        ra, rb = find(a), find(b)
-        if ra != rb:
-            parent[rb] = ra
-    groups: dict[str, set] = {}
-    for t in set(parent) | set(parent.values()):
-        groups.setdefault(find(t), set()).add(t)
-    quantized = set(places.quantized_nodes)
-    out: dict[str, list[str]] = {}
-    for tensors in groups.values():
-        readers = [o for t in sorted(tensors) if t in places.activations
-                   for o in dict.fromkeys(places.activations[t].owners) if o in quantized]
-        readers = list(dict.fromkeys(readers))
-        for n in readers:
-            out.setdefault(n, [])
-            out[n] += [m for m in readers if m != n and m not in out[n]]
-    return {n: p for n, p in out.items() if p}
+        union(("t", a), ("t", b))
+        tied.update((a, b))
+    is_q = set(quantized)
+    for t in sorted(tied):
+        if t in places.activations:
+            for o in places.activations[t].owners:
+                if o in is_q:
+                    union(("t", t), ("n", o))
+    members: dict = {}
+    for n in quantized:                      # in the graph's order, whatever the hash seed
+        members.setdefault(find(("n", n)), []).append(n)
+    return {n: [m for m in group if m != n] for group in members.values() if len(group) > 1 for n in group}
 
 
 def _with_partners(order: list[str], partners: dict[str, list[str]], allowed=None) -> list[tuple]:
@@ -401,8 +408,13 @@ def auto_skip(graph, places, plan, scorer: Scorer, sens: list[LayerSensitivity],
         if current.value(criterion) >= target or len(res.float_layers) >= max_layers:
             break
         group = tuple(n for n in group if n not in res.float_layers)
-        if not group or len(res.float_layers) + len(group) > max_layers:
-            continue                       # a group that would pass --max_float_layers
+        if not group:
+            continue
+        if len(res.float_layers) + len(group) > max_layers:
+            res.over_cap.append(" + ".join(group))     # a group that would pass --max_float_layers
+            log.info("auto_skip: %s not tried: these layers share one rounding and go float together, past "
+                     "--max_float_layers %d", " + ".join(group), max_layers)
+            continue
         name = " + ".join(group)
         keep = [n for n in quantized if n not in res.float_layers and n not in group]
         left = places.restrict(keep)

@@ -37,6 +37,9 @@ def _qop(tmp_path, model, feeds, deploy):
     linear = sum(n.op_type.startswith("QLinear") or n.op_type in ("QGemm", "MatMulInteger", "ConvInteger")
                  for n in qop.graph.node)
     assert rep["format"] == "QOP" and rep["converted_ops"] >= 1 and linear >= 1
+    dq_out = {o for n in qop.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+    assert rep["qdq_left"] == sum(n.op_type not in ("QuantizeLinear", "DequantizeLinear")
+                                  and any(i in dq_out for i in n.input) for n in qop.graph.node)
     assert rep["cosine_to_qdq_first_sample"] > 0.9999
     for name in ("report.md", "report.html"):
         assert "quant_model.onnx is in QOperator form" in (out / name).read_text()

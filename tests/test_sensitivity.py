@@ -186,8 +186,8 @@ def test_a_maxpool_on_its_inputs_grid_ties_its_readers_to_the_pools():
                                           "p1": SimpleNamespace(owners=["conv2", "add2"])},
                              quantized_nodes=["conv1", "pool1", "conv2", "add2"])
     tied = grid_partners(g, places, SimpleNamespace(activations={"r1": qp(0.02), "p1": qp(0.02)}))
-    assert {k: set(v) for k, v in tied.items()} == {"pool1": {"conv2", "add2"}, "conv2": {"pool1", "add2"},
-                                                    "add2": {"pool1", "conv2"}}
+    # in the graph's order, whatever the hash seed (the order was a set's)
+    assert tied == {"pool1": ["conv2", "add2"], "conv2": ["pool1", "add2"], "add2": ["pool1", "conv2"]}
     assert grid_partners(g, places, SimpleNamespace(activations={"r1": qp(0.02), "p1": qp(0.017)})) == {}
 
 
@@ -222,6 +222,48 @@ def test_advice_names_the_layers_that_share_one_rounding():
     got = _advice(row, "qnn", max_act_bits=16)
     assert "--layer_bits scale=a16 shift=a16 gives their inputs 16-bit grids" in got
     assert "--skip_layers scale shift" in got and "m repeats its grid scaled by 0.6" in got
+    # a weight rounding is the layer's own: no partners in the advice
+    row.update(cause="weights", weight_sqnr_db=19.1)
+    got = _advice(row, "qnn", max_act_bits=16)
+    assert "--skip_layers scale (" in got and "shift" not in got
+
+
+def test_auto_skip_says_when_a_group_would_pass_max_float_layers(caplog):
+    """pool1, conv2 and add2 share the pooled tensor's rounding (one grid): floated together or
+    not at all; with room for 2 float layers the group is not tried and the search says so (it
+    blamed its 3 trials per allowed layer)."""
+    import logging
+    from types import SimpleNamespace
+
+    from dipoorlet.graph import Graph
+    from dipoorlet.qparams import QParams
+    from dipoorlet.sensitivity import LayerSensitivity, OutputScore, auto_skip
+
+    g = Graph(tiny_cnn())
+    nodes = ["conv1", "pool1", "conv2", "add2"]
+    qp = QParams(np.float32(0.02), np.int64(0), 8, False, 0, 255)
+    acts = {"r1": SimpleNamespace(owners=["pool1"]), "p1": SimpleNamespace(owners=["conv2", "add2"]),
+            "x": SimpleNamespace(owners=["conv1"])}
+    places = SimpleNamespace(activations=acts, quantized_nodes=nodes,
+                             restrict=lambda keep: SimpleNamespace(activations=[1] if keep else [], weights=[]))
+    plan = SimpleNamespace(activations={"r1": qp, "p1": qp})
+    tried = []
+
+    class Scorer:
+        def board(self, places, plan):
+            return SimpleNamespace(owners=set(nodes)), None
+
+        def score_variant(self, places, plan, acts, weights):
+            tried.append(sorted(set(nodes) - set(acts)))
+            return OutputScore(0.99 + 0.001 * len(tried), 20.0 + len(tried), 0.0)
+
+    sens = [LayerSensitivity(n, "Conv", OutputScore(0.9 + 0.01 * i, 10.0 + i, 0.0))
+            for i, n in enumerate(["pool1", "conv1", "conv2", "add2"])]
+    with caplog.at_level(logging.INFO, logger="dipoorlet"):
+        res = auto_skip(g, places, plan, Scorer(), sens, "cosine", 1.0, 2)
+    assert res.over_cap == ["pool1 + conv2 + add2"] and res.float_layers == ["conv1"]
+    assert ["conv2"] not in tried and ["pool1"] not in tried
+    assert "pool1 + conv2 + add2 not tried: these layers share one rounding" in caplog.text
 
 
 def test_weight_and_activation_split_for_the_worst_layer(tmp_path):
