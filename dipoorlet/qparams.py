@@ -160,6 +160,26 @@ def bias_qparams(s_in: QParams, s_w: QParams) -> QParams:
                    axis=0 if scale.ndim else None, lo=-scale * lim, hi=scale * lim)
 
 
+class UnionFind:
+    """Disjoint sets over hashable keys: ``find`` a key's root, ``union`` two keys' sets;
+    ``parent`` holds every key ever joined."""
+
+    def __init__(self):
+        self.parent: dict = {}
+
+    def find(self, x):
+        parent = self.parent
+        while parent.get(x, x) != x:
+            parent[x] = parent.get(parent[x], parent[x])      # path halving
+            x = parent[x]
+        return x
+
+    def union(self, a, b) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[ra] = rb
+
+
 def share_scales(graph, plan: QuantPlan, ops) -> int:
     """Give ops that only move values (MaxPool, Reshape, Concat…) one grid for input and output.
 
@@ -168,19 +188,8 @@ def share_scales(graph, plan: QuantPlan, ops) -> int:
     tensor feeding two Concats end up in one group, whatever the node order); each group gets one
     grid covering the union of its members' ranges. Returns the number of groups formed.
     """
-    parent: dict[str, str] = {}
-
-    def find(t):
-        while parent.get(t, t) != t:
-            parent[t] = parent.get(parent[t], parent[t])
-            t = parent[t]
-        return t
-
-    def union(a, b):
-        ra, rb = find(a), find(b)
-        if ra != rb:
-            parent[ra] = rb
-
+    uf = UnionFind()
+    parent, find, union = uf.parent, uf.find, uf.union
     for node in graph.graph.node:
         if node.op_type not in ops or not node.output or node.output[0] not in plan.activations:
             continue

@@ -347,18 +347,10 @@ def grid_partners(graph, places, plan) -> dict[str, list[str]]:
     group lists all the others, in the graph's order): widening or floating one of them alone
     leaves the rounding in place, on the copy's grid or on its source's (the PP-OCRv4 detector
     on qnn: --layer_bits p2o.Mul.10=a16 alone 9.31 -> 9.52 dB, p2o.Add.14=a16 alone 9.28 dB)."""
-    parent: dict[str, str] = {}
+    from dipoorlet.qparams import UnionFind
 
-    def find(x):
-        while parent.get(x, x) != x:
-            x = parent[x]
-        return x
-
-    def union(x, y):
-        rx, ry = find(x), find(y)
-        if rx != ry:
-            parent[ry] = rx
-
+    uf = UnionFind()
+    find, union = uf.find, uf.union
     # tensors tied by a copy, and each tensor with the quantized nodes reading it: one
     # union-find over both, so a node reading tensors of two groups joins them
     quantized = list(places.quantized_nodes)
