@@ -364,8 +364,11 @@ def below_bar(report: dict, bar) -> str:
 def _log_to_file(message: str) -> None:
     for h in logging.getLogger("dipoorlet").handlers:
         if isinstance(h, logging.FileHandler):
-            h.stream.write(message + "\n")
-            h.flush()
+            try:
+                h.stream.write(message + "\n")
+                h.flush()
+            except (OSError, ValueError):
+                pass    # a full disk: the line is on stderr already (this raised past it, exit 1)
 
 
 def main(argv=None) -> int:
@@ -387,9 +390,12 @@ def main(argv=None) -> int:
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
-class Terminated(BaseException):
+class Terminated(KeyboardInterrupt):
     """SIGTERM (slurm's time limit, kill, a CI step's timeout): unwinds like Ctrl-C, so the
-    staging folder goes and -O keeps what it held."""
+    staging folder goes and -O keeps what it held. A KeyboardInterrupt: CPython 3.11's compile()
+    drops other exceptions a signal handler raises while it compiles a module, and a SIGTERM
+    during a lazy import was then lost (the run finished, exit 0); handlers catch it before
+    KeyboardInterrupt."""
 
 
 def _on_sigterm(signum, frame):
@@ -401,12 +407,22 @@ def _load_native_modules() -> None:
     one initializes aborted the process (exit 134, "terminate called after throwing an instance
     of nanobind::python_error") or surfaced as an ImportError with a traceback (exit 1). A SIGTERM
     before the handler gets the default action (exit 143)."""
-    import numpy  # noqa: F401
-    import onnx  # noqa: F401
+    # Ctrl-C is held back while they load too: one landing in onnxruntime's initialization came
+    # back as ImportError('initialization failed'), which the except below swallowed (the run went
+    # on, exit 0), and one in onnx's aborted the process (exit 134). It is delivered right after.
+    block = hasattr(signal, "pthread_sigmask")
+    if block:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        import onnxruntime  # noqa: F401
-    except ImportError:
-        pass            # the run says what is missing where it needs it
+        import numpy  # noqa: F401
+        import onnx  # noqa: F401
+        try:
+            import onnxruntime  # noqa: F401
+        except ImportError:
+            pass            # the run says what is missing where it needs it
+    finally:
+        if block:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _catch_sigterm():
@@ -521,6 +537,9 @@ def _main(args, argv, state) -> int:
         # rank that prints the line)
         return _fail(comm, state, str(exc), exc.exit_code, traceback.format_exc() if debug else "")
     except Exception as exc:
+        if isinstance(exc, OSError) and exc.errno == errno.ENAMETOOLONG:
+            return _fail(comm, state, f"{exc.strerror}{': ' + str(exc.filename)[:120] + '...' if exc.filename else ''}; "
+                                      "choose a shorter -O path; -O keeps what it held", 2)
         if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
             # the disk, not the tool: one line (the outputs are written into staging and published
             # all at once, so -O keeps what it held)
@@ -533,10 +552,10 @@ def _main(args, argv, state) -> int:
             finish_log(state["out_dir"], False)
             comm.abort(1)
         raise
-    except KeyboardInterrupt:
-        return _stop(comm, state, "interrupted", 130)
     except Terminated:
         return _stop(comm, state, "terminated (SIGTERM)", 143)
+    except KeyboardInterrupt:
+        return _stop(comm, state, "interrupted", 130)
 
 
 def _remove_other_rank_logs(out_dir: Path, world: int) -> None:

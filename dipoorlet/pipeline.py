@@ -1701,6 +1701,14 @@ def _fp_saver(staging: Path, outputs: list[str]):
         # the reference tool's folder name; two outputs that differ by '/' against '_' get their
         # own folders (one overwrote the other's samples)
         base = folder = name.replace("/", "_")
+        if len(base.encode("utf-8", "surrogateescape")) > 200:
+            # a file name holds at most 255 bytes (ENAMETOOLONG with a traceback, mid-run)
+            import hashlib
+
+            digest = hashlib.sha1(base.encode("utf-8", "surrogateescape")).hexdigest()[:12]
+            base = folder = base.encode("utf-8", "surrogateescape")[:180].decode("utf-8", "ignore") + "_" + digest
+            log.warning("--savefp: output %r's name is too long for a folder name; its samples go into output/%s",
+                        name[:60] + "...", folder)
         k = 1
         while folder in taken:
             folder, k = f"{base}_{k}", k + 1

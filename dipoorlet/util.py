@@ -43,7 +43,9 @@ def _umask() -> int:
 
 def write_text(path: str | os.PathLike, text: str) -> Path:
     with atomic_path(path) as tmp:
-        with open(tmp, "w", encoding="utf-8") as f:
+        # a path holding a byte that is not UTF-8 (mod\xe9l.onnx) reaches the text as a lone
+        # surrogate, which strict UTF-8 refuses (the run died writing its report)
+        with open(tmp, "w", encoding="utf-8", errors="backslashreplace") as f:
             f.write(text)
     return Path(path)
 
