@@ -1644,8 +1644,12 @@ def _to_qop(qmodel, feed: dict):
     # ops that still read a DequantizeLinear output in the written model (the conversion leaves
     # some without a word: a Gemm(W, x), an Add whose output stays float...)
     dq_out = {o for n in model.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
-    left = sum(1 for n in model.graph.node if n.op_type not in ("QuantizeLinear", "DequantizeLinear")
-               and any(i in dq_out for i in n.input))
+    still = [n.name or n.op_type for n in model.graph.node if n.op_type not in ("QuantizeLinear", "DequantizeLinear")
+             and any(i in dq_out for i in n.input)]
+    left = len(still)
+    if still:
+        log.info("--quant_format QOP: %d ops still read Q/DQ (float arithmetic between them, as in the QDQ model): "
+                 "%s", left, ", ".join(still[:8]) + (f" and {left - 8} more" if left > 8 else ""))
     info = {"format": "QOP", "converted_ops": int(converted), "qdq_left": left,
             "cosine_to_qdq_first_sample": None if cos != cos else round(float(cos), 6)}
     if fused_error:
