@@ -268,15 +268,14 @@ def name_run_log(out_dir: Path | None, ok: bool) -> None:
 
 
 def summary(result, cfg) -> str:
-    from dipoorlet.report import lowest_cosine_notes, output_label, profile_source, table
+    from dipoorlet.report import lowest_cosine_notes, output_label, profile_note, table
 
     rep = result.report
     lines = ["", f"dipoorlet {__version__}: {rep['platform']} / -A {rep['method']} / {rep['samples']} samples"]
     rows = [[output_label(o, rep), o["cosine"], o["min_cosine"], o["sqnr_db"]] for o in rep["outputs"]]
-    if rep.get("profile_data"):
-        lines.append(f"error profile over {profile_source(rep)}:")
-    elif rep.get("profile_samples", rep["samples"]) < rep["samples"]:
-        lines.append(f"error profile over {rep['profile_samples']} of them, spread evenly (--prof_samples):")
+    note = profile_note(rep)       # " (error profile over ...)" where it read a part or held-out samples
+    if note:
+        lines.append(note.strip(" ()") + ":")
     lines.append(table(["network output", "mean cos", "min cos", "SQNR dB"], rows))
     if any(o.get("cosine_over_samples") for o in rep["outputs"]):
         lines.append("* fewer than 8 values per sample: one cosine over all samples' values together")

@@ -564,17 +564,16 @@ class _TempRows:
                         cols = np.ascontiguousarray(np.frombuffer(raw, dtype=self.dtype).reshape(k, n).T)
                         for i in range(n):
                             os.pwrite(fd, cols[i].tobytes(), i * self.row_bytes + r0 * item)
-        except OSError as exc:
+        except Exception as exc:
             os.close(fd)
-            raise DataError(f"{self.path}: cannot copy its {'compressed' if self.compressed else 'Fortran-order'} "
-                            f"array ({n * self.row_bytes / 2 ** 20:.0f} MB) to a temporary file in "
-                            f"{tempfile.gettempdir()} ({exc.strerror or exc}); set TMPDIR to a folder with room, "
-                            "or save the data with numpy.savez of C-ordered arrays, which needs no copy") from exc
-        except DataError:
-            os.close(fd)
-            raise
-        except Exception as exc:        # a compressed member that fails its CRC or does not inflate
-            os.close(fd)
+            if isinstance(exc, DataError):
+                raise
+            if isinstance(exc, OSError):
+                raise DataError(f"{self.path}: cannot copy its {'compressed' if self.compressed else 'Fortran-order'} "
+                                f"array ({n * self.row_bytes / 2 ** 20:.0f} MB) to a temporary file in "
+                                f"{tempfile.gettempdir()} ({exc.strerror or exc}); set TMPDIR to a folder with room, "
+                                "or save the data with numpy.savez of C-ordered arrays, which needs no copy") from exc
+            # a compressed member that fails its CRC or does not inflate
             raise DataError(f"{self.path} is not a readable .npz file ({type(exc).__name__}: {exc}); save it "
                             "again with numpy.savez") from exc
         self.fd = fd

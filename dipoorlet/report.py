@@ -231,12 +231,13 @@ def _iso(layer, key="isolated"):
 
 
 def markdown(report: dict) -> str:
+    qop_note = format_note(report)
     out = [f"# dipoorlet report: {report['model']}", "",
            f"platform `{report['platform']}`, method `{report['method']}`, {report['samples']} samples"
            + profile_note(report) + ", "
            f"{report['quantized_nodes']} quantized nodes, {report['qdq_tensors']} Q/DQ activations"
            + (f" ({report['qdq_tensors_16bit']} on 16-bit grids)" if report.get('qdq_tensors_16bit') else ""), "",
-           *([format_note(report), ""] if format_note(report) else []),
+           *([qop_note, ""] if qop_note else []),
            "## Network outputs", "",
            table(["output", "mean cosine", "min cosine", "SQNR dB", "max |err|"],
                  [[output_label(o, report), o["cosine"], o["min_cosine"],

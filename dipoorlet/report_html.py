@@ -113,11 +113,10 @@ def _cos_cell(v, bar=0.999):
 
 
 def html(rep: dict) -> str:
-    from dipoorlet.report import output_label
-
-    from dipoorlet.report import format_note, profile_note
+    from dipoorlet.report import format_note, kept_float, output_label, profile_note
 
     layers = rep.get("layers", [])
+    qop_note = format_note(rep)
     by_node = {l["node"]: l for l in layers}
     out = [f"<!doctype html><html><head><meta charset=utf-8><title>dipoorlet report</title>"
            f"<style>{CSS}</style></head><body>",
@@ -125,7 +124,7 @@ def html(rep: dict) -> str:
            f"<p>platform <b>{esc(rep['platform'])}</b>, activation ranges <b>{esc(rep['method'])}</b>, "
            f"{esc(rep['samples'])} calibration samples{esc(profile_note(rep))}; {esc(rep['quantized_nodes'])} nodes quantized, "
            f"{esc(rep['qdq_tensors'])} activations with Q/DQ.</p>",
-           *([f"<p>{esc(format_note(rep))}</p>"] if format_note(rep) else []),
+           *([f"<p>{esc(qop_note)}</p>"] if qop_note else []),
            "<h2>Network outputs</h2>",
            _table(["output", "mean cosine", "min cosine", "SQNR dB", "max |err|"],
                   [[esc(output_label(o, rep)), _cos_cell(o["cosine"]),
@@ -210,8 +209,6 @@ def html(rep: dict) -> str:
                 "large values hurt per-tensor weight quantization</p>",
                 _table(["node", "channels", "spread"],
                        [[esc(w["node"]), w["channels"], _fmt(w["spread"], 2)] for w in rep["weight_spread"]])]
-    from dipoorlet.report import kept_float
-
     skipped, more = kept_float(rep)
     if skipped:
         out += ["<h2>Nodes kept in float</h2>",

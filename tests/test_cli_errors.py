@@ -809,6 +809,13 @@ def test_sigterm_unwinds_like_ctrl_c(tmp_path, capsys, monkeypatch):
     assert_nothing_written(case)
 
 
+def _fresh_python(code: str, timeout: int = 120) -> str:
+    """What ``code`` prints (stdout, then stderr) in a fresh interpreter, which has loaded none of
+    the native modules and set no signal handler."""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    return res.stdout + res.stderr
+
+
 def test_the_sigterm_handler_is_set_after_the_native_modules_load(tmp_path):
     """A SIGTERM while onnx or onnxruntime initialize raised Terminated inside their native start-up:
     exit 134 (a C++ abort) or 1 (an ImportError traceback) instead of 143. The handler now goes in
@@ -823,8 +830,8 @@ def test_the_sigterm_handler_is_set_after_the_native_modules_load(tmp_path):
             "from dipoorlet.cli import main\n"
             f"rc = main(['-M', {str(tmp_path / 'missing.onnx')!r}, '-I', {str(tmp_path)!r}, '-N', '1', '-D', 'trt'])\n"
             "print('handler after native modules:', seen, rc)\n")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert "handler after native modules: [True] 2" in res.stdout, res.stdout + res.stderr
+    out = _fresh_python(code)
+    assert "handler after native modules: [True] 2" in out, out
 
 
 def test_sigterm_during_the_renames_waits_for_them_and_says_the_outputs_are_written(tmp_path, capsys, monkeypatch):
@@ -997,8 +1004,8 @@ def test_a_sigterm_while_python_compiles_a_module_is_not_lost():
             "    except Terminated:\n"
             "        pass\n"
             "print('lost', lost)\n")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert "lost 0" in res.stdout, res.stdout + res.stderr
+    out = _fresh_python(code, timeout=300)
+    assert "lost 0" in out, out
 
 
 def test_ctrl_c_is_held_back_while_the_native_modules_load():
@@ -1016,8 +1023,8 @@ def test_ctrl_c_is_held_back_while_the_native_modules_load():
             "_load_native_modules()\n"
             "builtins.__import__ = real\n"
             "print('blocked while loading:', seen, 'after:', signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))\n")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert "blocked while loading: [True, True] after: False" in res.stdout, res.stdout + res.stderr
+    out = _fresh_python(code)
+    assert "blocked while loading: [True, True] after: False" in out, out
 
 
 def test_a_path_that_is_not_utf8_reaches_the_report_escaped(tmp_path):
@@ -1031,7 +1038,6 @@ def test_a_path_that_is_not_utf8_reaches_the_report_escaped(tmp_path):
 
 def test_savefp_with_an_output_name_longer_than_a_file_name(tmp_path):
     # a 305-character output name made --savefp's folder ENAMETOOLONG mid-run (a traceback)
-    import onnx
     from onnx import helper
 
     from conftest import make_model, quantize_model, rand, vi
