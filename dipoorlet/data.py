@@ -536,7 +536,12 @@ class _TempRows:
 
         n, rest = self.shape[0], int(np.prod(self.shape[1:], dtype=np.int64))
         item = self.dtype.itemsize
-        fd, name = tempfile.mkstemp(prefix="dipoorlet-npz-")
+        try:
+            fd, name = tempfile.mkstemp(prefix="dipoorlet-npz-")
+        except OSError as exc:
+            raise DataError(f"{self.path}: no temporary file for its {'compressed' if self.compressed else 'Fortran-order'} "
+                            f"array in {tempfile.gettempdir()} ({exc.strerror or exc}); set TMPDIR to a writable folder, "
+                            "or save the data with numpy.savez of C-ordered arrays, which needs no copy") from exc
         os.unlink(name)                  # gone with the process, whatever ends it
         truncated = DataError(f"{self.path} ends inside its array of {list(self.shape)}: save it again with "
                               "numpy.savez")

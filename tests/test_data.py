@@ -622,3 +622,15 @@ def test_bool_input_given_integers_other_than_0_and_1_is_refused(tmp_path):
     np.testing.assert_array_equal(src.sample(0)["mask"], [[True, True, False, False]])
     with pytest.raises(DataError, match=r"1.npy holds values 0..2 but input 'mask' is bool; give 0/1"):
         src.sample(1)
+
+
+def test_no_room_for_the_npz_copy_is_a_data_error(tmp_path, monkeypatch):
+    # mkstemp failing (no writable temporary folder) was an OSError traceback, outside the copy's
+    # own error handling
+    import tempfile
+
+    np.savez_compressed(tmp_path / "c.npz", x=rand((4, 1, 3, 3), 1))
+    src = DataSource(tmp_path / "c.npz", [InputSpec("x", F32, (1, 1, 3, 3))], 4)
+    monkeypatch.setattr(tempfile, "mkstemp", lambda **k: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
+    with pytest.raises(DataError, match=r"c\.npz: no temporary file for its compressed array .*set TMPDIR"):
+        src.sample(0)
