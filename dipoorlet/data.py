@@ -511,16 +511,20 @@ class _Rows:
 
 
 class _TempRows:
-    """An ``[N, ...]`` .npz member copied once into an unlinked temporary file that holds each
-    row's values together, read back a row at a time (as :class:`_Rows` reads a plain member).
+    """An ``[N, ...]`` .npz member copied into an unlinked temporary file that holds each row's
+    values together, read back a row at a time (as :class:`_Rows` reads a plain member).
 
     Two kinds of member need the copy. A Fortran-order member (``numpy.savez`` of a transposed
     array) spreads every row's values over the whole member: a memory map of it held every page
     any row had touched (peak RSS 148.9 MB against 100.8 MB for the same 48 MB of samples in C
     order). A compressed member (``numpy.savez_compressed``) has no offset for a row at all: it
     was read whole, so memory grew with -N. Both are streamed through, 1 MB at a time; the
-    temporary file goes with the process, whatever ends it. The copy is made on the first row
-    read, so arrays of the .npz that no model input reads are never copied."""
+    temporary file goes with the process, whatever ends it. Nothing is copied before the first
+    row is read, so arrays of the .npz that no model input reads are never copied. A compressed
+    C-order member is copied only as far as the rows read so far reach (its stream stays open
+    between reads): ``-N 32`` on a file of 10,000 samples inflates the first 32, not all of them.
+    A Fortran-order member holds the last row's values at the end of the member, so it is
+    copied whole on the first read."""
 
     BLOCK_BYTES = 2 ** 20      # 4 MB blocks left up to 20 MB of freed heap behind (glibc keeps it)
 
@@ -530,37 +534,65 @@ class _TempRows:
         self.shape, self.dtype, self.ndim = tuple(shape), dtype, len(shape)
         self.row_bytes = dtype.itemsize * int(np.prod(self.shape[1:], dtype=np.int64))
         self.fd = None
+        self._stream = None        # the open member (a context manager's exit, stream) of a C-order copy
+        self._rows = 0             # rows on the temporary file so far
 
-    def _copy(self):
+    def _kind(self) -> str:
+        return "compressed" if self.compressed else "Fortran-order"
+
+    def _open(self):
         import tempfile
 
-        n, rest = self.shape[0], int(np.prod(self.shape[1:], dtype=np.int64))
-        item = self.dtype.itemsize
         try:
             fd, name = tempfile.mkstemp(prefix="dipoorlet-npz-")
         except OSError as exc:
-            raise DataError(f"{self.path}: no temporary file for its {'compressed' if self.compressed else 'Fortran-order'} "
-                            f"array in {tempfile.gettempdir()} ({exc.strerror or exc}); set TMPDIR to a writable folder, "
+            raise DataError(f"{self.path}: no temporary file for its {self._kind()} array in "
+                            f"{tempfile.gettempdir()} ({exc.strerror or exc}); set TMPDIR to a writable folder, "
                             "or save the data with numpy.savez of C-ordered arrays, which needs no copy") from exc
         os.unlink(name)                  # gone with the process, whatever ends it
+        self.fd = fd
+        log.info("%s: a %s array %s is copied to a temporary file %s, to be read a sample at a time "
+                 "(numpy.savez of numpy.ascontiguousarray(arr) saves that step)", self.path, self._kind(),
+                 list(self.shape), f"of {self.shape[0] * self.row_bytes / 2 ** 20:.0f} MB" if self.fortran else
+                 f"as far as the rows read reach (at most {self.shape[0] * self.row_bytes / 2 ** 20:.0f} MB)")
+
+    def _copy_to(self, row: int):
+        """Copy the member onto the temporary file up to and including ``row``."""
+        import tempfile
+
+        if self.fd is None:
+            self._open()
+        n, rest = self.shape[0], int(np.prod(self.shape[1:], dtype=np.int64))
+        item = self.dtype.itemsize
         truncated = DataError(f"{self.path} ends inside its array of {list(self.shape)}: save it again with "
                               "numpy.savez")
         try:
-            with self._opener() as f:
-                if not self.fortran:
-                    # C order: the member is the rows one after another
-                    total = n * self.row_bytes
-                    for at in range(0, total, self.BLOCK_BYTES):
-                        chunk = _read_exactly(f, min(self.BLOCK_BYTES, total - at))
-                        if chunk is None:
-                            raise truncated
-                        os.pwrite(fd, chunk, at)
-                else:
-                    # Fortran order: the member is the C-order [rest, n] matrix; a block of its rows
-                    # is every sample's values at those positions
-                    # at least 256 values per write (one write per sample per block), in at most 16 MB
-                    block = min(16 * 2 ** 20, max(self.BLOCK_BYTES, 256 * n * item))
-                    step = max(1, block // max(1, n * item))
+            if not self.fortran:
+                # C order: the member is the rows one after another; copy on from where the last
+                # read stopped, whole blocks (at least one row each) until ``row`` is on the file
+                if self._stream is None:
+                    cm = self._opener()
+                    self._stream = (cm, cm.__enter__())
+                f = self._stream[1]
+                total = n * self.row_bytes
+                at = self._rows * self.row_bytes
+                end = min(total, max((row + 1) * self.row_bytes, at + self.BLOCK_BYTES))
+                while at < end:
+                    chunk = _read_exactly(f, min(self.BLOCK_BYTES, end - at))
+                    if chunk is None:
+                        raise truncated
+                    os.pwrite(self.fd, chunk, at)
+                    at += len(chunk)
+                self._rows = at // self.row_bytes
+                if self._rows >= n:
+                    self._close_stream()
+            else:
+                # Fortran order: the member is the C-order [rest, n] matrix; a block of its rows
+                # is every sample's values at those positions
+                # at least 256 values per write (one write per sample per block), in at most 16 MB
+                block = min(16 * 2 ** 20, max(self.BLOCK_BYTES, 256 * n * item))
+                step = max(1, block // max(1, n * item))
+                with self._opener() as f:
                     for r0 in range(0, rest, step):
                         k = min(step, rest - r0)
                         raw = _read_exactly(f, k * n * item)
@@ -568,39 +600,53 @@ class _TempRows:
                             raise truncated
                         cols = np.ascontiguousarray(np.frombuffer(raw, dtype=self.dtype).reshape(k, n).T)
                         for i in range(n):
-                            os.pwrite(fd, cols[i].tobytes(), i * self.row_bytes + r0 * item)
+                            os.pwrite(self.fd, cols[i].tobytes(), i * self.row_bytes + r0 * item)
+                self._rows = n
         except Exception as exc:
-            os.close(fd)
+            self._close()
             if isinstance(exc, DataError):
                 raise
             if isinstance(exc, OSError):
-                raise DataError(f"{self.path}: cannot copy its {'compressed' if self.compressed else 'Fortran-order'} "
-                                f"array ({n * self.row_bytes / 2 ** 20:.0f} MB) to a temporary file in "
-                                f"{tempfile.gettempdir()} ({exc.strerror or exc}); set TMPDIR to a folder with room, "
-                                "or save the data with numpy.savez of C-ordered arrays, which needs no copy") from exc
+                raise DataError(f"{self.path}: cannot copy its {self._kind()} array ({n * self.row_bytes / 2 ** 20:.0f} "
+                                f"MB) to a temporary file in {tempfile.gettempdir()} ({exc.strerror or exc}); set "
+                                "TMPDIR to a folder with room, or save the data with numpy.savez of C-ordered arrays, "
+                                "which needs no copy") from exc
             # a compressed member that fails its CRC or does not inflate
             raise DataError(f"{self.path} is not a readable .npz file ({type(exc).__name__}: {exc}); save it "
                             "again with numpy.savez") from exc
-        self.fd = fd
-        log.info("%s: a %s array %s copied to a temporary file of %.0f MB, to be read a sample at a time "
-                 "(numpy.savez of numpy.ascontiguousarray(arr) saves that step)", self.path,
-                 "compressed" if self.compressed else "Fortran-order", list(self.shape), n * self.row_bytes / 2 ** 20)
 
     def __getitem__(self, i) -> np.ndarray:
         i = int(i)
         if not 0 <= i < self.shape[0]:
             raise IndexError(f"row {i} of {self.shape[0]}")
-        if self.fd is None:
-            self._copy()
+        if i >= self._rows:
+            self._copy_to(i)
         buf = os.pread(self.fd, self.row_bytes, i * self.row_bytes)
         return np.ascontiguousarray(np.frombuffer(buf, dtype=self.dtype).reshape(
             self.shape[1:], order="F" if self.fortran else "C"))
 
+    def _close_stream(self):
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            try:
+                stream[0].__exit__(None, None, None)
+            except Exception:
+                pass
+
+    def _close(self):
+        """Drop the copy (after a failed one: the next read starts again, and fails the same way)."""
+        self._close_stream()
+        fd, self.fd, self._rows = self.fd, None, 0
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
     def __del__(self):
         try:
-            if self.fd is not None:
-                os.close(self.fd)
-        except (OSError, AttributeError):
+            self._close()
+        except AttributeError:
             pass
 
 

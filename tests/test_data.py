@@ -575,6 +575,29 @@ def test_compressed_npz_is_not_held_in_memory_whole(tmp_path, fortran, caplog):
     assert len(copies) == 1 and "compressed" in copies[0] and "[128, 1, 64, 1024]" in copies[0]
 
 
+def test_compressed_npz_copies_only_the_rows_read(tmp_path):
+    """-N 4 on a compressed file of 256 samples inflated all 256 onto the temporary file before the
+    first sample (a big calibration set and a small -N: the whole file on disk, and the time to
+    inflate it); now only as far as the rows read reach, whole blocks at a time, and a later read
+    further on carries on from there."""
+    import os
+
+    from dipoorlet.data import _TempRows
+
+    arr = np.random.default_rng(1).standard_normal((256, 1, 16, 1024)).astype(np.float32)   # 64 KB a row
+    np.savez_compressed(tmp_path / "c.npz", x=arr)
+    src = DataSource(tmp_path / "c.npz", [InputSpec("x", F32, (1, 16, 1024))], 4)
+    for i in range(4):
+        np.testing.assert_array_equal(src.sample(i)["x"], arr[i])
+    rows = src._npz["x"]
+    assert isinstance(rows, _TempRows)
+    size = os.fstat(rows.fd).st_size
+    assert size <= _TempRows.BLOCK_BYTES + rows.row_bytes < arr.nbytes // 8
+    for i in (200, 17, 255, 3):
+        np.testing.assert_array_equal(rows[i], arr[i])
+    assert os.fstat(rows.fd).st_size == arr.nbytes and rows._stream is None
+
+
 def test_corrupt_compressed_npz_is_a_data_error_naming_the_file(tmp_path):
     import zipfile
 
