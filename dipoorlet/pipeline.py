@@ -1003,10 +1003,13 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
         _warn_matmulnbits(g, places, plan)
     qmodel = insert_qdq(g, places, plan)
     _drop_shapeless_value_info(qmodel)
+    _drop_default_pool_dilations(qmodel)
     _check(qmodel)
     _loads_by_default(qmodel)      # every rank: the error profile below runs the model rank 0 writes
     if comm.rank == 0:
         _runs_batched_by_default(g, places, qmodel, data, indices)
+        if plat.name == "ort" and len(indices):
+            _runs_by_default(qmodel, data.sample(indices[0]), cfg.quant_format == "QOP")
 
     targets_prof = layer_errors.profile_targets(g, places, layers=not cfg.skip_prof_layer)
     # --savefp: every rank writes its samples into one staging folder that rank 0 names.
@@ -1080,7 +1083,7 @@ def _write_staging(cfg, g, plan, places, plat, data, indices, qmodel, staging: P
     staging.mkdir(exist_ok=True)
     qop_info = None
     if cfg.quant_format == "QOP":
-        qop_model, qop_info = _to_qop(qmodel, data.sample(indices[0]))
+        qop_model, qop_info = _to_qop(qmodel, data.sample(indices[0]), plat.name == "ort")
         files = [save_model(qmodel, staging / "quant_model_qdq.onnx"),
                  save_model(qop_model, staging / "quant_model.onnx")]
     else:
@@ -1590,6 +1593,37 @@ def _readers_of_16bit(qmodel) -> list[str]:
             and (wide_in & set(n.input) or wide_out & set(n.output))]
 
 
+def _drop_default_pool_dilations(qmodel) -> None:
+    """Drop an AveragePool's ``dilations`` where every one is 1 (the default: nothing changes).
+    onnxruntime's default session fuses a quantized AveragePool into QLinearAveragePool with
+    the node's attributes, and that op has no ``dilations``: an opset-19 export that spells out
+    the default gave a -D ort model that a default session refused to load."""
+    for node in qmodel.graph.node:
+        if node.op_type == "AveragePool" and node.domain in ("", "ai.onnx"):
+            for i, a in enumerate(node.attribute):
+                if a.name == "dilations" and all(v == 1 for v in a.ints):
+                    del node.attribute[i]
+                    break
+
+
+def _runs_by_default(qmodel, feed: dict, qop: bool) -> None:
+    """-D ort deploys on onnxruntime itself: check that a default (optimizing) CPU session loads
+    the QDQ model and runs it on one sample, at any opset. Its Q/DQ fusions fail on some graphs
+    the model is right in (an opset-18 Resize with ``axes``, a dilated AveragePool); the tool's
+    own sessions run with them off, so without this the run said nothing."""
+    if qmodel.ByteSize() >= 2**31 - 1 or not any(n.op_type == "QuantizeLinear" for n in qmodel.graph.node):
+        return
+    why = _default_session_failure(qmodel, feed)
+    if why:
+        from dipoorlet.runtime import _ort
+
+        log.warning("-D ort: %s runs in onnxruntime with graph optimizations off (as this tool ran it), but "
+                    "onnxruntime %s's default session fails on it (%s); run it with "
+                    "GraphOptimizationLevel.ORT_ENABLE_BASIC, or keep the layer the error names float "
+                    "(--skip_layers)", "quant_model_qdq.onnx" if qop else "quant_model.onnx",
+                    _ort().__version__, why[:200])
+
+
 def _runs_batched_by_default(g: Graph, places, qmodel, data, indices) -> None:
     """A MatMul weight of rank > 2 with per-column grids (backends whose spec keeps
     per_channel_batched): onnxruntime's CPU optimizer fuses some of them into
@@ -1610,7 +1644,7 @@ def _runs_batched_by_default(g: Graph, places, qmodel, data, indices) -> None:
                     ", ".join(batched[:4]) + (" ..." if len(batched) > 4 else ""), why)
 
 
-def _to_qop(qmodel, feed: dict):
+def _to_qop(qmodel, feed: dict, ort_backend: bool = False):
     """(the QOperator model, what report.json says of it: ``quant_format``)."""
     from dipoorlet import qop
 
@@ -1639,8 +1673,8 @@ def _to_qop(qmodel, feed: dict):
                     "deploy quant_model_qdq.onnx if the QOP model is worse", cos)
     if fused_error:
         log.warning("--quant_format QOP: the model runs in onnxruntime with graph optimizations off, but a "
-                    "default session fails (%s); run it with GraphOptimizationLevel.ORT_ENABLE_BASIC, or "
-                    "quantize with -D ort", fused_error[:200])
+                    "default session fails (%s); run it with GraphOptimizationLevel.ORT_ENABLE_BASIC%s",
+                    fused_error[:200], "" if ort_backend else ", or quantize with -D ort")
     # ops that still read a DequantizeLinear output in the written model (the conversion leaves
     # some without a word: a Gemm(W, x), an Add whose output stays float...)
     dq_out = {o for n in model.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
