@@ -72,7 +72,8 @@ def config_from_kwargs(**kwargs) -> "QuantConfig":
             guess = did_you_mean(key, names, {})
             raise ConfigError(f"dipoorlet.quantize() got an unknown keyword {key!r}"
                               + (f"; did you mean {' or '.join(guess)}?" if guess else "")
-                              + " (the fields of dipoorlet.config.QuantConfig, or the CLI's long flag names but --log_all_ranks)")
+                              + " (the fields of dipoorlet.config.QuantConfig, or the CLI's long flag names but --log_all_ranks"
+                              " and the reference tool's --we, --ada_epoch and --update_bn)")
     return QuantConfig(**out)
 
 

@@ -1001,6 +1001,8 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
     timings["sensitivity_s"] = time.perf_counter() - t
     if plat.name == "ort":
         _warn_matmulnbits(g, places, plan)
+    if comm.rank == 0 and log.isEnabledFor(logging.DEBUG):
+        _log_grids(plan)
     qmodel = insert_qdq(g, places, plan)
     _drop_shapeless_value_info(qmodel)
     _drop_default_pool_dilations(qmodel)
@@ -1271,12 +1273,18 @@ def _gridless_to_float(g, places, plan) -> None:
             if p.output and t in places.output_owners:
                 gridded.add(places.output_owners[t])
     dropped = {t for t in places.activations if t not in plan.activations}
+    gone = []
     for k, d in enumerate(places.decisions):
         if d.quantized and d.node not in gridded:
             zero = sorted(t for t in dropped if d.node in places.activations[t].owners)
             places.decisions[k] = Decision(d.node, d.op_type, False,
                                            "kept float: no grid left" + (f" ({', '.join(zero[:3])} 0 in every "
                                                                          "calibration sample)" if zero else ""))
+            gone.append(d.node)
+    if gone:
+        # the placement's count in the log came before these (the summary's is after)
+        log.info("%d of the placed nodes compute in float, no grid of theirs left: %s; %d nodes quantized",
+                 len(gone), ", ".join(gone[:5]) + (" ..." if len(gone) > 5 else ""), len(places.quantized_nodes))
 
 
 def _activation_owners(places) -> set[str]:
@@ -1591,6 +1599,20 @@ def _readers_of_16bit(qmodel) -> list[str]:
     return [n.name for n in qmodel.graph.node
             if n.op_type not in ("QuantizeLinear", "DequantizeLinear")
             and (wide_in & set(n.input) or wide_out & set(n.output))]
+
+
+def _log_grids(plan: QuantPlan) -> None:
+    """--debug: every grid the quantized model gets, one line each (the side files hold the same
+    in each backend's own spelling)."""
+    for kind, grids in (("activation", plan.activations), ("weight", plan.weights)):
+        for t, q in grids.items():
+            scale = np.asarray(q.scale, np.float64)
+            where = "per-tensor" if q.axis is None else f"axis {q.axis}, {scale.size} channels"
+            lo, hi = (np.asarray(v, np.float64) for v in (q.lo, q.hi)) if q.lo is not None else (None, None)
+            clip = "" if lo is None else f", clip [{lo.min():.6g}, {hi.max():.6g}]"
+            log.debug("grid %s %s: %d-bit %s, %s, scale %.6g..%.6g, zero point %d..%d%s", kind, t, q.bits,
+                      "signed" if q.signed else "unsigned", where, scale.min(), scale.max(),
+                      int(np.min(q.zero_point)), int(np.max(q.zero_point)), clip)
 
 
 def _drop_default_pool_dilations(qmodel) -> None:

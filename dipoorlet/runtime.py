@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import tempfile
+import time
 
 import numpy as np
 import onnx
@@ -272,6 +273,7 @@ class Runner:
             # otherwise every op of a small network waits for its pool threads to wake up.
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         providers = choose_providers(device)
+        built = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="dipoorlet-") as tmp:
             src = _exposed_model_bytes_or_path(model, self.outputs, self.reduced, types or {}, tmp,
                                                bool(nan_safe) and not self._guard, guard=self._guard)
@@ -289,6 +291,10 @@ class Runner:
                                  + (f" or one of --custom_op_lib's ({', '.join(custom[:4])} here)" if custom else
                                     "") ) from exc
         self.input_names = [i.name for i in self.session.get_inputs()]
+        log.debug("session built in %.2f s: %d tensors fetched, %d reduced to min/max, optimization %s, %s "
+                  "thread(s), %s", time.perf_counter() - built, len(self.outputs), len(self.reduced),
+                  optimize if isinstance(optimize, str) else ("all" if optimize else "off"), threads or "default",
+                  ", ".join(providers))
 
     def run(self, feed: dict[str, np.ndarray], tensors: bool = True, ranges: bool = True):
         """Run one batch; returns (exposed tensors by name, {tensor: (min, max)}).

@@ -1049,3 +1049,35 @@ def test_savefp_with_an_output_name_longer_than_a_file_name(tmp_path):
     folders = list((tmp_path / "out" / "output").iterdir())
     assert len(folders) == 1 and len(folders[0].name) < 200 and folders[0].name.startswith("y" * 100)
     assert len(list(folders[0].glob("onnx-output-*.bin"))) == 2
+
+
+def test_debug_logs_every_grid_and_session(tmp_path, capsys):
+    """--debug said "debug logs" and gave one line ("done in"); it now logs each session a pass
+    builds and every grid the model gets, which the side files must agree with."""
+    import json
+
+    case = Case(tmp_path)
+    case.extra = ["--debug"]
+    rc, _ = run_cli(case, capsys)
+    assert rc == 0
+    log = (case.out / "dipoorlet.log").read_text()
+    assert "session built in" in log
+    clips = json.loads((case.out / "act_clip_val.json").read_text())
+    for t in clips:
+        assert f"grid activation {t}: 8-bit signed, per-tensor" in log
+    assert "grid weight w: 8-bit signed, axis 0, 4 channels" in log
+    plain = tmp_path / "plain"
+    case.args["-O"], case.extra = str(plain), []
+    assert run_cli(case, capsys)[0] == 0
+    assert "grid activation" not in (plain / "dipoorlet.log").read_text()
+
+
+def test_api_unknown_keyword_names_the_cli_flags_it_does_not_take(tmp_path):
+    import dipoorlet
+    from dipoorlet.errors import DipoorletError
+
+    case = Case(tmp_path)
+    with pytest.raises(DipoorletError, match=r"--log_all_ranks and the reference tool's --we, "
+                                                        r"--ada_epoch and --update_bn"):
+        dipoorlet.quantize(model=str(case.model), input_dir=str(case.data), data_num=2, deploy="trt",
+                           output_dir=str(case.out), we=True)

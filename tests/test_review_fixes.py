@@ -778,3 +778,29 @@ def test_the_diagnosis_reads_the_output_grid_a_layer_owns(tmp_path):
     text = rows["add_state"]["advice"]
     assert "output y clipped" in text and "activation clipping dominates" in text, text
     assert "=a16" not in text
+
+
+def test_log_gives_the_quantized_count_again_when_placed_nodes_lose_their_grid(tmp_path, caplog):
+    """qnn fuses a Relu after an Add into the Add, so the Relu placed as quantized has no grid:
+    the log's placement line said 6 nodes quantized, the summary and report.json 5 (found by a
+    README walkthrough). The log now says which placed nodes compute in float and the new count."""
+    import json
+
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1] * 4),
+             helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+             helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], name="conv2", pads=[1] * 4),
+             helper.make_node("Add", ["c2", "r1"], ["a1"], name="add1"),
+             helper.make_node("Relu", ["a1"], ["r2"], name="relu2"),
+             helper.make_node("Flatten", ["r2"], ["f"], name="flat"),
+             helper.make_node("Gemm", ["f", "wf", "bf"], ["y"], name="fc", transB=1)]
+    inits = {"w1": rand((8, 3, 3, 3), 1, 0.3), "b1": rand((8,), 2, 0.3), "w2": rand((8, 8, 3, 3), 3, 0.3),
+             "b2": rand((8,), 4, 0.3), "wf": rand((10, 512), 5, 0.05), "bf": rand((10,), 6, 0.1)}
+    model = make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("y", [1, 10])], inits)
+    caplog.set_level("INFO", logger="dipoorlet")
+    quantize_model(tmp_path, model, n=4, deploy="qnn", skip_prof_layer=True)
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    gone = [d["node"] for d in rep["decisions"] if d["reason"].startswith("kept float: no grid left")]
+    assert gone
+    lines = [r.getMessage() for r in caplog.records if "compute in float, no grid of theirs left" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].endswith(f"; {rep['quantized_nodes']} nodes quantized")
+    assert all(n in lines[0] for n in gone)
