@@ -390,7 +390,10 @@ def plan_activations(stats, cfg: QuantConfig, plat, places=None) -> QuantPlan:
             log.warning("tensor %s reaches %s/%s on the calibration data; it stays float", t,
                         st.minmax.lo, st.minmax.hi)
             continue
-        if st.minmax.amax > MAX_AMAX:
+        # a Softmax input's grid starts at its floor (calibrate.softmax_floors), not at the mask
+        reach = (max(abs(st.floor), abs(st.minmax.hi)) if st.floor is not None and st.floor > st.minmax.lo
+                 else st.minmax.amax)
+        if reach > MAX_AMAX:
             # float32's lowest (HF attention masks write (1 - mask) * finfo.min) or the like: a
             # grid over it has steps of 1e28 and up, and its end levels dequantize to inf
             log.warning("tensor %s reaches %.4g..%.4g on the calibration data (a mask of float32's lowest "

@@ -249,11 +249,11 @@ def _masked_attention(opset: int, extra_reader: bool = False, length: int = 16, 
 
 
 def _grid_of(model, tensor):
-    """(lowest value, step) of the uint8/int8 grid a QuantizeLinear of ``tensor`` puts on it."""
+    """(lowest value, step) of the integer grid a QuantizeLinear of ``tensor`` puts on it."""
     inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     q = next(n for n in model.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == tensor)
     scale, zp = float(inits[q.input[1]]), inits[q.input[2]]
-    low = 0 if zp.dtype == np.uint8 else -128
+    low = int(np.iinfo(zp.dtype).min)
     return (low - int(zp)) * scale, scale
 
 
@@ -804,3 +804,54 @@ def test_log_gives_the_quantized_count_again_when_placed_nodes_lose_their_grid(t
     lines = [r.getMessage() for r in caplog.records if "compute in float, no grid of theirs left" in r.getMessage()]
     assert len(lines) == 1 and lines[0].endswith(f"; {rep['quantized_nodes']} nodes quantized")
     assert all(n in lines[0] for n in gone)
+
+
+@pytest.mark.parametrize("a_bits", [None, 16])
+def test_softmax_input_behind_a_float32_lowest_mask_gets_its_floor_grid(tmp_path, a_bits, caplog):
+    """HF's (1 - mask) * float32.min added to the scores, calibrated on padded samples: the log
+    said the Softmax input's grid starts at its floor (the lowest row maximum less 20), and the
+    next line dropped the grid because the tensor's raw minimum is -3.4e38 (found by a bug hunt:
+    MiniLM on qnn, 6 of 6 Softmax inputs left float). The floor decides the reach now: the grid
+    starts there (numpy oracle) and the padding still gets no attention."""
+    import logging
+
+    from dipoorlet.calibrate import SOFTMAX_MARGIN
+
+    length, dim = 12, 16
+    nodes = [helper.make_node("MatMul", ["x", "wq"], ["q"], name="mq"),
+             helper.make_node("MatMul", ["x", "wk"], ["k"], name="mk"),
+             helper.make_node("MatMul", ["x", "wv"], ["v"], name="mv"),
+             helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 1], name="tr"),
+             helper.make_node("MatMul", ["q", "kt"], ["s"], name="qk"),
+             helper.make_node("Sub", ["one", "mask"], ["inv"], name="sub"),
+             helper.make_node("Mul", ["inv", "lowest"], ["neg"], name="mul"),
+             helper.make_node("Add", ["s", "neg"], ["sm"], name="addmask"),
+             helper.make_node("Softmax", ["sm"], ["p"], name="softmax", axis=-1),
+             helper.make_node("MatMul", ["p", "v"], ["y"], name="pv")]
+    inits = {k: rand((dim, dim), i, 1.5 / np.sqrt(dim)) for i, k in enumerate(("wq", "wk", "wv"))}
+    inits.update({"one": np.float32(1), "lowest": np.float32(np.finfo(np.float32).min)})
+    model = make_model(nodes, [vi("x", [1, length, dim]), vi("mask", [1, 1, length])], [vi("y", [1, length, dim])],
+                       inits)
+    rng = np.random.default_rng(5)
+    feeds = []
+    for i in range(8):
+        n = int(rng.integers(4, length))
+        mask = np.zeros((1, 1, length), np.float32)
+        mask[..., :n] = 1
+        feeds.append({"x": rng.standard_normal((1, length, dim)).astype(np.float32), "mask": mask})
+    with caplog.at_level(logging.INFO, logger="dipoorlet"):
+        _, qm = quantize_model(tmp_path, model, feeds=feeds, act_quant="mse", deploy="qnn", a_bits=a_bits,
+                               skip_prof_layer=True)
+    assert not [r for r in caplog.records if "tensor sm reaches" in r.getMessage()]
+    exposed = onnx.ModelProto()
+    exposed.CopyFrom(model)
+    exposed.graph.output.append(vi("sm", None))
+    rowmax = min(float(ort_run(exposed, f)[-1].max(axis=-1).min()) for f in feeds)
+    lowest, step = _grid_of(qm, "sm")
+    assert abs(lowest - (rowmax - SOFTMAX_MARGIN)) <= step, (lowest, rowmax)
+    p_out = onnx.ModelProto()
+    p_out.CopyFrom(qm)
+    p_out.graph.output.append(vi("p", None))
+    for f in feeds:
+        p = ort_run(p_out, f)[-1]
+        assert float(p[..., f["mask"][0, 0] == 0].max(initial=0)) < 1e-6
