@@ -891,7 +891,7 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
                     if len(a16.float_layers) > 6 else ""))
         # the search scored each reader's input on its own grid; the written model gives a tensor
         # two layers read one grid (16-bit where either asked) and replans int32 biases: measure it
-        a16.measured = analysis.pop("_scorer").score(insert_qdq(g, places, plan))
+        a16.measured = analysis["_scorer"].score(insert_qdq(g, places, plan))
         est, got = a16.after.value(a16.criterion), a16.measured.value(a16.criterion)
         searched_met = a16.met
         a16.met = got >= a16.target   # the written model decides, both ways
@@ -917,7 +917,7 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
         analysis[rounding] = reconstructed
     if w8 is not None and (w8.float_layers or defer):
         # the written model (promoted grids, and the rounding fitted on them) decides
-        w8.measured = analysis.pop("_scorer").score(insert_qdq(g, places, plan))
+        w8.measured = analysis["_scorer"].score(insert_qdq(g, places, plan))
         w8.met = w8.measured.value(w8.criterion) >= w8.target
     if w8 is not None and not w8.met and defer and w8.after.value(w8.criterion) >= w8.target:
         log.warning("auto_w8: the search met %s %s on nearest rounding (%.6f), but with the %s rounding fitted "
@@ -931,18 +931,37 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
                     (w8.measured or w8.after).value(w8.criterion), len(w8.float_layers), plat.weight.bits,
                     analysis["sens_samples"],
                     ("what is left is not the candidates' weights: activations (--auto_skip, or a backend with "
-                     "16-bit activations and --auto_a16)" if len(w8.float_layers) >= w8.candidates
+                     "16-bit activations and --auto_a16)" if len(w8.float_layers) >= w8.candidates or w8.tried_all
                      else "a larger --max_w8_layers may meet it")
                     + (f"; {sum(1 for b in cfg.layer_bits.values() if b[0])} layers with an explicit --layer_bits "
                        "weight width were not candidates" if any(b[0] for b in cfg.layer_bits.values()) else ""))
+    left = ""
+    if a16 is not None and not a16.met and not missed_as_written:
+        if len(a16.float_layers) < a16.candidates and not a16.tried_all:
+            left = "a larger --max_a16_layers may meet it"
+        elif "_scorer" in analysis:
+            # every candidate is on 16 bits: weigh what is left with every activation float and
+            # the weights as written (the clipping of sensitivity samples beyond the calibrated
+            # ranges, which a 16-bit grid keeps, had been called the weights' rounding)
+            weights_only = analysis["_scorer"].score(insert_qdq(g, places.restrict(places.quantized_nodes, acts=False),
+                                                                plan)).value(a16.criterion)
+            if weights_only >= a16.target:
+                left = (f"what is left is the activations' clipping, not the weights (weights alone read "
+                        f"{weights_only:.6f}): the sensitivity samples reach beyond the calibrated ranges, which a "
+                        "16-bit grid keeps; calibrate on data like them, or keep the clipped layers float "
+                        "(--auto_skip, --skip_layers)")
+            else:
+                left = (f"what is left is mostly the weights' rounding (weights alone, every activation float, read "
+                        f"{weights_only:.6f}): --gptq, or --skip_layers")
+        else:
+            left = "what is left is the weights' rounding: --gptq, or --skip_layers"
     analysis.pop("_scorer", None)
     if a16 is not None and not a16.met and not missed_as_written:
         log.warning("auto_a16: target %s %s not met (%s %.6f with %d layers' inputs on 16-bit grids over the %d "
                     "sensitivity samples); %s", a16.criterion, a16.target, a16.criterion,
                     (a16.measured or a16.after).value(a16.criterion),
                     len(a16.float_layers), analysis["sens_samples"],
-                    ("what is left is the weights' rounding: --gptq, or --skip_layers"
-                     if len(a16.float_layers) >= a16.candidates else "a larger --max_a16_layers may meet it")
+                    left
                     + (f"; {sum(1 for b in cfg.layer_bits.values() if b[1])} layers with an explicit --layer_bits "
                        "activation width were not candidates" if any(b[1] for b in cfg.layer_bits.values()) else ""))
     if analysis.get("isolated"):

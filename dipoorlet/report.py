@@ -281,8 +281,11 @@ def markdown(report: dict) -> str:
         out += _auto_section("auto_skip", a, "", "kept in float", a["float_layers"], a["after"], "")
     a = report.get("auto_a16")
     if a:
-        out += _auto_section("auto_a16", a, ", estimated by the search", "inputs on 16-bit grids",
-                             a["a16_layers"], a["after_estimated"], " (the outputs table measures the model as written)")
+        # the verdict is the written model's (as --auto_w8's): its figure goes with it
+        out += _auto_section("auto_a16", a, ", as written" if a.get("after_measured") else ", estimated by the search",
+                             "inputs on 16-bit grids", a["a16_layers"], a.get("after_measured") or a["after_estimated"],
+                             f" (the search estimated {a['after_estimated']['cosine']} / {a['after_estimated']['sqnr_db']} dB)"
+                             if a.get("after_measured") else "")
     a = report.get("auto_w8")
     if a:
         out += _auto_section("auto_w8", a, ", as written", "weights on 8-bit grids", a["w8_layers"],

@@ -162,9 +162,10 @@ def html(rep: dict) -> str:
         out += _auto_section("auto_skip", a, "", "kept in float", a["float_layers"], a["after"], "")
     a = rep.get("auto_a16")
     if a:
-        out += _auto_section("auto_a16", a, " (estimated)", "inputs on 16-bit grids", a["a16_layers"],
-                             a["after_estimated"], " in the search (the outputs table measures the "
-                             "model as written)")
+        out += _auto_section("auto_a16", a, " (as written)" if a.get("after_measured") else " (estimated)",
+                             "inputs on 16-bit grids", a["a16_layers"], a.get("after_measured") or a["after_estimated"],
+                             f" (the search estimated {a['after_estimated']['cosine']} / {a['after_estimated']['sqnr_db']} "
+                             "dB)" if a.get("after_measured") else "")
     a = rep.get("auto_w8")
     if a:
         out += _auto_section("auto_w8", a, " (as written)" if a.get("after_measured") else " (estimated)",

@@ -259,6 +259,7 @@ class AutoSkipResult:
     measured: OutputScore | None = None    # --auto_a16: the promoted model as written
     last_kept: str | None = None    # --auto_skip: a layer not tried, the last one with a grid
     over_cap: list = field(default_factory=list)   # --auto_skip: groups not tried, past --max_float_layers
+    tried_all: bool = False    # --auto_a16/--auto_w8: a trial took every candidate (a larger cap adds none)
 
 
 def parse_target(text: str, flag: str = "--auto_skip", any_cosine: bool = False) -> tuple[str, float]:
@@ -534,6 +535,7 @@ def _promote_search(scorer: Scorer, places, plan, order: list, score, criterion:
     res.float_layers = first(hi)
     res.after = tried[hi]
     res.met = ok(hi)
+    res.tried_all = len(groups) in tried
     return res
 
 

@@ -504,3 +504,48 @@ def test_a_width_on_a_layer_owning_no_activation_is_named_and_no_search_candidat
     owners = {"conv1", "conv2", "add2", "gap", "fc", "pool1"}
     assert "relu1" not in a["a16_layers"] and "relu2" not in a["a16_layers"]
     assert set(a["a16_layers"]) <= owners | {"flatten"}
+
+
+def test_auto_a16_missing_target_through_clipping_says_so(tmp_path, caplog):
+    """Every candidate on 16 bits, the target still missed because the sensitivity samples
+    (--val_dir, 4x the calibration data) reach beyond the calibrated ranges: the advice had
+    named the weights' rounding (--gptq cannot help); it now weighs the weights alone and names
+    the clipping (found by a bug hunt)."""
+    model = tiny_cnn()
+    path = save(model, tmp_path / "m.onnx")
+    feeds = input_feeds(model, 6, seed=3)
+    data = write_samples(tmp_path / "data", feeds)
+    val = write_samples(tmp_path / "val", [{k: v * 4 for k, v in f.items()} for f in feeds])
+    with caplog.at_level("WARNING", logger="dipoorlet"):
+        res = dipoorlet.quantize(model=path, input_dir=data, data_num=6, deploy="qnn", output_dir=tmp_path / "out",
+                                 skip_prof_layer=True, act_quant="minmax", auto_a16="sqnr:25", val_dir=val,
+                                 sens_samples=6)
+    assert not res.report["auto_a16"]["met"]
+    text = "\n".join(r.getMessage() for r in caplog.records if "auto_a16: target" in r.getMessage())
+    # every layer tried, none kept (they scored below none): not "a larger --max_a16_layers"
+    assert "activations' clipping, not the weights" in text and "--gptq" not in text, text
+    assert "max_a16_layers" not in text
+
+
+def test_auto_a16_report_gives_the_written_models_figure_with_its_verdict(tmp_path, monkeypatch):
+    """report.md/html said "met, estimated by the search" beside the search's figure, while the
+    verdict is the written model's (the hunt's case: 31.86 dB estimated, 32.19 measured, target
+    32): they now show the written model's figure, and the estimate beside it."""
+    from dipoorlet import sensitivity
+    real = sensitivity.auto_a16
+
+    def claims(*args, **kw):
+        res = real(*args, **kw)
+        res.float_layers, res.met = ["conv2"], True
+        res.after = sensitivity.OutputScore(0.5, 3.0, 1.0)      # an estimate unlike the measurement
+        return res
+    monkeypatch.setattr(sensitivity, "auto_a16", claims)
+    res, out, _, _ = _run(tmp_path, tiny_cnn(), auto_a16="0.5", sens_samples=2)
+    a = res.report["auto_a16"]
+    assert a["met"] and a["after_measured"]["sqnr_db"] != a["after_estimated"]["sqnr_db"]
+    md = (out / "report.md").read_text()
+    assert "(met, as written)" in md
+    assert f"{a['before']['sqnr_db']} → {a['after_measured']['sqnr_db']} dB" in md
+    assert f"the search estimated {a['after_estimated']['cosine']} / {a['after_estimated']['sqnr_db']} dB" in md
+    html = (out / "report.html").read_text()
+    assert "(as written)" in html and f"the search estimated {a['after_estimated']['cosine']}" in html
