@@ -659,3 +659,25 @@ def test_range_only_formats_warn_that_narrow_grids_deploy_as_8_bits(tmp_path, ca
     assert bool(hits) == (warned and bool(bits)), hits
     if hits:
         assert hits[0].startswith(f"{deploy}: ") and f"{list(bits.values())[0]} bits" in hits[0]
+
+
+@pytest.mark.parametrize("flags", [{}, {"w_bits": 4}, {"a_bits": 6}, {"w_bits": 4, "stpu_wg": True}])
+def test_stpu_bias_alpha_is_the_product_of_the_steps_its_ranges_give(tmp_path, flags):
+    """STPU builds its int8 grids from the written ranges (A / 127); a grid narrower than 8 bits
+    is written as its range, but the bias alpha was the product of the narrow steps (127/7 = 18x
+    too large with 4-bit weights, 4.1x with 6-bit activations; found by a bug hunt)."""
+    model = tiny_cnn()
+    model_path = save(model, tmp_path / "model.onnx")
+    data = write_samples(tmp_path / "data", input_feeds(model, 4))
+    dipoorlet.quantize(model=model_path, input_dir=data, data_num=4, deploy="stpu", output_dir=tmp_path / "out",
+                       act_quant="minmax", skip_prof_layer=True, **flags)
+    p = json.loads((tmp_path / "out" / "stpu_minmax.json").read_text())
+    inputs = {"conv1": "x", "conv2": "p1", "fc": "f"}
+    checked = 0
+    for layer, src in inputs.items():
+        if f"{layer}_bias" not in p or src not in p:
+            continue
+        want = p[src]["max"] / 127 * p[f"{layer}_weights"]["max"] / 127
+        assert p[f"{layer}_bias"]["alpha"] == pytest.approx(want, rel=1e-6), layer
+        checked += 1
+    assert checked >= 2

@@ -38,6 +38,7 @@ from dipoorlet.deploy.snpe import floats, relu_fill_ins, scalar_or_list, sym_ama
 from dipoorlet.graph import node_attr
 from dipoorlet.util import write_json
 
+CHIP_QMAX = 127     # the chip's int8 grids: scale = A / 127 of the range written
 WINOGRAD_G = np.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]])
 
 
@@ -79,12 +80,21 @@ def export(ctx, folder):
                 a = winograd_amax(w)
                 param[f"layer_{layer.node.name}"] = {"wg": True}
                 param[f"{layer.node.name}_weights"] = _sym(a)
-                wg_scale[layer.node.name] = a / layer.wqp.qmax
+                wg_scale[layer.node.name] = a / CHIP_QMAX
     for layer in layers:
         if not layer.bias or layer.bqp is None:
             continue
         alpha = floats(layer.bqp.scale)
-        if layer.node.name in wg_scale and layer.dqp is not None:
-            alpha = [wg_scale[layer.node.name] * floats(layer.dqp.scale)[0]]
-        param[f"{layer.node.name}_bias"] = {"alpha": scalar_or_list(alpha), "zero_point": 0}
+        name = layer.node.name
+        # the chip builds its int8 grids from the written ranges (A / 127): a grid narrower than 8
+        # bits (--w_bits 4, --a_bits 6) is written as its range, so the bias scale must be the
+        # product of those 8-bit steps (the plan's narrow steps made it 127/7 = 18x too large for
+        # 4-bit weights)
+        narrow = layer.wqp.bits < 8 or (layer.dqp is not None and layer.dqp.bits < 8)
+        if (name in wg_scale or narrow) and layer.dqp is not None:
+            w_step = wg_scale.get(name, param[f"{name}_weights"]["max"] / CHIP_QMAX)
+            in_step = (floats(layer.dqp.scale)[0] if layer.dqp.bits >= 8 else
+                       float(sym_amax(layer.dqp).max()) / CHIP_QMAX)
+            alpha = [w_step * in_step]
+        param[f"{name}_bias"] = {"alpha": scalar_or_list(alpha), "zero_point": 0}
     return [write_json(folder / "stpu_minmax.json", param)]
