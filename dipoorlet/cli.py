@@ -384,7 +384,13 @@ def main(argv=None) -> int:
         finish_log(state["out_dir"], state["ok"])
         if state.get("lock") is not None:
             state["lock"].release()
-        if installed:
+        if state.get("helper_rank") and state["ok"]:
+            # an MPI rank other than 0 whose run is done (rank 0 has published): a signal while it
+            # finalizes would make mpirun kill rank 0 as it closes its log, and report the
+            # signal as the run's exit code; there is nothing left to stop
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)
+        elif installed:
             # None: the handler before was not set from Python; the default is the closest
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
@@ -474,6 +480,7 @@ def _main(args, argv, state) -> int:
         from dipoorlet.dist import make_comm
 
         comm = make_comm(args.mpirun, args.slurm)
+        state["helper_rank"] = comm.world > 1 and comm.rank != 0
         _refuse_reference_flags(args)      # with the communicator: printed once, by rank 0
         from dipoorlet.config import QuantConfig
         from dipoorlet.data import parse_input_shapes
@@ -608,6 +615,11 @@ def _stop(comm, state, what: str, code: int) -> int:
     done = f"after the outputs were written into {PUBLISHED[-1]}" if PUBLISHED else "no output was written"
     if PUBLISHED:
         state["ok"] = True          # the log describes the outputs -O now holds
+    if comm is not None and comm.world > 1 and comm.rank != 0 and PUBLISHED:
+        # a signal to this rank alone, held until rank 0 had published: the run is done, rank 0
+        # finishes it (an abort would kill it while it closes its log); this rank exits with the code
+        print(f"dipoorlet: rank {comm.rank}: {what}; {done}", file=sys.stderr, flush=True)
+        return code
     if comm is not None and comm.world > 1 and comm.rank != 0:
         # mpirun passes Ctrl-C to every rank: rank 0 says it and its abort ends this wait (a
         # signal sent to this rank alone is said after it)

@@ -1059,9 +1059,20 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
             # (exposing every quantized activation cost the PP-OCRv4 detector's run 20% more peak memory)
             grids=layer_errors.grid_bounds(plan, places) if val is not None else None)
         timings["profile_s"] = time.perf_counter() - t
-        prof_data.share_notes(comm)
         if comm.rank != 0:
+            # from the last collective on, wait with signals held until rank 0 has published: a
+            # rank that returned here and then died of a Ctrl-C/SIGTERM sent to it alone made
+            # mpirun kill rank 0 in the middle of its moves into -O (a mix of two runs' files), and
+            # one taken after that collective said "no output was written" while rank 0 went on
+            # to publish (found by a bug hunt). A signal held here is raised when the outputs are
+            # in place (or rank 0's failure has ended the run)
+            with _signals_held():
+                prof_data.share_notes(comm)
+                published = comm.bcast(None)
+                if published:          # before a held signal is raised, which reports it
+                    PUBLISHED.append(Path(published))
             return Result(out_dir, [], {}, [], timings)
+        prof_data.share_notes(comm)
         # Every collective step is done (the gather waited for all ranks): rank 0 writes.
         rows = layer_errors.summarize(errors, targets_prof, g.output_names,
                                  places.quantized_nodes if not cfg.skip_prof_layer else ())
@@ -1091,6 +1102,8 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
         timings["total_s"] = time.perf_counter() - t0
         final = _publish(staging, out_dir, keep=(*model_files(cfg.model), *data.paths(),
                                                  *(val[0].paths() if val else ())))
+        if comm.world > 1:
+            comm.bcast(str(out_dir))       # the other ranks waited for this (see above)
         return Result(out_dir, final, rep, rows, timings)
     finally:
         if comm.rank == 0:

@@ -443,3 +443,38 @@ def test_brecq_with_fewer_samples_than_processes_matches_one_process(tmp_path):
         assert res.returncode == 0, res.stderr
         outs.append((out / "quant_model.onnx").read_bytes())
     assert outs[0] == outs[1]
+
+
+def test_a_signal_to_one_rank_while_rank_0_publishes_leaves_one_runs_outputs(case, tmp_path):
+    """Ctrl-C/SIGTERM sent to rank 1 alone once its share was done: rank 1 had returned and died
+    of it, and mpirun killed rank 0 in the middle of its moves into -O (a mix of an earlier run's
+    and this run's files, exit 15 or 2, no message; found by a bug hunt). Rank 1 now waits for
+    rank 0's publish with the signal held and says it after: exit 143, the outputs all there."""
+    script = tmp_path / "late.py"
+    script.write_text(
+        "import os, signal, sys, time\nfrom mpi4py import MPI\nimport dipoorlet.pipeline as p\n"
+        "from dipoorlet.cli import main\n"
+        "rank, pidfile = MPI.COMM_WORLD.Get_rank(), sys.argv[1]\n"
+        "if rank == 1:\n    open(pidfile, 'w').write(str(os.getpid()))\n"
+        "real = p._publish\n"
+        "def publish(*a, **k):\n"
+        "    os.kill(int(open(pidfile).read()), signal.SIGTERM)\n"
+        "    time.sleep(1.0)\n"
+        "    return real(*a, **k)\n"
+        "p._publish = publish\n"
+        "sys.exit(main(sys.argv[2:]))\n")
+    out = tmp_path / "o"
+    first = _run(case, out, "minmax -D qnn", 1)          # an earlier run's outputs in -O
+    assert first.returncode == 0, first.stderr
+    cmd = [MPIRUN, "-n", "2", sys.executable, str(script), str(tmp_path / "rank1.pid"), "-M", str(case / "m.onnx"),
+           "-I", str(case / "calib"), "-N", "11", "-D", "trt", "-A", "minmax", "-O", str(out), "--mpirun"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 143, res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.startswith("dipoorlet:")]
+    assert lines == [f"dipoorlet: rank 1: terminated (SIGTERM); after the outputs were written into {out}"], res.stderr
+    import json
+
+    assert json.loads((out / "report.json").read_text())["platform"] == "trt"
+    assert {"trt_calib.cache", "quant_model.onnx", "dipoorlet.log"} <= {p.name for p in out.iterdir()}
+    assert not (out / "qnn_encodings.json").exists()
+    assert not list(out.glob(".dipoorlet-staging-*"))
