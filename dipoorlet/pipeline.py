@@ -345,8 +345,11 @@ def warn_degenerate(stats, plan: QuantPlan) -> None:
     empty = [t for t, st in stats.items() if st.minmax.count and st.minmax.lo > st.minmax.hi]
     zero = [t for t, st in stats.items() if _zero(st) and t not in plan.activations]
     if empty:
-        log.warning("%s %s empty in every calibration sample (a zero-length dimension): %s float; calibrate "
-                    "with samples of the lengths deployment sees", names(empty), verb(empty, "is", "are"),
+        # NaN is left out of the ranges, so a tensor NaN everywhere reads as empty too (a mask of
+        # (1 - m) * -inf gives NaN where m is 1; found by a bug hunt): the line names both
+        log.warning("%s %s empty (a zero-length dimension) or NaN throughout in every calibration sample: %s "
+                    "float; calibrate with samples of the lengths deployment sees, or find what makes NaN in "
+                    "the float model (0 · ∞, log or sqrt of a negative)", names(empty), verb(empty, "is", "are"),
                     verb(empty, "it stays", "they stay"))
     if zero:
         log.warning("%s %s 0 in every calibration sample, which sizes no grid: %s float (a grid of +-%g "
@@ -387,8 +390,8 @@ def plan_activations(stats, cfg: QuantConfig, plat, places=None) -> QuantPlan:
         if st.minmax.count == 0 or st.minmax.lo > st.minmax.hi:
             continue   # never seen, or empty in every sample: no range to size a grid from (warn_degenerate)
         if not math.isfinite(st.minmax.amax):
-            log.warning("tensor %s reaches %s/%s on the calibration data; it stays float", t,
-                        st.minmax.lo, st.minmax.hi)
+            log.warning("tensor %s reaches %s/%s on the calibration data (infinite values, or NaN throughout); it "
+                        "stays float", t, st.minmax.lo, st.minmax.hi)
             continue
         # a Softmax input's grid starts at its floor (calibrate.softmax_floors), not at the mask
         reach = (max(abs(st.floor), abs(st.minmax.hi)) if st.floor is not None and st.floor > st.minmax.lo

@@ -248,7 +248,8 @@ def test_an_activation_empty_in_every_sample_is_named_as_empty(tmp_path, caplog)
     feeds = [{"x": np.zeros((1, 0, 4), np.float32)} for _ in range(3)]
     with caplog.at_level(logging.WARNING, logger="dipoorlet"):
         _, qm = quantize_model(tmp_path, model, feeds=feeds, skip_prof_layer=True)
-    assert "x is empty in every calibration sample (a zero-length dimension): it stays float" in caplog.text
+    assert ("x is empty (a zero-length dimension) or NaN throughout in every calibration sample: it stays float"
+            in caplog.text)
     assert "inf" not in caplog.text
     assert not any(n.op_type == "QuantizeLinear" and n.input[0] == "x" for n in qm.graph.node)
     x = rand((1, 5, 4), 2)     # only the weight's int8 rounding is left
@@ -338,3 +339,30 @@ def test_an_all_zero_concat_input_keeps_the_grid_its_group_shares(tmp_path, depl
     quantize_model(tmp_path, model, feeds=feeds, deploy=deploy, skip_prof_layer=True)
     acts = json.loads((tmp_path / "out" / "act_clip_val.json").read_text())
     assert acts["state"] == acts["x"] == acts["c"] and acts["x"][1] > 1
+
+
+def test_an_activation_nan_in_every_sample_is_not_called_only_empty(tmp_path, caplog):
+    """0 * inf inside the float model makes a tensor NaN throughout; NaN is left out of its range,
+    so it read as empty and the log blamed a zero-length dimension (found by a bug hunt)."""
+    import logging
+
+    from onnx import TensorProto, helper as oh
+
+    from conftest import make_model, quantize_model, rand
+
+    nodes = [oh.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+             oh.make_node("Mul", ["h", "zero"], ["z"], name="zero_it"),
+             oh.make_node("Mul", ["z", "big"], ["n"], name="nan_it"),
+             oh.make_node("MatMul", ["n", "w2"], ["y"], name="mm2")]
+    model = make_model(nodes, [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                       [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3])],
+                       {"w": rand((4, 4), 1), "zero": np.float32(0), "big": np.float32(np.inf), "w2": rand((4, 3), 2)})
+    with caplog.at_level(logging.WARNING, logger="dipoorlet"):
+        quantize_model(tmp_path, model, n=3, skip_prof_layer=True, act_quant="mse")
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("n "))
+    assert "or NaN throughout" in line and "NaN in the float model" in line
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dipoorlet"):
+        quantize_model(tmp_path / "minmax", model, n=3, skip_prof_layer=True, act_quant="minmax")
+    assert [r for r in caplog.records if r.getMessage().startswith("tensor n reaches")
+            and "NaN throughout" in r.getMessage()]
