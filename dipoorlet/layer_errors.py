@@ -244,9 +244,12 @@ class ErrorStats:
         return self
 
 
-def grid_bounds(plan, places) -> dict[str, tuple[float, float, float]]:
+def grid_bounds(plan, places, floored=()) -> dict[str, tuple[float, float, float]]:
     """tensor -> (lowest and highest value its per-tensor grid represents, its step) for every
-    quantized activation; a value more than half a step beyond them saturates."""
+    quantized activation; a value more than half a step beyond them saturates. ``floored``: the
+    Softmax inputs whose grid starts at a floor on purpose (calibrate.softmax_floors): what lies
+    below it weighs nothing in the Softmax, so only their top end counts (a -1e4 or float32.min
+    mask clipped there topped the saturation table at 1e80x its rounding noise)."""
     out = {}
     for t in places.activations:
         qp = plan.activations.get(t)
@@ -254,7 +257,7 @@ def grid_bounds(plan, places) -> dict[str, tuple[float, float, float]]:
             continue
         scale, zp = float(qp.scale), float(qp.zero_point)
         lo, hi = (qp.qmin - zp) * scale, (qp.qmax - zp) * scale
-        out[t] = (lo, hi, scale)
+        out[t] = (-math.inf if t in floored else lo, hi, scale)
     return out
 
 

@@ -1060,7 +1060,8 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
             g, qmodel, prof_data, prof_indices, targets_prof, comm, cfg.device, savefp,
             # values beyond the grids: counted on held-out samples only, where they are the point
             # (exposing every quantized activation cost the PP-OCRv4 detector's run 20% more peak memory)
-            grids=layer_errors.grid_bounds(plan, places) if val is not None else None)
+            grids=layer_errors.grid_bounds(plan, places, {t for t, st in (stats or {}).items() if st.floor is not None})
+            if val is not None else None)
         timings["profile_s"] = time.perf_counter() - t
         if comm.rank != 0:
             # from the last collective on, wait with signals held until rank 0 has published: a

@@ -855,3 +855,22 @@ def test_softmax_input_behind_a_float32_lowest_mask_gets_its_floor_grid(tmp_path
     for f in feeds:
         p = ort_run(p_out, f)[-1]
         assert float(p[..., f["mask"][0, 0] == 0].max(initial=0)) < 1e-6
+
+
+def test_a_mask_below_a_softmax_floor_is_not_counted_as_saturation(tmp_path):
+    """Calibrated unpadded, profiled on padded samples (--val_dir): the Softmax input's grid
+    starts at its floor on purpose, and the -1e4 mask below it weighs nothing; it was the
+    saturation table's worst tensor at ~1e80x its rounding noise (found by a bug hunt). A value
+    above the grid still counts."""
+    import dipoorlet
+    from conftest import save, write_samples
+
+    model, padded = _masked_attention(13)
+    unpadded = [{"x": f["x"], "mask": np.zeros_like(f["mask"])} for f in padded]
+    data = write_samples(tmp_path / "data", unpadded)
+    val = write_samples(tmp_path / "val", padded)
+    res = dipoorlet.quantize(model=save(model, tmp_path / "m.onnx"), input_dir=data, data_num=len(unpadded),
+                             deploy="qnn", output_dir=tmp_path / "out", val_dir=val, skip_prof_layer=True)
+    worst = {w["tensor"]: w for w in res.report["clipped"]["worst"]}
+    assert "sm" not in worst, worst["sm"]
+    assert res.report["clipped"]["tensors"] >= 3
