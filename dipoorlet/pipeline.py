@@ -807,6 +807,7 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
                                   cfg.percentile)
         if shifted:   # same weights, new tensor names: the weight grids stay as planned
             places = placement_mod.place(g, plat, cfg.skip_layers, warn=False)
+    _unsized_input_layers_float(places, plan, stats)
     _gridless_to_float(g, places, plan)
     fit_biases(g, places, plan)    # before the steps that fit weights or biases to these grids
     corrections = None
@@ -1294,6 +1295,22 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, pl
                     a.after.value(a.criterion), len(a.float_layers), n,
                     ", on the logits" if out.get("sens_scored_on") else "", more)
     return out
+
+
+def _unsized_input_layers_float(places, plan, stats) -> None:
+    """A layer whose every quantized input was 0 in every calibration sample (no grid: see
+    warn_degenerate) keeps its weights float too: no backend describes a layer with an integer
+    weight and a float input (atlas_record.json left such a Conv out while quant_model.onnx gave
+    it int8 weights; found by a bug hunt), and with its input 0 the weights' rounding was never
+    measured. _gridless_to_float then gives it its decision."""
+    inputs: dict[str, list[str]] = {}
+    for t, p in places.activations.items():
+        for owner in p.owners:
+            inputs.setdefault(owner, []).append(t)
+    for key, wp in list(places.weights.items()):
+        ts = inputs.get(wp.node)
+        if ts and all(t not in plan.activations and t in stats and _zero(stats[t]) for t in ts):
+            del places.weights[key]
 
 
 def _gridless_to_float(g, places, plan) -> None:

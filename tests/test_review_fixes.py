@@ -874,3 +874,29 @@ def test_a_mask_below_a_softmax_floor_is_not_counted_as_saturation(tmp_path):
     worst = {w["tensor"]: w for w in res.report["clipped"]["worst"]}
     assert "sm" not in worst, worst["sm"]
     assert res.report["clipped"]["tensors"] >= 3
+
+
+@pytest.mark.parametrize("deploy", ["atlas", "trt"])
+def test_a_layer_whose_input_is_0_in_every_sample_keeps_its_weights_float(tmp_path, deploy):
+    """conv2 reads a Relu that is 0 on every calibration sample: its input gets no grid, but its
+    weights kept an int8 grid, report.json called it quantized and atlas_record.json left it out
+    (found by a bug hunt). It is float, weights included, and says why."""
+    import json
+
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1] * 4),
+             helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+             helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], name="conv2", pads=[1] * 4),
+             helper.make_node("Conv", ["x", "w3", "b3"], ["c3"], name="conv3", pads=[1] * 4),
+             helper.make_node("Add", ["c2", "c3"], ["y"], name="add")]
+    inits = {"w1": rand((4, 3, 3, 3), 1, 0.1), "b1": np.full(4, -100, np.float32), "w2": rand((4, 4, 3, 3), 2, 0.3),
+             "b2": rand((4,), 3), "w3": rand((4, 3, 3, 3), 4, 0.3), "b3": rand((4,), 5)}
+    model = make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("y", [1, 4, 8, 8])], inits)
+    res, qm = quantize_model(tmp_path, model, n=4, deploy=deploy, skip_prof_layer=True)
+    conv2 = next(n for n in qm.graph.node if n.name == "conv2")
+    assert conv2.input[1] == "w2"                      # no DequantizeLinear: the float weight
+    dec = next(d for d in res.report["decisions"] if d["node"] == "conv2")
+    assert not dec["quantized"] and "r1 0 in every calibration sample" in dec["reason"]
+    if deploy == "atlas":
+        assert "conv2" not in json.loads((tmp_path / "out" / "atlas_record.json").read_text())
+    feed = input_feeds(model, 1)[0]
+    np.testing.assert_allclose(ort_run(qm, feed)[0], ort_run(model, feed)[0], atol=0.2)
