@@ -444,12 +444,14 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike, external: bool |
     data_name = path.name + ".data"
     with atomic_path(path.parent / data_name) as tmp_data, atomic_path(path) as tmp_model:
         # onnx writes the data file next to the model under the location name; write both
-        # into a private folder and move them into place together.
+        # into a private folder and move them into place together. Tensors under 1 KB stay in
+        # the model: onnxruntime's shape inference cannot read a Reshape's shape or an
+        # Unsqueeze's axes from external data (size_threshold=0 wrote models it refused to load)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             m = onnx.ModelProto()
             m.CopyFrom(model)
             onnx.save_model(m, os.path.join(tmp, path.name), save_as_external_data=True,
-                            all_tensors_to_one_file=True, location=data_name, size_threshold=0)
+                            all_tensors_to_one_file=True, location=data_name, size_threshold=1024)
             os.replace(os.path.join(tmp, path.name), tmp_model)
             if os.path.exists(os.path.join(tmp, data_name)):
                 os.replace(os.path.join(tmp, data_name), tmp_data)

@@ -510,3 +510,30 @@ def test_opset_10_nearest_resize_samples_as_onnxruntime_ran_it(tmp_path, scales)
             _prepared(model, tmp_path)
         return
     np.testing.assert_array_equal(ort_run(_prepared(model, tmp_path), x)[0], ort_run(model, x)[0])
+
+
+def test_a_model_written_with_external_data_loads_in_onnxruntime_from_its_file(tmp_path, monkeypatch):
+    """The >2 GB path moved every tensor out, a Reshape's int64 shape too, and onnxruntime cannot
+    read that from external data: the written quant_model.onnx failed to load (found by a bug
+    hunt). Small tensors stay in the model file."""
+    import onnxruntime as ort
+
+    from conftest import input_feeds, make_model, quantize_model, rand, vi
+    from dipoorlet import graph as graph_mod
+
+    monkeypatch.setattr(graph_mod, "EXTERNAL_THRESHOLD", 1000)
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", pads=[1] * 4),
+             helper.make_node("Reshape", ["c", "shape"], ["f"], name="reshape"),
+             helper.make_node("Gemm", ["f", "wf", "bf"], ["y"], name="fc", transB=1)]
+    model = make_model(nodes, [vi("x", [1, 3, 4, 4])], [vi("y", [1, 5])],
+                       {"w": rand((32, 3, 3, 3), 1, 0.3), "b": rand((32,), 2), "shape": np.array([1, 512], np.int64),
+                        "wf": rand((5, 512), 3, 0.1), "bf": rand((5,), 4)})
+    quantize_model(tmp_path, model, n=3, skip_prof_layer=True)
+    out = tmp_path / "out"
+    assert (out / "quant_model.onnx.data").stat().st_size > 0
+    onnx.checker.check_model(str(out / "quant_model.onnx"), full_check=True)
+    feed = input_feeds(model, 1)[0]
+    for name in ("quant_model.onnx", "transformed_model.onnx"):
+        if (out / name).exists():
+            sess = ort.InferenceSession(str(out / name), providers=["CPUExecutionProvider"])
+            assert sess.run(None, feed)[0].shape == (1, 5)

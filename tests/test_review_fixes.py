@@ -216,15 +216,20 @@ def test_an_attention_mask_of_float32_lowest_is_not_taken_for_nan(tmp_path, capl
     assert res.report["bias_correction"]["samples"] == 8
 
 
+def _attention_scores():
+    """q, k, v = x Wq, x Wk, x Wv and the scores s = q k^T."""
+    return [helper.make_node("MatMul", ["x", "wq"], ["q"], name="mq"),
+            helper.make_node("MatMul", ["x", "wk"], ["k"], name="mk"),
+            helper.make_node("MatMul", ["x", "wv"], ["v"], name="mv"),
+            helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 1], name="tr"),
+            helper.make_node("MatMul", ["q", "kt"], ["s"], name="qk")]
+
+
 def _masked_attention(opset: int, extra_reader: bool = False, length: int = 16, dim: int = 32,
                       two_sided: bool = False):
     """q k^T + additive -1e4 mask -> Softmax -> p v, the masked positions differing per sample."""
     rng = np.random.default_rng(0)
-    nodes = [helper.make_node("MatMul", ["x", "wq"], ["q"], name="mq"),
-             helper.make_node("MatMul", ["x", "wk"], ["k"], name="mk"),
-             helper.make_node("MatMul", ["x", "wv"], ["v"], name="mv"),
-             helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 1], name="tr"),
-             helper.make_node("MatMul", ["q", "kt"], ["s"], name="qk"),
+    nodes = _attention_scores() + [
              helper.make_node("Add", ["s", "mask"], ["sm"], name="addmask"),
              helper.make_node("Softmax", ["sm"], ["p"], name="softmax", axis=2 if opset < 13 else -1),
              helper.make_node("MatMul", ["p", "v"], ["y"], name="pv")]
@@ -315,12 +320,7 @@ def test_a_masked_softmax_calibrated_without_padding_still_hides_padding(tmp_pat
     attended to padding. The grid now reaches 12 below the lowest row maximum; the real
     positions of a padded sample give the padding no attention (onnxruntime oracle)."""
     length, dim = 12, 16
-    nodes = [helper.make_node("MatMul", ["x", "wq"], ["q"], name="mq"),
-             helper.make_node("MatMul", ["x", "wk"], ["k"], name="mk"),
-             helper.make_node("MatMul", ["x", "wv"], ["v"], name="mv"),
-             helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 1], name="tr"),
-             helper.make_node("MatMul", ["q", "kt"], ["s"], name="qk"),
-             helper.make_node("Unsqueeze", ["attention_mask", "ax"], ["m3"], name="unsq")]
+    nodes = _attention_scores() + [helper.make_node("Unsqueeze", ["attention_mask", "ax"], ["m3"], name="unsq")]
     if style == "add":
         nodes += [helper.make_node("Cast", ["m3"], ["mf"], to=TensorProto.FLOAT, name="cast"),
                   helper.make_node("Sub", ["one", "mf"], ["inv"], name="inv"),
@@ -818,11 +818,7 @@ def test_softmax_input_behind_a_float32_lowest_mask_gets_its_floor_grid(tmp_path
     from dipoorlet.calibrate import SOFTMAX_MARGIN
 
     length, dim = 12, 16
-    nodes = [helper.make_node("MatMul", ["x", "wq"], ["q"], name="mq"),
-             helper.make_node("MatMul", ["x", "wk"], ["k"], name="mk"),
-             helper.make_node("MatMul", ["x", "wv"], ["v"], name="mv"),
-             helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 1], name="tr"),
-             helper.make_node("MatMul", ["q", "kt"], ["s"], name="qk"),
+    nodes = _attention_scores() + [
              helper.make_node("Sub", ["one", "mask"], ["inv"], name="sub"),
              helper.make_node("Mul", ["inv", "lowest"], ["neg"], name="mul"),
              helper.make_node("Add", ["s", "neg"], ["sm"], name="addmask"),
