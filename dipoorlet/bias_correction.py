@@ -81,8 +81,8 @@ def find_sites(g, places, plan, qmodel) -> list[Site]:
                     bias = other[0]
         if bias is None or bias in plan.weights or g.weight(bias).ndim != 1:
             continue
-        if len(g.consumers.get(bias, [])) != 1:
-            continue  # a bias shared by two layers cannot take two corrections
+        if len(g.consumers.get(bias, [])) != 1 or bias in g.output_names:
+            continue  # a bias shared by two layers cannot take two corrections; a network output keeps its value
         qnode = qnodes.get(name)
         if qnode is None:
             continue

@@ -312,14 +312,15 @@ def _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop
     # biases of Conv/ConvTranspose/Gemm layers whose input has a grid: learned with the rounding
     biases, bias_of = {}, {}
     reads = Counter(i for m in qmodel.graph.node for i in m.input)
+    outputs = {o.name for o in qmodel.graph.output}
     for out, (name, tensor, qp) in learn.items():
         node = qnodes[name]
         if not LEARN_BIAS or node.op_type not in ("Conv", "ConvTranspose", "Gemm") or len(node.input) < 3 \
                 or not node.input[2]:
             continue
         bname = node.input[2]
-        if reads[bname] != 1:
-            continue            # a bias read by several layers keeps its value
+        if reads[bname] != 1 or bname in outputs:
+            continue            # a bias read by several layers, or a network output, keeps its value
         chain = tg.chains.get(node.input[0])
         if chain is None or chain.scale.ndim or (bname not in tg.consts and bname not in tg.wdq):
             continue

@@ -174,7 +174,7 @@ def find_layers(g, places, plan, qmodel) -> tuple[list[Layer], dict]:
                 other = [t for t in users[0].input if t != node.output[0]]
                 if len(other) == 1 and g.is_constant(other[0]):
                     bias = other[0]
-        if bias is not None and (bias in plan.weights or len(g.consumers.get(bias, [])) != 1
+        if bias is not None and (bias in plan.weights or len(g.consumers.get(bias, [])) != 1 or bias in g.output_names
                                  or g.weight(bias).ndim != 1 or g.weight(bias).size != rows):
             bias = None
         lay = Layer(name, op, wp.tensor, bias, pre, xq, float(qp.scale), float(qp.zero_point), qp.qmin, qp.qmax)
