@@ -232,6 +232,26 @@ def finish_rank_log(out_dir: Path, rank: int) -> None:
             pass
 
 
+def _check_log_names(cfg) -> None:
+    """The log and lock files a run writes into -O must not be the model's own files (an
+    external-data file named dipoorlet.log in -O was overwritten with the log; found by a bug
+    hunt). The outputs themselves are checked when they are published."""
+    from dipoorlet.errors import OutputError
+    from dipoorlet.graph import model_files
+    from dipoorlet.pipeline import LOCK
+
+    out = cfg.output_dir.resolve()
+    for f in model_files(cfg.model):
+        try:
+            r = f.resolve()
+        except OSError:
+            continue
+        if r.parent == out and (r.name in (RUN_LOG, LOCK) or (r.name.startswith("dipoorlet.") and r.name.endswith(".log"))
+                                or (r.name.startswith(".dipoorlet-run.") and r.name.endswith(".log"))):
+            raise OutputError(f"{f} is a file of the model -M, and the run writes its {r.name} into -O {cfg.output_dir}; "
+                              "choose another -O, or move the model")
+
+
 def rank0_log(out_dir: Path) -> Path:
     """The file rank 0 of an MPI run logs into (setup_logging's choice): another rank that fails
     adds its error line there, since its abort ends rank 0 before rank 0 can."""
@@ -511,6 +531,7 @@ def _main(args, argv, state) -> int:
                           device=args.device, custom_op_libs=tuple(args.custom_op_lib), debug=debug)
         check_model_path(cfg.model)  # before -O (default <model dir>/results) is created
         check_output_dir(cfg.output_dir)
+        _check_log_names(cfg)
         if comm.rank == 0:     # one run at a time into -O (before its log is opened there)
             from dipoorlet.pipeline import OutputLock
 

@@ -1081,3 +1081,23 @@ def test_api_unknown_keyword_names_the_cli_flags_it_does_not_take(tmp_path):
                                                         r"--ada_epoch and --update_bn"):
         dipoorlet.quantize(model=str(case.model), input_dir=str(case.data), data_num=2, deploy="trt",
                            output_dir=str(case.out), we=True)
+
+
+def test_a_model_weights_file_named_like_the_runs_log_is_not_overwritten(tmp_path, capsys):
+    """-O is the model's folder and its external-data file is called dipoorlet.log: the log
+    overwrote the weights, exit 0 (found by a bug hunt). One line, exit 2, the file untouched."""
+    import onnx
+
+    case = Case(tmp_path)
+    m = onnx.load(str(case.model))
+    folder = tmp_path / "both"
+    folder.mkdir()
+    onnx.save_model(m, str(folder / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="dipoorlet.log", size_threshold=0)
+    before = (folder / "dipoorlet.log").read_bytes()
+    case.args["-M"], case.args["-O"] = str(folder / "model.onnx"), str(folder)
+    rc, err = run_cli(case, capsys)
+    assert rc == 2
+    (line,) = error_lines(err)
+    assert "dipoorlet.log is a file of the model -M" in line
+    assert (folder / "dipoorlet.log").read_bytes() == before
