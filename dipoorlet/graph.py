@@ -61,7 +61,59 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     if not model.graph.node:
         raise ModelError(f"{p} is not an ONNX model with a graph (no nodes found); "
                          "check that -M names the .onnx file")
+    _check_structure(model, p)
+    _densify_sparse_initializers(model)
     return model
+
+
+def _check_structure(model: onnx.ModelProto, p) -> None:
+    """Malformed graphs onnxruntime may still run but the tool cannot write back: one line each
+    (found by a bug hunt: a duplicate initializer name failed onnx.checker after the whole run,
+    a graph output no node produces likewise, an initializer shorter than its dims was a numpy
+    traceback)."""
+    g = model.graph
+    seen = set()
+    for t in g.initializer:
+        if t.name in seen:
+            raise ModelError(f"{p}: initializer {t.name!r} appears twice in the graph; export the model again, or "
+                             "remove the duplicate (onnx.checker names it)")
+        seen.add(t.name)
+        if t.HasField("raw_data") and t.data_location != onnx.TensorProto.EXTERNAL:
+            try:
+                np_type = onnx.helper.tensor_dtype_to_np_dtype(t.data_type) if t.data_type not in (
+                    onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED) else None
+            except Exception:  # noqa: BLE001 - a type this onnx cannot map: not checked
+                np_type = None
+            bits = {onnx.TensorProto.INT4: 4, onnx.TensorProto.UINT4: 4}.get(t.data_type)
+            if np_type is not None and bits is None:
+                want = int(np.prod(t.dims, dtype=np.int64)) * np.dtype(np_type).itemsize
+                if len(t.raw_data) != want:
+                    raise ModelError(f"{p}: initializer {t.name!r} of shape {list(t.dims)} holds {len(t.raw_data)} bytes "
+                                     f"where its shape and type need {want}; the file is damaged: export it again")
+    made = {o for n in g.node for o in n.output} | {i.name for i in g.input} | seen | {
+        s.values.name for s in g.sparse_initializer}
+    for o in g.output:
+        if o.name not in made:
+            raise ModelError(f"{p}: graph output {o.name!r} is produced by no node, input or initializer; export the "
+                             "model again, or remove that output")
+
+
+def _densify_sparse_initializers(model: onnx.ModelProto) -> None:
+    """Sparse initializers become dense ones (the maps, folding and quantization read dense
+    tensors; a weight held sparse read as an undefined tensor)."""
+    g = model.graph
+    if not len(g.sparse_initializer):
+        return
+    for sp in list(g.sparse_initializer):
+        values = numpy_helper.to_array(sp.values)
+        idx = numpy_helper.to_array(sp.indices).astype(np.int64)
+        dims = tuple(int(d) for d in sp.dims)
+        dense = np.zeros(int(np.prod(dims, dtype=np.int64)), dtype=values.dtype)
+        if values.size:
+            flat = idx if idx.ndim == 1 else np.ravel_multi_index(tuple(idx.T), dims)
+            dense[flat] = values.reshape(-1)
+        g.initializer.append(numpy_helper.from_array(dense.reshape(dims), sp.values.name))
+    del g.sparse_initializer[:]
 
 
 def model_files(path: str | os.PathLike) -> list[Path]:

@@ -537,3 +537,67 @@ def test_a_model_written_with_external_data_loads_in_onnxruntime_from_its_file(t
         if (out / name).exists():
             sess = ort.InferenceSession(str(out / name), providers=["CPUExecutionProvider"])
             assert sess.run(None, feed)[0].shape == (1, 5)
+
+
+@pytest.mark.parametrize("case", ["duplicate_initializer", "output_nobody_makes", "short_raw_data"])
+def test_malformed_graphs_onnxruntime_may_run_are_one_line_at_load(tmp_path, case):
+    """Each had been a traceback: a duplicate initializer name failed onnx.checker after the whole
+    run, a graph output no node produces likewise, an initializer shorter than its dims raised in
+    numpy (found by a bug hunt)."""
+    from dipoorlet.errors import ModelError
+    from dipoorlet.graph import load_model
+
+    model = conv_model()
+    if case == "duplicate_initializer":
+        model.graph.initializer.append(model.graph.initializer[0])
+        text = "appears twice"
+    elif case == "output_nobody_makes":
+        model.graph.output.append(helper.make_tensor_value_info("ghost", onnx.TensorProto.FLOAT, [1]))
+        text = "graph output 'ghost' is produced by no node"
+    else:
+        t = model.graph.initializer[0]
+        t.raw_data = numpy_helper.to_array(t).tobytes()[:-8]
+        text = "the file is damaged"
+    path = tmp_path / "m.onnx"
+    path.write_bytes(model.SerializeToString())
+    with pytest.raises(ModelError, match=text):
+        load_model(path)
+
+
+def test_a_sparse_initializer_is_read_as_its_dense_tensor(tmp_path):
+    """A weight held in graph.sparse_initializer was an 'undefined tensor' (found by a bug hunt)."""
+    from dipoorlet.graph import load_model
+
+    model = conv_model()
+    w = next(t for t in model.graph.initializer if t.name == "w")
+    dense = numpy_helper.to_array(w).copy()
+    dense.reshape(-1)[::3] = 0
+    flat = np.flatnonzero(dense)
+    sparse = helper.make_sparse_tensor(numpy_helper.from_array(dense.reshape(-1)[flat], "w"),
+                                       numpy_helper.from_array(flat.astype(np.int64), "w_idx"), list(dense.shape))
+    model.graph.initializer.remove(w)
+    model.graph.sparse_initializer.append(sparse)
+    path = tmp_path / "m.onnx"
+    path.write_bytes(model.SerializeToString())
+    loaded = load_model(path)
+    got = {t.name: numpy_helper.to_array(t) for t in loaded.graph.initializer}["w"]
+    np.testing.assert_array_equal(got, dense)
+    assert not len(loaded.graph.sparse_initializer)
+
+
+def test_ops_onnx_reference_computes_wrong_are_not_folded(tmp_path):
+    """Unique(sorted=0) on a constant was folded by onnx.reference into sorted values (the spec and
+    onnxruntime keep first-occurrence order): the quantized model's output changed (found by a
+    bug hunt). Such ops are left for onnxruntime to run (oracle: onnxruntime on the float model)."""
+    from conftest import quantize_model
+
+    nodes = [helper.make_node("Unique", ["table"], ["u"], sorted=0, name="uniq"),
+             helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+             helper.make_node("Mul", ["h", "u"], ["y"], name="mul")]
+    model = make_model(nodes, [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 3])],
+                       [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 3])],
+                       {"table": np.array([3.0, 1.0, 3.0, 2.0], np.float32),
+                        "w": (np.random.default_rng(0).standard_normal((3, 3)) * 0.5).astype(np.float32)})
+    _, qm = quantize_model(tmp_path, model, n=8, skip_prof_layer=True)
+    x = np.ones((1, 3), np.float32)
+    np.testing.assert_allclose(ort_run(qm, {"x": x})[0], ort_run(model, {"x": x})[0], atol=0.05)
