@@ -675,6 +675,15 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
                     "or a fitted rounding without --bc); ignored")
     if cfg.ada_iters != 1000 and not (cfg.adaround or cfg.brecq):
         log.warning("--ada_iters applies with --adaround or --brecq/--drop only; ignored")
+    # a sample count above the samples there are reads them all: said once (it was silent, while
+    # --val_num beyond --val_dir's samples is refused; found by a README walkthrough)
+    over = [f"{flag} {k}" for flag, k in (("--prof_samples", cfg.prof_samples), ("--sens_samples", cfg.sens_samples),
+                                           ("--eq_samples", cfg.equalize_samples), ("--bc_samples", cfg.bc_samples),
+                                           ("--gptq_samples", cfg.gptq_samples))
+            if k is not None and cfg.val_dir is None and k > cfg.data_num and not (flag == "--sens_samples" and k == 8)]
+    if over:
+        log.info("%s: more than the %d calibration samples (-N); all %d are read", ", ".join(over), cfg.data_num,
+                 cfg.data_num)
     if cfg.max_a16_layers is not None and not cfg.auto_a16:
         log.warning("--max_a16_layers applies with --auto_a16 only; ignored")
     if cfg.max_w8_layers is not None and not cfg.auto_w8:

@@ -1101,3 +1101,14 @@ def test_a_model_weights_file_named_like_the_runs_log_is_not_overwritten(tmp_pat
     (line,) = error_lines(err)
     assert "dipoorlet.log is a file of the model -M" in line
     assert (folder / "dipoorlet.log").read_bytes() == before
+
+
+def test_a_sample_count_above_n_is_said(tmp_path, capsys):
+    """--prof_samples 100 with -N 2 read the 2 there are without a word (found by a README
+    walkthrough; --val_num beyond --val_dir is refused)."""
+    case = Case(tmp_path)
+    case.extra = ["--prof_samples", "100", "--eq_samples", "50"]
+    rc, _ = run_cli(case, capsys)
+    assert rc == 0
+    assert ("--prof_samples 100, --eq_samples 50: more than the 2 calibration samples (-N); all 2 are read"
+            in (case.out / "dipoorlet.log").read_text())
