@@ -524,3 +524,22 @@ def test_brecq_leaves_the_callers_torch_random_state_alone(tmp_path):
     dipoorlet.quantize(model=path, input_dir=data, data_num=4, deploy="trt", output_dir=tmp_path / "o",
                        act_quant="minmax", skip_prof_layer=True, brecq=True, ada_iters=5)
     assert torch.equal(torch.rand(3), want)
+
+
+def test_the_last_block_ends_past_a_network_outputs_grid(tmp_path):
+    """snpe quantizes network outputs: the last block had ended right after its layer, before the
+    output's Q/DQ, so its loss measured an overshoot that the output's clip absorbs anyway, and a
+    block that made the written output worse was kept (23.4 -> 20.2 dB; found by a bug hunt).
+    The last block's cut now lies past that Q/DQ (its DequantizeLinear is the graph's last node)."""
+    from dipoorlet.brecq import _layout
+
+    model = tiny_cnn()
+    data = write_samples(tmp_path / "d", input_feeds(model, 2))
+    dipoorlet.quantize(model=save(model, tmp_path / "m.onnx"), input_dir=data, data_num=2, deploy="snpe",
+                       output_dir=tmp_path / "o", skip_prof_layer=True, act_quant="minmax")
+    tg = TorchGraph(onnx.load(str(tmp_path / "o" / "quant_model.onnx")), {})
+    learn = [k for k, n in enumerate(tg.nodes) if n.op_type in ("Conv", "Gemm")]
+    last = tg.nodes[-1]
+    assert last.op_type == "DequantizeLinear" and last.output[0] == "logits" and learn[-1] == len(tg.nodes) - 2
+    blocks = _layout(tg, learn)[0]
+    assert blocks[-1][1] == len(tg.nodes)
