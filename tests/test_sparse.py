@@ -290,3 +290,42 @@ def test_a_rate_on_a_layer_of_two_inputs_per_output_is_reported_dense(tmp_path):
     assert not np.any(weight_ints(qm, "w1") == 0) and np.mean(weight_ints(qm, "w2") == 0) > 0.4
     assert "narrow" in sp["skipped"] and "never prunes" in sp["skipped"]["narrow"]
     assert sp["layers"] == 1 and {g["node"] for g in sp["gain_db"]} == {"wide"}
+
+
+def test_of_two_pinned_ends_the_one_setting_the_grid_is_pruned_last():
+    """A 1:M group holding both pinned ends of a row keeps the one whose level sets the symmetric
+    grid; it was chosen by the weights as error spreading had updated them, which had moved the
+    other end above it (TensorRT then rebuilt another grid; found by a bug hunt)."""
+    from dipoorlet.reconstruct import _saliency
+
+    W1 = np.array([[[0.41, -0.40, 0.01, 0.02]]])          # updated values: the +end now looks larger
+    U1 = np.eye(4)[None]
+    pmask = np.array([[[True, True, False, False]]])
+    pmag = np.array([[[114.0, 127.0, 3.0, 5.0]]])          # but the -end holds level -127
+    sal = _saliency(W1, U1, 0, 4, pmask, pmag)
+    assert np.argsort(sal, axis=2)[0, 0, -1] == 1          # pruned last: the grid's end
+    assert list(np.argsort(sal, axis=2)[0, 0, :2]) == [2, 3]
+
+
+def test_layers_a_rate_cannot_reach_are_named_with_their_share(tmp_path, caplog):
+    """A rate never prunes a row's grid ends, so a Gemm of 4 inputs at --sparse 0.75 zeroes 2 of
+    4 per row: the report gave only the pooled share (found by a bug hunt). Such layers are named
+    with the share they reached (numpy count on the written weights)."""
+    from conftest import make_model, rand, save, vi, write_samples
+
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], name="fc1", transB=1),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("Gemm", ["r", "w2", "b2"], ["y"], name="fc2", transB=1)]
+    model = make_model(nodes, [vi("x", [1, 4])], [vi("y", [1, 64])],
+                       {"w1": rand((64, 4), 1), "b1": rand((64,), 2, 0.1), "w2": rand((64, 64), 3, 0.2),
+                        "b2": rand((64,), 4, 0.1)})
+    feeds = [{"x": rand((1, 4), 10 + i)} for i in range(48)]
+    caplog.set_level("INFO", logger="dipoorlet")
+    res = dipoorlet.quantize(model=save(model, tmp_path / "m.onnx"), input_dir=write_samples(tmp_path / "d", feeds),
+                             data_num=48, deploy="trt", output_dir=tmp_path / "o", sparse="0.75", skip_prof_layer=True)
+    info = res.report["sparse"]
+    assert "fc1" in info["below_rate"] and "fc2" not in info["below_rate"]
+    ints = numpy_helper.to_array(next(t for t in onnx.load(str(tmp_path / "o" / "quant_model.onnx")).graph.initializer
+                                      if t.name.startswith("w1") and t.data_type == onnx.TensorProto.INT8))
+    assert info["below_rate"]["fc1"] == pytest.approx(float(np.mean(ints == 0)), abs=1e-4)
+    assert any("reach less than the rate" in r.getMessage() and "fc1" in r.getMessage() for r in caplog.records)
