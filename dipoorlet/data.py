@@ -576,7 +576,11 @@ class _TempRows:
                 f = self._stream[1]
                 total = n * self.row_bytes
                 at = self._rows * self.row_bytes
-                end = min(total, max((row + 1) * self.row_bytes, at + self.BLOCK_BYTES))
+                # whole rows only: the stream moves on past what is copied, so a copy that ended
+                # inside a row restarted at that row's start, shifting every later row (a bug of
+                # this very change, found by a memory hunt before it shipped)
+                end = max((row + 1) * self.row_bytes, at + self.BLOCK_BYTES)
+                end = min(total, -(-end // self.row_bytes) * self.row_bytes)
                 while at < end:
                     chunk = _read_exactly(f, min(self.BLOCK_BYTES, end - at))
                     if chunk is None:

@@ -598,6 +598,21 @@ def test_compressed_npz_copies_only_the_rows_read(tmp_path):
     assert os.fstat(rows.fd).st_size == arr.nbytes and rows._stream is None
 
 
+@pytest.mark.parametrize("n", [120, 200])
+def test_compressed_npz_rows_that_do_not_divide_the_block_read_back_exactly(tmp_path, n):
+    """3x32x32 float32 rows (12,288 bytes) do not divide the 1 MB copy block: a copy that ended
+    inside a row shifted every later row by the part already copied (row 85 onward read the next
+    row's values), and reading every row ran off the member's end (found by a memory hunt).
+    Oracle: numpy.load."""
+    arr = np.broadcast_to(np.arange(200, dtype=np.float32)[:, None, None, None], (200, 3, 32, 32)).copy()
+    arr += np.random.default_rng(0).standard_normal(arr.shape).astype(np.float32) * 0.01
+    np.savez_compressed(tmp_path / "c.npz", x=arr)
+    src = DataSource(tmp_path / "c.npz", [InputSpec("x", F32, (1, 3, 32, 32))], n)
+    for i in range(n):
+        np.testing.assert_array_equal(src.sample(i)["x"], arr[i][None])
+    np.testing.assert_array_equal(src.sample(3)["x"], arr[3][None])      # back to a row already copied
+
+
 def test_corrupt_compressed_npz_is_a_data_error_naming_the_file(tmp_path):
     import zipfile
 
