@@ -395,10 +395,15 @@ def _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop
         ins = sorted({t for n in tg.nodes[start:end] for t in tg.reads(n)
                       if t not in produced and t not in tg.consts and t not in tg.wdq})
         targets = []
+        inner = [t for t in produced if last.get(t, -1) < end]
         with torch.no_grad():
             for env in fs:
                 tg.run(env, start, end, "f")
                 targets.append({t: env[t] for t in outs if _is_float(env[t])})
+                # the block's inner tensors: not needed past the targets (they were held for every
+                # sample through the fit, 3x the tensors crossing the cut; found by a memory hunt)
+                for t in inner:
+                    env.pop(t, None)
         outs = [t for t in outs if targets and t in targets[0]]
         names = [tg.nodes[k].name for k in layer_pos]
         mine = [o for k in layer_pos for o in readers[k]]
