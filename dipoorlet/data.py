@@ -523,6 +523,8 @@ class _TempRows:
     row is read, so arrays of the .npz that no model input reads are never copied. A compressed
     C-order member is copied only as far as the rows read so far reach (its stream stays open
     between reads): ``-N 32`` on a file of 10,000 samples inflates the first 32, not all of them.
+    zipfile checks a member's CRC-32 at its end, so a member read only in part is not checked:
+    damage that still inflates goes unseen there, as it does in a .npy or .bin.
     A Fortran-order member holds the last row's values at the end of the member, so it is
     copied whole on the first read."""
 
@@ -589,6 +591,10 @@ class _TempRows:
                     at += len(chunk)
                 self._rows = at // self.row_bytes
                 if self._rows >= n:
+                    # the whole member read: one more read reaches its end, where zipfile checks
+                    # the CRC (a member read only in part is not checked: it covers the whole)
+                    if f.read(1):
+                        raise truncated
                     self._close_stream()
             else:
                 # Fortran order: the member is the C-order [rest, n] matrix; a block of its rows
@@ -623,11 +629,14 @@ class _TempRows:
         i = int(i)
         if not 0 <= i < self.shape[0]:
             raise IndexError(f"row {i} of {self.shape[0]}")
+        if self.row_bytes == 0:          # rows of a zero-length dimension hold nothing to copy
+            return np.empty(self.shape[1:], self.dtype)
         if i >= self._rows:
             self._copy_to(i)
         buf = os.pread(self.fd, self.row_bytes, i * self.row_bytes)
-        return np.ascontiguousarray(np.frombuffer(buf, dtype=self.dtype).reshape(
-            self.shape[1:], order="F" if self.fortran else "C"))
+        # .copy, not ascontiguousarray: that gives a scalar row (an [N] member) shape (1,)
+        return np.frombuffer(buf, dtype=self.dtype).reshape(
+            self.shape[1:], order="F" if self.fortran else "C").copy(order="C")
 
     def _close_stream(self):
         stream, self._stream = self._stream, None

@@ -66,6 +66,12 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     return model
 
 
+_T = onnx.TensorProto
+_BYTES = {_T.FLOAT: 4, _T.DOUBLE: 8, _T.FLOAT16: 2, _T.BFLOAT16: 2, _T.INT8: 1, _T.UINT8: 1, _T.INT16: 2,
+          _T.UINT16: 2, _T.INT32: 4, _T.UINT32: 4, _T.INT64: 8, _T.UINT64: 8, _T.BOOL: 1, _T.COMPLEX64: 8,
+          _T.COMPLEX128: 16}
+
+
 def _check_structure(model: onnx.ModelProto, p) -> None:
     """Malformed graphs onnxruntime may still run but the tool cannot write back: one line each
     (found by a bug hunt: a duplicate initializer name failed onnx.checker after the whole run,
@@ -79,14 +85,10 @@ def _check_structure(model: onnx.ModelProto, p) -> None:
                              "remove the duplicate (onnx.checker names it)")
         seen.add(t.name)
         if t.HasField("raw_data") and t.data_location != onnx.TensorProto.EXTERNAL:
-            try:
-                np_type = onnx.helper.tensor_dtype_to_np_dtype(t.data_type) if t.data_type not in (
-                    onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED) else None
-            except Exception:  # noqa: BLE001 - a type this onnx cannot map: not checked
-                np_type = None
-            bits = {onnx.TensorProto.INT4: 4, onnx.TensorProto.UINT4: 4}.get(t.data_type)
-            if np_type is not None and bits is None:
-                want = int(np.prod(t.dims, dtype=np.int64)) * np.dtype(np_type).itemsize
+            # whole-byte types only (sub-byte ones, INT4/INT2/FLOAT4E2M1..., pack several per byte)
+            size = _BYTES.get(t.data_type)
+            if size is not None:
+                want = int(np.prod(t.dims, dtype=np.int64)) * size
                 if len(t.raw_data) != want:
                     raise ModelError(f"{p}: initializer {t.name!r} of shape {list(t.dims)} holds {len(t.raw_data)} bytes "
                                      f"where its shape and type need {want}; the file is damaged: export it again")

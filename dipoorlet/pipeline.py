@@ -677,10 +677,14 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
         log.warning("--ada_iters applies with --adaround or --brecq/--drop only; ignored")
     # a sample count above the samples there are reads them all: said once (it was silent, while
     # --val_num beyond --val_dir's samples is refused; found by a README walkthrough)
-    over = [f"{flag} {k}" for flag, k in (("--prof_samples", cfg.prof_samples), ("--sens_samples", cfg.sens_samples),
-                                           ("--eq_samples", cfg.equalize_samples), ("--bc_samples", cfg.bc_samples),
-                                           ("--gptq_samples", cfg.gptq_samples))
-            if k is not None and cfg.val_dir is None and k > cfg.data_num and not (flag == "--sens_samples" and k == 8)]
+    fitted = cfg.gptq or cfg.adaround or cfg.brecq or cfg.sparse is not None
+    counts = [("--eq_samples", cfg.equalize_samples),
+              ("--bc_samples", cfg.bc_samples if cfg.bias_correction else None),   # else said ignored above
+              ("--gptq_samples", cfg.gptq_samples if fitted else None)]
+    if cfg.val_dir is None:        # with --val_dir these two count held-out samples (--val_num)
+        counts += [("--prof_samples", cfg.prof_samples),
+                   ("--sens_samples", cfg.sens_samples if cfg.sens_samples != 8 else None)]
+    over = [f"{flag} {k}" for flag, k in counts if k is not None and k > cfg.data_num]
     if over:
         log.info("%s: more than the %d calibration samples (-N); all %d are read", ", ".join(over), cfg.data_num,
                  cfg.data_num)
@@ -816,8 +820,8 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
                                   cfg.percentile)
         if shifted:   # same weights, new tensor names: the weight grids stay as planned
             places = placement_mod.place(g, plat, cfg.skip_layers, warn=False)
-    _unsized_input_layers_float(places, plan, stats)
-    _gridless_to_float(g, places, plan)
+    unsized = _unsized_input_layers_float(places, plan, stats)
+    _gridless_to_float(g, places, plan, unsized)
     fit_biases(g, places, plan)    # before the steps that fit weights or biases to these grids
     corrections = None
 
@@ -956,16 +960,26 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
             # every candidate is on 16 bits: weigh what is left with every activation float and
             # the weights as written (the clipping of sensitivity samples beyond the calibrated
             # ranges, which a 16-bit grid keeps, had been called the weights' rounding)
-            weights_only = analysis["_scorer"].score(insert_qdq(g, places.restrict(places.quantized_nodes, acts=False),
-                                                                plan)).value(a16.criterion)
+            w_score = analysis["_scorer"].score(insert_qdq(g, places.restrict(places.quantized_nodes, acts=False),
+                                                            plan))
+            weights_only = w_score.value(a16.criterion)
+            # the weights' share of the error power left (SQNR adds as powers)
+            got = (a16.measured or a16.after).sqnr_db
+            share = 10 ** ((got - w_score.sqnr_db) / 10) if math.isfinite(got) and math.isfinite(w_score.sqnr_db) \
+                else (0.0 if w_score.sqnr_db == math.inf else 1.0)
+            clipping = ("values beyond the grids' ends, which a 16-bit grid keeps where it keeps the 8-bit clip "
+                        "(sensitivity samples beyond the calibrated ranges, or tails the range method clips): "
+                        "calibrate on data like them, try -A minmax, or keep the clipped layers float (--auto_skip, "
+                        "--skip_layers); report.md lists the saturated tensors with --val_dir")
             if weights_only >= a16.target:
                 left = (f"what is left is the activations' clipping, not the weights (weights alone read "
-                        f"{weights_only:.6f}): the sensitivity samples reach beyond the calibrated ranges, which a "
-                        "16-bit grid keeps; calibrate on data like them, or keep the clipped layers float "
-                        "(--auto_skip, --skip_layers)")
-            else:
+                        f"{weights_only:.6f}): {clipping}")
+            elif share >= 0.5:
                 left = (f"what is left is mostly the weights' rounding (weights alone, every activation float, read "
-                        f"{weights_only:.6f}): --gptq, or --skip_layers")
+                        f"{weights_only:.6f}, {100 * share:.0f}% of the error): --gptq, or --skip_layers")
+            else:
+                left = (f"the activations make most of what is left (weights alone, every activation float, read "
+                        f"{weights_only:.6f}, {100 * share:.0f}% of the error): {clipping}")
         else:
             left = "what is left is the weights' rounding: --gptq, or --skip_layers"
     analysis.pop("_scorer", None)
@@ -1306,7 +1320,7 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, pl
     return out
 
 
-def _unsized_input_layers_float(places, plan, stats) -> None:
+def _unsized_input_layers_float(places, plan, stats) -> dict[str, list[str]]:
     """A layer whose every quantized input was 0 in every calibration sample (no grid: see
     warn_degenerate) keeps its weights float too: no backend describes a layer with an integer
     weight and a float input (atlas_record.json left such a Conv out while quant_model.onnx gave
@@ -1316,13 +1330,16 @@ def _unsized_input_layers_float(places, plan, stats) -> None:
     for t, p in places.activations.items():
         for owner in p.owners:
             inputs.setdefault(owner, []).append(t)
+    gone: dict[str, list[str]] = {}
     for key, wp in list(places.weights.items()):
         ts = inputs.get(wp.node)
         if ts and all(t not in plan.activations and t in stats and _zero(stats[t]) for t in ts):
             del places.weights[key]
+            gone[wp.node] = sorted(ts)
+    return gone
 
 
-def _gridless_to_float(g, places, plan) -> None:
+def _gridless_to_float(g, places, plan, unsized=None) -> None:
     """Nodes placed as quantized whose every grid the plan left out (inputs 0 in every calibration
     sample, warn_degenerate) compute in float: say so in their decision (report.json counted an
     Add with no Q/DQ left as quantized)."""
@@ -1339,8 +1356,23 @@ def _gridless_to_float(g, places, plan) -> None:
                 gridded.add(places.output_owners[t])
     dropped = {t for t in places.activations if t not in plan.activations}
     gone = []
+    unsized = unsized or {}
+    owns = {o for t, p in places.activations.items() if t in plan.activations for o in p.owners} | {
+        places.output_owners[t] for t, p in places.activations.items()
+        if p.output and t in plan.activations and t in places.output_owners}
     for k, d in enumerate(places.decisions):
-        if d.quantized and d.node not in gridded:
+        if d.quantized and d.node in unsized:
+            # inputs and weights float (_unsized_input_layers_float); a layer that still owns an
+            # output grid (a quantized network output) stays counted, with that said
+            zero = ", ".join(unsized[d.node][:3])
+            if d.node in owns:
+                places.decisions[k] = Decision(d.node, d.op_type, True, f"output grid only: inputs and weights "
+                                               f"float ({zero} 0 in every calibration sample)")
+            else:
+                places.decisions[k] = Decision(d.node, d.op_type, False,
+                                               f"kept float: no grid left ({zero} 0 in every calibration sample)")
+                gone.append(d.node)
+        elif d.quantized and d.node not in gridded:
             zero = sorted(t for t in dropped if d.node in places.activations[t].owners)
             places.decisions[k] = Decision(d.node, d.op_type, False,
                                            "kept float: no grid left" + (f" ({', '.join(zero[:3])} 0 in every "

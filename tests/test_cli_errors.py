@@ -1110,5 +1110,5 @@ def test_a_sample_count_above_n_is_said(tmp_path, capsys):
     case.extra = ["--prof_samples", "100", "--eq_samples", "50"]
     rc, _ = run_cli(case, capsys)
     assert rc == 0
-    assert ("--prof_samples 100, --eq_samples 50: more than the 2 calibration samples (-N); all 2 are read"
+    assert ("--eq_samples 50, --prof_samples 100: more than the 2 calibration samples (-N); all 2 are read"
             in (case.out / "dipoorlet.log").read_text())

@@ -872,7 +872,7 @@ def test_a_mask_below_a_softmax_floor_is_not_counted_as_saturation(tmp_path):
     assert res.report["clipped"]["tensors"] >= 3
 
 
-@pytest.mark.parametrize("deploy", ["atlas", "trt"])
+@pytest.mark.parametrize("deploy", ["atlas", "trt", "snpe", "qnn"])
 def test_a_layer_whose_input_is_0_in_every_sample_keeps_its_weights_float(tmp_path, deploy):
     """conv2 reads a Relu that is 0 on every calibration sample: its input gets no grid, but its
     weights kept an int8 grid, report.json called it quantized and atlas_record.json left it out
