@@ -253,6 +253,14 @@ def _masked_attention(opset: int, extra_reader: bool = False, length: int = 16, 
     return model, feeds
 
 
+def _lowest_rowmax(model, feeds, tensor="sm") -> float:
+    """The lowest row maximum of ``tensor`` over ``feeds``, from the float model with it exposed."""
+    exposed = onnx.ModelProto()
+    exposed.CopyFrom(model)
+    exposed.graph.output.append(vi(tensor, None))
+    return min(float(ort_run(exposed, f)[-1].max(axis=-1).min()) for f in feeds)
+
+
 def _grid_of(model, tensor):
     """(lowest value, step) of the integer grid a QuantizeLinear of ``tensor`` puts on it."""
     inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
@@ -276,10 +284,7 @@ def test_a_softmax_input_grid_stops_short_of_an_additive_mask(tmp_path, opset, c
     with caplog.at_level(logging.INFO):
         _, qm = quantize_model(tmp_path, model, feeds=feeds, act_quant="mse", deploy="qnn", skip_prof_layer=True)
     # oracle: the row maxima of sm, from the float model with sm exposed
-    exposed = onnx.ModelProto()
-    exposed.CopyFrom(model)
-    exposed.graph.output.append(vi("sm", None))
-    rowmax = min(float(ort_run(exposed, f)[-1].max(axis=-1).min()) for f in feeds)
+    rowmax = _lowest_rowmax(model, feeds)
     lowest, step = _grid_of(qm, "sm")
     assert abs(lowest - (rowmax - SOFTMAX_MARGIN)) <= step, (lowest, rowmax)
     assert step < 1.0        # 39 with the grid over the mask
@@ -839,10 +844,7 @@ def test_softmax_input_behind_a_float32_lowest_mask_gets_its_floor_grid(tmp_path
         _, qm = quantize_model(tmp_path, model, feeds=feeds, act_quant="mse", deploy="qnn", a_bits=a_bits,
                                skip_prof_layer=True)
     assert not [r for r in caplog.records if "tensor sm reaches" in r.getMessage()]
-    exposed = onnx.ModelProto()
-    exposed.CopyFrom(model)
-    exposed.graph.output.append(vi("sm", None))
-    rowmax = min(float(ort_run(exposed, f)[-1].max(axis=-1).min()) for f in feeds)
+    rowmax = _lowest_rowmax(model, feeds)
     lowest, step = _grid_of(qm, "sm")
     assert abs(lowest - (rowmax - SOFTMAX_MARGIN)) <= step, (lowest, rowmax)
     p_out = onnx.ModelProto()
