@@ -246,8 +246,9 @@ def _check_log_names(cfg) -> None:
             r = f.resolve()
         except OSError:
             continue
-        if r.parent == out and (r.name in (RUN_LOG, LOCK) or (r.name.startswith("dipoorlet.") and r.name.endswith(".log"))
-                                or (r.name.startswith(".dipoorlet-run.") and r.name.endswith(".log"))):
+        # dipoorlet.log, dipoorlet.failed.log, dipoorlet.rank<N>.log, .dipoorlet-run[.rank<N>].log
+        if r.parent == out and (r.name == LOCK or (r.name.endswith(".log") and r.name.startswith(
+                ("dipoorlet.", RUN_LOG[:-len("log")])))):
             raise OutputError(f"{f} is a file of the model -M, and the run writes its {r.name} into -O {cfg.output_dir}; "
                               "choose another -O, or move the model")
 

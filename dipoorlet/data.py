@@ -16,6 +16,7 @@ Only the shard of sample indices a process is given is ever read.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -536,7 +537,8 @@ class _TempRows:
         self.shape, self.dtype, self.ndim = tuple(shape), dtype, len(shape)
         self.row_bytes = dtype.itemsize * int(np.prod(self.shape[1:], dtype=np.int64))
         self.fd = None
-        self._stream = None        # the open member (a context manager's exit, stream) of a C-order copy
+        self._stream = None        # the open member of a C-order copy (closed by self._stack)
+        self._stack = contextlib.ExitStack()
         self._rows = 0             # rows on the temporary file so far
 
     def _kind(self) -> str:
@@ -573,9 +575,8 @@ class _TempRows:
                 # C order: the member is the rows one after another; copy on from where the last
                 # read stopped, whole blocks (at least one row each) until ``row`` is on the file
                 if self._stream is None:
-                    cm = self._opener()
-                    self._stream = (cm, cm.__enter__())
-                f = self._stream[1]
+                    self._stream = self._stack.enter_context(self._opener())
+                f = self._stream
                 total = n * self.row_bytes
                 at = self._rows * self.row_bytes
                 # whole rows only: the stream moves on past what is copied, so a copy that ended
@@ -639,12 +640,11 @@ class _TempRows:
             self.shape[1:], order="F" if self.fortran else "C").copy(order="C")
 
     def _close_stream(self):
-        stream, self._stream = self._stream, None
-        if stream is not None:
-            try:
-                stream[0].__exit__(None, None, None)
-            except Exception:
-                pass
+        self._stream = None
+        try:
+            self._stack.close()
+        except Exception:  # noqa: BLE001 - closing a member that failed: nothing more to say
+            pass
 
     def _close(self):
         """Drop the copy (after a failed one: the next read starts again, and fails the same way)."""
@@ -736,7 +736,6 @@ def _npz_arrays(path: Path) -> dict:
 def _member_opener(path: Path, info, first: int, stored: bool):
     """A function that opens the .npz member ``info`` as a stream positioned at its first value
     (a context manager)."""
-    import contextlib
     import zipfile
 
     @contextlib.contextmanager

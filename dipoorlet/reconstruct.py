@@ -394,7 +394,7 @@ def gptq(W, H, scale, zp, qmin, qmax, fixed_last=False, damp=DAMP, block=128, pi
     return Q, Qi
 
 
-def _saliency(W1, U1, start: int, width: int, pmask, pmag=None) -> np.ndarray:
+def _saliency(W1, U1, start: int, width: int, pmask, pmag) -> np.ndarray:
     """The error pruning each of ``width`` columns would add, per row (w^2 / [H^-1]_kk, with
     [H^-1]_kk = U_kk^2 for the columns not yet processed); pinned weights last, and of two
     pinned ones the one whose level lies further from zero (``pmag``) last (where a 1:M group
@@ -402,8 +402,7 @@ def _saliency(W1, U1, start: int, width: int, pmask, pmag=None) -> np.ndarray:
     d = np.einsum("gkk->gk", U1)[:, :width]
     sal = W1 ** 2 / (d[:, None, :] ** 2)
     if pmask is not None:
-        far = pmag[:, :, start:start + width] if pmag is not None else np.abs(W1)
-        sal = np.where(pmask[:, :, start:start + width], 1e300 * (1.0 + far), sal)
+        sal = np.where(pmask[:, :, start:start + width], 1e300 * (1.0 + pmag[:, :, start:start + width]), sal)
     return sal
 
 

@@ -281,11 +281,9 @@ def markdown(report: dict) -> str:
         out += _auto_section("auto_skip", a, "", "kept in float", a["float_layers"], a["after"], "")
     a = report.get("auto_a16")
     if a:
-        # the verdict is the written model's (as --auto_w8's): its figure goes with it
+        after, note = a16_figure(a)
         out += _auto_section("auto_a16", a, ", as written" if a.get("after_measured") else ", estimated by the search",
-                             "inputs on 16-bit grids", a["a16_layers"], a.get("after_measured") or a["after_estimated"],
-                             f" (the search estimated {a['after_estimated']['cosine']} / {a['after_estimated']['sqnr_db']} dB)"
-                             if a.get("after_measured") else "")
+                             "inputs on 16-bit grids", a["a16_layers"], after, note)
     a = report.get("auto_w8")
     if a:
         out += _auto_section("auto_w8", a, ", as written", "weights on 8-bit grids", a["w8_layers"],
@@ -364,6 +362,15 @@ def _auto_section(name, a, how, label, layers, after, note) -> list[str]:
     if rows:
         lines += ["", table(head, rows)]
     return lines
+
+
+def a16_figure(a: dict) -> tuple[dict, str]:
+    """The --auto_a16 score shown with its verdict, which is the written model's where it was
+    measured (as --auto_w8's), and a note giving the search's estimate beside it."""
+    est = a["after_estimated"]
+    if not a.get("after_measured"):
+        return est, ""
+    return a["after_measured"], f" (the search estimated {est['cosine']} / {est['sqnr_db']} dB)"
 
 
 def auto_trials(name: str, a: dict) -> tuple[list, list]:

@@ -113,7 +113,7 @@ def _cos_cell(v, bar=0.999):
 
 
 def html(rep: dict) -> str:
-    from dipoorlet.report import format_note, kept_float, output_label, profile_note
+    from dipoorlet.report import a16_figure, format_note, kept_float, output_label, profile_note
 
     layers = rep.get("layers", [])
     qop_note = format_note(rep)
@@ -162,10 +162,9 @@ def html(rep: dict) -> str:
         out += _auto_section("auto_skip", a, "", "kept in float", a["float_layers"], a["after"], "")
     a = rep.get("auto_a16")
     if a:
+        after, note = a16_figure(a)
         out += _auto_section("auto_a16", a, " (as written)" if a.get("after_measured") else " (estimated)",
-                             "inputs on 16-bit grids", a["a16_layers"], a.get("after_measured") or a["after_estimated"],
-                             f" (the search estimated {a['after_estimated']['cosine']} / {a['after_estimated']['sqnr_db']} "
-                             "dB)" if a.get("after_measured") else "")
+                             "inputs on 16-bit grids", a["a16_layers"], after, note)
     a = rep.get("auto_w8")
     if a:
         out += _auto_section("auto_w8", a, " (as written)" if a.get("after_measured") else " (estimated)",
