@@ -128,16 +128,20 @@ def pooled_cosine(ff: float, qq: float, fq: float) -> float:
     return fq / math.sqrt(ff * qq)
 
 
-def profile_targets(graph, placement, layers: bool) -> dict[str, tuple[str, str]]:
-    """tensor -> (node name, op type) for quantized nodes' float outputs, plus network outputs."""
+def profile_targets(graph, placement, layers: bool, taps: dict | None = None) -> dict[str, tuple[str, str]]:
+    """tensor -> (node name, op type) for quantized nodes' float outputs, plus network outputs.
+    ``taps``: node -> the tensor that holds its output as the input model has it, where an edit
+    moved it (a MatMul whose input trt's activation shift moved: the Add after it)."""
     targets = {}
+    taps = taps or {}
     if layers:
         quantized = set(placement.quantized_nodes)
         for node in graph.topological_nodes():
             if node.name in quantized:
-                for out in node.output:
+                outs = [taps[node.name]] if node.name in taps else node.output
+                for out in outs:
                     if out and graph.is_float(out):
-                        targets[out] = (node.name, node.op_type)
+                        targets.setdefault(out, (node.name, node.op_type))
     for out in graph.output_names:
         prod = graph.producer.get(out)
         targets[out] = (prod.name if prod else out, prod.op_type if prod else "Input")

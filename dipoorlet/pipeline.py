@@ -1062,7 +1062,8 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
         if plat.name == "ort" and len(indices):
             _runs_by_default(qmodel, data.sample(indices[0]), cfg.quant_format == "QOP")
 
-    targets_prof = layer_errors.profile_targets(g, places, layers=not cfg.skip_prof_layer)
+    targets_prof = layer_errors.profile_targets(g, places, layers=not cfg.skip_prof_layer,
+                                                taps={n: t for r in shifted for n, t in r["taps"].items()})
     # --savefp: every rank writes its samples into one staging folder that rank 0 names.
     staging = out_dir / comm.bcast(f".dipoorlet-staging-{uuid.uuid4().hex[:12]}")
     savefp = _fp_saver(staging, g.output_names) if cfg.savefp else None

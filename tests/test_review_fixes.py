@@ -948,3 +948,35 @@ def test_a_layer_read_through_a_transpose_is_profiled_before_its_rounding(tmp_pa
         cos, sqnr = _layer_figures(model, qm, feeds, t)
         assert rows[t]["cosine"] == pytest.approx(cos, abs=2e-6), t
         assert rows[t]["sqnr_db"] == pytest.approx(sqnr, abs=2e-3), t
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_matmul_reading_a_shifted_input_is_profiled_at_its_own_output(tmp_path, bias):
+    """trt's activation shift moves a MatMul's input by d, so the MatMul's own output carries
+    W d, which an Add after it takes off (its bias Add, or one the shift inserts). The profile
+    measured that offset product: mm2 read 45.6 dB where its output, and the network output it
+    alone gives, read 42.0 dB (found by a bug hunt). The row now measures the layer's output as
+    the input model has it."""
+    r = np.random.default_rng(1)
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h1"], name="mm1"),
+             helper.make_node("Add", ["h1", "b1"], ["h1b"], name="add1"),
+             helper.make_node("Relu", ["h1b"], ["r1"], name="relu1"),
+             helper.make_node("MatMul", ["r1", "w2"], ["h2"], name="mm2")]
+    inits = {"w1": (r.standard_normal((16, 64)) * 0.3).astype(np.float32), "b1": np.full(64, 0.5, np.float32),
+             "w2": (r.standard_normal((64, 32)) * 0.3 + 0.05).astype(np.float32)}
+    if bias:
+        nodes.append(helper.make_node("Add", ["h2", "b2"], ["h2b"], name="add2"))
+        inits["b2"] = rand((32,), 3, 0.1)
+    last = "h2b" if bias else "h2"
+    nodes.append(helper.make_node("Neg", [last], ["y"], name="neg"))
+    model = make_model(nodes, [vi("x", ["B", 16])], [vi("y", ["B", 32])], inits, opset=17)
+    feeds = [{"x": rand((1, 16), 20 + i)} for i in range(16)]
+    res, qm = quantize_model(tmp_path, model, feeds=feeds, act_quant="mse")
+    assert [s["consumers"] for s in res.report["shift"]] == [["mm2"]]
+    row = {r["node"]: r for r in res.report["layers"]}["mm2"]
+    assert row["tensor"] == last
+    cos, sqnr = _layer_figures(model, qm, feeds, last)
+    assert row["cosine"] == pytest.approx(cos, abs=2e-6)
+    assert row["sqnr_db"] == pytest.approx(sqnr, abs=2e-3)
+    out = res.report["outputs"][0]             # y = -(the layer's output): the same figures
+    assert (out["cosine"], out["sqnr_db"]) == pytest.approx((row["cosine"], row["sqnr_db"]), abs=1e-6)
