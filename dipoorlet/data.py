@@ -332,13 +332,14 @@ class DataSource:
                                 f"({dtype.itemsize} bytes each); the file is truncated or of "
                                 "another dtype")
             raw = np.fromfile(path, dtype=dtype)
-            if _looks_float64(raw):
-                # read as float32, float64 data has a dynamic dim doubled and values of random
-                # exponents (its mantissas' low words), which only a NaN among them would reveal
-                raise DataError(f"{path} looks like float64 data (read as {dtype}, {_odd_share(raw):.0%} of its "
-                                "values are beyond 1e20 or below 1e-20, as float64 they are ordinary); raw "
-                                f".bin files hold the input's dtype: save them as {dtype} "
-                                f"(arr.astype(np.{dtype}).tofile(...)) or as .npy")
+            wide = _looks_wider(raw)
+            if wide:
+                # read as float32, float64 data has a dynamic dim doubled and every other value
+                # is a mantissa's low word: random exponents, or 0 / +-2 / +-1e-19 where the
+                # values came from float32 or are whole numbers (as float16, float32 data alike)
+                raise DataError(f"{path} looks like {wide[0]} data (read as {dtype}, {wide[1]}; as {wide[0]} "
+                                f"they are ordinary); raw .bin files hold the input's dtype: save them as {dtype} "
+                                f"(arr.astype(np.{dtype}).tofile(...)), or as .npy")
             if dtype != spec.dtype:      # a widened float16/bfloat16 input: the model now takes float32
                 raw = raw.astype(spec.dtype)
         except DataError:
@@ -754,26 +755,56 @@ def _member_opener(path: Path, info, first: int, stored: bool):
     return open_plain if stored else open_compressed
 
 
-def _odd_share(raw: np.ndarray) -> float:
-    """The share of float32 values beyond 1e20, below 1e-20 (but not 0), or not finite."""
+def _odd_share(raw: np.ndarray, big: float = 1e20, small: float = 1e-20) -> float:
+    """The share of values beyond ``big``, below ``small`` (but not 0), or not finite."""
     with np.errstate(all="ignore"):
         a = np.abs(raw.astype(np.float64))
-        return float(np.mean((a > 1e20) | ((a > 0) & (a < 1e-20)) | ~np.isfinite(a)))
+        return float(np.mean((a > big) | ((a > 0) & (a < small)) | ~np.isfinite(a)))
 
 
-def _looks_float64(raw: np.ndarray) -> bool:
-    """Raw float32 values that are float64 data read with the wrong dtype: many of them at
-    absurd magnitudes, and only in the even places (the float64 mantissas' low words read as
-    float32; the odd places, the words that hold the exponents, read as ordinary values), all of
-    them ordinary as float64. Measured float32 data is almost never 5% beyond 1e20 or below
-    1e-20, and where it is (values underflowing to 1e-25), not in the even places alone."""
-    if raw.dtype != np.float32 or raw.size < 16 or raw.size % 2:
-        return False
-    if _odd_share(raw[0::2]) < 0.10 or _odd_share(raw[1::2]) > 0.01:
-        return False
+# raw dtype -> (the dtype twice as wide, the bits of a wide value's low word that a value of
+# half the mantissa leaves 0, the magnitudes beyond which a value read is absurd): float16's high
+# words of float32 data hold the top 5 bits of its exponent, so they fall in about 1/256..256
+_WIDER = {"float32": ("float64", 29, 1e20, 1e-20), "float16": ("float32", 13, 256.0, 1 / 256),
+          "bfloat16": ("float32", 13, 1e20, 1e-20)}
+
+
+def _looks_wider(raw: np.ndarray) -> tuple[str, str] | None:
+    """Raw values that are data of twice the width read with the input's dtype (float64 files for
+    a float32 input, float32 files for a float16 one): (that dtype, what gives it away), or None.
+    Read so, every other value (little-endian: the even places) is the low word of a wide value's
+    mantissa, the others its sign, exponent and top mantissa bits, which read as ordinary values;
+    the wide values themselves are ordinary. The low words give it away: many at absurd
+    magnitudes where the mantissas are full; where the values came from the narrower dtype
+    (x.astype(np.float64) of float32 data), only their top 3 bits can be set, so they read as 0,
+    +-2, +-1e-19 or +-4e19 (float32); where they came from an even narrower one or are whole
+    numbers (float16 data, pixels), all are 0; the high words mostly have those bits set. Measured
+    data is almost never 10% absurd in the even places alone, nor 0 or +-2 in every even place
+    with the odd places otherwise; a sparse input (one-hot, counts) or a constant is alike in both."""
+    spec = _WIDER.get(raw.dtype.name)
+    if spec is None or raw.size < 16 or raw.size % 2:
+        return None
+    wide_name, zero_bits, big, small = spec
     with np.errstate(all="ignore"):
-        wide = np.abs(raw.view(np.float64))
-    return bool(np.isfinite(wide).all() and wide.max() < 1e10)
+        wide = np.abs(raw.view(np.dtype(wide_name)).astype(np.float64))
+    nonzero = wide[wide > 0]
+    if not (np.isfinite(wide).all() and wide.max() < 1e10 and (nonzero.size == 0 or nonzero.min() > 1e-10)):
+        return None
+    if _odd_share(raw[1::2], big, small) > 0.01:
+        return None
+    share = _odd_share(raw[0::2], big, small)
+    if share >= 0.10:
+        return wide_name, f"{share:.0%} of its values are beyond {big:g} or below {small:g}"
+    words = raw.view(np.uint32 if raw.dtype.itemsize == 4 else np.uint16)
+    low = np.array((1 << zero_bits) - 1, words.dtype)
+    bits = words[0::2]
+    # ... and the odd places mostly not so (a constant 2.0, a sparse input: both places alike)
+    if np.any(bits & low) or np.mean((words[1::2] & low) == 0) >= 0.5:
+        return None
+    if np.any(bits):
+        return wide_name, "every other value is 0 or one of " + ", ".join(
+            f"{v:.2g}" for v in sorted(set(raw[0::2][bits != 0].astype(float).tolist()))[:4])
+    return wide_name, "every other value is 0, the others mostly not"
 
 
 def _safe(name: str) -> str:

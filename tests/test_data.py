@@ -506,6 +506,46 @@ def test_float64_bin_for_a_float32_input_with_a_dynamic_dim_is_named(tmp_path):
     assert src.sample(0)["x"].shape == (1, 3, 8, 8)
 
 
+_r = np.random.default_rng(7)
+
+
+@pytest.mark.parametrize("wide, input_dtype", [
+    # float64 of float32 data (numpy's default float): low words with only their top 3 bits set
+    (_r.standard_normal((4, 8)).astype(np.float32).astype(np.float64), np.float32),
+    # whole-number pixels, float16 data: low words all 0
+    (_r.integers(0, 256, (4, 8)).astype(np.float64), np.float32),
+    (_r.standard_normal((4, 8)).astype(np.float16).astype(np.float64), np.float32),
+    # float32 files for a float16 input, full mantissas and pixels
+    (_r.standard_normal((4, 8)).astype(np.float32), np.float16),
+    (_r.integers(0, 256, (4, 8)).astype(np.float32), np.float16),
+])
+def test_bin_of_twice_the_inputs_width_from_narrower_values_is_named(tmp_path, wide, input_dtype):
+    """Float64 files whose values came from float32 (or are whole numbers) passed the float64
+    check: their low words read as 0 / +-2 / +-1e-19, not as absurd values, and with a dynamic
+    dim each [4, 8] sample was read as [8, 8] of garbage, x calibrated to +-3.7e19 (found by a
+    bug hunt). Float32 files for a float16 input were not checked at all."""
+    _bin(tmp_path, "x", 0, wide)
+    src = DataSource(tmp_path, [InputSpec("x", np.dtype(input_dtype), (None, 8))], 1)
+    with pytest.raises(DataError, match=rf"0\.bin looks like {wide.dtype} data \(read as {np.dtype(input_dtype)}"):
+        src.sample(0)
+    _bin(tmp_path, "x", 0, wide.astype(input_dtype))
+    np.testing.assert_array_equal(src.sample(0)["x"], wide.astype(input_dtype))
+
+
+@pytest.mark.parametrize("values", [
+    np.full((4, 8), 2.0), np.eye(16)[3:4], np.array([[0, 3, 0, 0, 0, 5, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0]]),
+    np.stack([np.zeros(32), _r.integers(0, 256, 32)], 1), _r.integers(0, 256, (4, 8)),
+    np.maximum(_r.standard_normal((4, 8)), 0), _r.integers(0, 2, (4, 8))])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_bin_of_the_inputs_own_width_is_read(tmp_path, values, dtype):
+    """Constants, one-hot and sparse counts, a silent interleaved channel, pixels, masks: data
+    of the input's dtype with 0 or 2.0 in every even place is no wider data."""
+    arr = np.asarray(values).astype(dtype)
+    _bin(tmp_path, "x", 0, arr)
+    src = DataSource(tmp_path, [InputSpec("x", np.dtype(dtype), (None, arr.shape[1]))], 1)
+    np.testing.assert_array_equal(src.sample(0)["x"], arr)
+
+
 def test_float64_bin_for_a_static_float32_input_says_twice_as_many(tmp_path):
     _bin(tmp_path, "x", 0, rand((1, 3, 4, 4), 1).astype(np.float64))
     src = DataSource(tmp_path, [InputSpec("x", F32, (1, 3, 4, 4))], 1)
