@@ -549,6 +549,10 @@ def test_bin_of_the_inputs_own_width_is_read(tmp_path, values, dtype):
 def test_float64_bin_for_a_static_float32_input_says_twice_as_many(tmp_path):
     _bin(tmp_path, "x", 0, rand((1, 3, 4, 4), 1).astype(np.float64))
     src = DataSource(tmp_path, [InputSpec("x", F32, (1, 3, 4, 4))], 1)
+    # (its values came from float32: named by their look since session 35, as the size says too)
+    with pytest.raises(DataError, match="looks like float64 data|twice as many: float64 data"):
+        src.sample(0)
+    _bin(tmp_path, "x", 0, np.linspace(1e11, 2e11, 48).reshape(1, 3, 4, 4))    # (too large to look float64)
     with pytest.raises(DataError, match="twice as many: float64 data"):
         src.sample(0)
 
