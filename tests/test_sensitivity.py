@@ -1158,3 +1158,28 @@ def test_outputs_left_out_of_the_judging_are_labelled_in_the_tables(tmp_path):
     text = summary(res, None)
     for doc in (md, html, text):
         assert "cls (not judged)" in doc and "c (not judged)" not in doc
+
+
+@pytest.mark.parametrize("op, shape, attrs", [
+    ("MatMul", (16, 8), {}), ("MatMul", (2, 16, 8), {}), ("Conv", (6, 4, 3, 3), {}),
+    ("Gemm", (8, 5), {}), ("Gemm", (5, 8), {"transB": 1}),
+    ("ConvTranspose", (4, 3, 2, 2), {}), ("ConvTranspose", (4, 2, 2, 2), {"group": 2}),
+    ("ConvTranspose", (6, 1, 3), {"group": 6})])
+def test_channel_ranges_are_per_output_channel(op, shape, attrs):
+    """A batched MatMul weight was measured along its rows and a grouped ConvTranspose's groups
+    were merged (found by a bug hunt); oracle: each output channel's weights gathered by loops."""
+    from dipoorlet.sensitivity import channel_ranges
+
+    w = np.random.default_rng(3).standard_normal(shape).astype(np.float32)
+    node = helper.make_node(op, ["x", "w"], ["y"], **attrs)
+    if op == "MatMul":
+        want = [np.abs(w[..., n]).max() for n in range(shape[-1])]
+    elif op == "Conv" or (op == "Gemm" and attrs.get("transB")):
+        want = [np.abs(w[c]).max() for c in range(shape[0])]
+    elif op == "Gemm":
+        want = [np.abs(w[:, c]).max() for c in range(shape[1])]
+    else:
+        g = attrs.get("group", 1)
+        cin, cout_g = shape[0] // g, shape[1]
+        want = [np.abs(w[(o // cout_g) * cin:(o // cout_g + 1) * cin, o % cout_g]).max() for o in range(g * cout_g)]
+    np.testing.assert_array_equal(channel_ranges(node, w), np.array(want, np.float32))
