@@ -1812,15 +1812,38 @@ def _to_qop(qmodel, feed: dict, ort_backend: bool = False):
 
 
 def _nested_quantizable(g: Graph, plat) -> dict[str, int]:
-    """Ops of the backend's quantize list inside subgraphs (If/Loop/Scan bodies), by type."""
+    """Ops of the backend's quantize list inside subgraphs (If/Loop/Scan bodies) that compute in
+    float, by type: a Loop's iteration counter Add or an index Mul (int64) is no layer left float
+    (counted, they made a model with nothing else to quantize read "its Add ops sit inside
+    If/Loop/Scan bodies"; found by a bug hunt). An op whose output type no inference gave is
+    counted unless its inputs are all known not to be float."""
     from dipoorlet.graph import subgraphs
 
+    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
     found: dict[str, int] = {}
-    todo = [sub for node in g.graph.node for sub in subgraphs(node)]
+    todo = [(sub, g.types) for node in g.graph.node for sub in subgraphs(node)]
     while todo:
-        for inner in todo.pop().node:
-            todo.extend(subgraphs(inner))
-            if inner.op_type in plat.quantize_ops and inner.domain in ("", "ai.onnx"):
+        sub, outer = todo.pop()
+        types = dict(outer)          # a body sees the enclosing scopes' names, its own shadow them
+        for vi in list(sub.input) + list(sub.value_info) + list(sub.output):
+            if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
+                types[vi.name] = (vi.type.tensor_type.elem_type, None)
+        for t in sub.initializer:
+            types[t.name] = (t.data_type, None)
+        for inner in sub.node:
+            if inner.op_type == "Constant" and inner.attribute and inner.attribute[0].HasField("t"):
+                types[inner.output[0]] = (inner.attribute[0].t.data_type, None)
+        for inner in sub.node:
+            todo.extend((s, types) for s in subgraphs(inner))
+            if inner.op_type not in plat.quantize_ops or inner.domain not in ("", "ai.onnx"):
+                continue
+            known = [types[o][0] for o in inner.output if o in types]
+            if known:
+                is_float = any(t in floats for t in known)
+            else:
+                ins = [types[i][0] if i in types else None for i in inner.input if i]
+                is_float = not ins or any(t is None or t in floats for t in ins)
+            if is_float:
                 found[inner.op_type] = found.get(inner.op_type, 0) + 1
     return found
 

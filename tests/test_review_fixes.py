@@ -980,3 +980,34 @@ def test_a_matmul_reading_a_shifted_input_is_profiled_at_its_own_output(tmp_path
     assert row["sqnr_db"] == pytest.approx(sqnr, abs=2e-3)
     out = res.report["outputs"][0]             # y = -(the layer's output): the same figures
     assert (out["cosine"], out["sqnr_db"]) == pytest.approx((row["cosine"], row["sqnr_db"]), abs=1e-6)
+
+
+def test_integer_ops_in_a_loop_body_are_not_counted_as_layers_left_float(tmp_path, caplog):
+    """A Loop's iteration counter Add and an index Mul (int64, as torch exports them) were
+    counted as ops left float, and a model with nothing else quantizable was refused with advice
+    to export the branch as the graph (found by a bug hunt). Only the float Add is counted."""
+    import logging
+
+    C = 8
+    one, two = (numpy_helper.from_array(np.array(v, np.int64), n) for v, n in ((1, "one"), (2, "two")))
+    body = helper.make_graph(
+        [helper.make_node("Add", ["cnt_in", "one"], ["c1"], name="counter_add"),
+         helper.make_node("Identity", ["c1"], ["cnt_out"], name="counter_id"),
+         helper.make_node("Mul", ["cnt_out", "two"], ["dbl"], name="index_mul"),
+         helper.make_node("Add", ["acc_in", "acc_in"], ["acc_out"], name="float_add"),
+         helper.make_node("Identity", ["cond_in"], ["cond_out"], name="cond_id")],
+        "body", [vi("it", [], TensorProto.INT64), vi("cond_in", [], TensorProto.BOOL),
+                 vi("cnt_in", [], TensorProto.INT64), vi("acc_in", [2, C])],
+        [vi("cond_out", [], TensorProto.BOOL), vi("cnt_out", [], TensorProto.INT64), vi("acc_out", [2, C]),
+         vi("dbl", [], TensorProto.INT64)], [one, two])
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+             helper.make_node("Loop", ["trip", "", "c0", "h"], ["cnt", "yl", "dbls"], name="loop", body=body),
+             helper.make_node("Relu", ["yl"], ["y"], name="relu")]
+    model = make_model(nodes, [vi("x", [2, C])], [vi("y", [2, C])],
+                       {"w": rand((C, C), 0, 0.3), "trip": np.array(3, np.int64), "c0": np.array(0, np.int64)},
+                       opset=17)
+    with caplog.at_level(logging.WARNING, logger="dipoorlet"):
+        quantize_model(tmp_path, model, feeds=[{"x": rand((2, C), 5 + i)} for i in range(4)], deploy="snpe",
+                       skip_prof_layer=True)
+    said = [r.getMessage() for r in caplog.records if "If/Loop/Scan bodies" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("1 ops inside") and "(Add x1)" in said[0], said
