@@ -223,6 +223,19 @@ def load_graph(cfg: QuantConfig, plat=None) -> Graph:
                     "as a cosine, not as an agreement); make the float tensor before them (an ArgMax's input) an "
                     "output too to judge that instead", ", ".join(ints[:6]))
     missing = (set(cfg.skip_layers) | set(cfg.layer_bits)) - set(g.node_by_name)
+    inside = _nested_node_names(g) & missing
+    if inside:
+        # nodes of an If/Loop/Scan body: they stay float whatever is asked (the tool quantizes
+        # the main graph only); they had been called "not nodes of the model"
+        bits = sorted(inside & set(cfg.layer_bits))
+        if bits:
+            raise ConfigError(f"--layer_bits names {bits}, which sit inside If/Loop/Scan bodies: their ops stay "
+                              "float, as this tool quantizes the main graph only; drop them, or export the branch "
+                              "that runs as the graph itself")
+        log.warning("--skip_layers %s: inside If/Loop/Scan bodies, whose ops stay float anyway (this tool "
+                    "quantizes the main graph only)", ", ".join(sorted(inside)[:5]))
+        cfg = dataclasses.replace(cfg, skip_layers=tuple(n for n in cfg.skip_layers if n not in inside))
+        missing -= inside
     if missing:
         sample = ", ".join(sorted(g.node_by_name)[:5])
         raise ConfigError(f"--skip_layers/--layer_bits name {sorted(missing)}, which are not nodes of the model "
@@ -1809,6 +1822,19 @@ def _to_qop(qmodel, feed: dict, ort_backend: bool = False):
     if fused_error:
         info["default_session_error"] = fused_error[:300]
     return model, info
+
+
+def _nested_node_names(g: Graph) -> set[str]:
+    """Names of the nodes inside the main graph's If/Loop/Scan bodies, at any depth."""
+    from dipoorlet.graph import subgraphs
+
+    names, todo = set(), [sub for node in g.graph.node for sub in subgraphs(node)]
+    while todo:
+        for inner in todo.pop().node:
+            todo.extend(subgraphs(inner))
+            if inner.name:
+                names.add(inner.name)
+    return names
 
 
 def _nested_quantizable(g: Graph, plat) -> dict[str, int]:
