@@ -1790,8 +1790,8 @@ def _to_qop(qmodel, feed: dict, ort_backend: bool = False):
     unq = qop.unquantized_outputs(qmodel)
     if unq:
         log.info("--quant_format QOP: %d Conv/MatMul/Gemm stay QDQ because this backend leaves their "
-                 "output float or it is also a network output (a QLinear op writes one quantized tensor, "
-                 "which its readers alone take); their readers: %s", sum(unq.values()),
+                 "output float, or it is also a network output or read inside an If/Loop/Scan body (a QLinear "
+                 "op writes one quantized tensor, which its readers alone take); their readers: %s", sum(unq.values()),
                  ", ".join(f"{k} x{n}" for k, n in sorted(unq.items(), key=lambda kv: -kv[1])[:5]))
     wide = _readers_of_16bit(qmodel)
     if wide:

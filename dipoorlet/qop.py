@@ -31,7 +31,11 @@ class _View:
         self.prod = {o: n for n in g.node for o in n.output}
         self.cons: dict[str, list] = {}
         for n in g.node:
-            for i in n.input:
+            # an If/Loop/Scan whose body reads a tensor of this scope reads it too (the log named
+            # such a reader "" and left out layers whose output a body reads; found by a bug hunt)
+            for i in list(n.input) + _subgraph_outer_refs(n):
+                if not i or n in self.cons.get(i, ()):
+                    continue
                 self.cons.setdefault(i, []).append(n)
         self.outputs = {o.name for o in g.output}
 

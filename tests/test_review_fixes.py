@@ -1042,3 +1042,14 @@ def test_layer_bits_naming_a_node_inside_an_if_branch_says_where_it_is(tmp_path)
     with pytest.raises(ConfigError, match=r"--layer_bits names \['else_conv'\], which sit inside If/Loop/Scan"):
         quantize_model(tmp_path, _if_with_a_conv_in_a_branch(), n=2, skip_prof_layer=True,
                        layer_bits=["else_conv=w4"])
+
+
+def test_qop_names_an_if_as_the_reader_of_a_layer_output_a_branch_reads(tmp_path):
+    """A Conv whose output only an If branch reads stays QDQ; the log's reader list named it ""
+    (found by a bug hunt)."""
+    from dipoorlet import qop
+
+    res, _ = quantize_model(tmp_path, _if_with_a_conv_in_a_branch(), n=2, deploy="ort", quant_format="QOP",
+                            skip_prof_layer=True)
+    qdq = onnx.load(str(tmp_path / "out" / "quant_model_qdq.onnx"))
+    assert qop.unquantized_outputs(qdq) == {"If": 1}
