@@ -203,6 +203,18 @@ def load_graph(cfg: QuantConfig, plat=None) -> Graph:
             g.refresh()
             log.info("%d tensors typed by onnxruntime where ONNX shape inference left them untyped", len(found))
     cfg = _follow_folds(cfg, g)
+    bad = _nonfinite_weights(g)
+    if bad:
+        # the float model computes NaN/Inf there too; quantized, one Inf made a per-tensor grid's
+        # scale inf and every channel non-finite (found by a bug hunt)
+        many = len(bad) > 1
+        log.warning("%s NaN/Inf value(s) (the float model computes NaN/Inf from %s too): %s float; check "
+                    "the export (a BatchNormalization of variance 0 folded?)",
+                    ", ".join(f"{n}'s {t} holds {k}" for n, (t, k) in list(bad.items())[:4])
+                    + (f" and {len(bad) - 4} more" if len(bad) > 4 else ""),
+                    "them" if many else "it", "those layers stay" if many else "the layer stays")
+        cfg = dataclasses.replace(cfg, skip_layers=tuple(cfg.skip_layers) + tuple(n for n in bad
+                                                                                   if n not in cfg.skip_layers))
     unknown = [o for o in cfg.score_outputs if o not in g.output_names]
     if unknown:
         raise ConfigError(f"--score_outputs names {unknown}, which are not outputs of the model; its outputs "
@@ -241,6 +253,23 @@ def load_graph(cfg: QuantConfig, plat=None) -> Graph:
         raise ConfigError(f"--skip_layers/--layer_bits name {sorted(missing)}, which are not nodes of the model "
                           f"(nodes are named like: {sample}, ...); use node names, not tensor names")
     return g, cfg
+
+
+def _nonfinite_weights(g: Graph) -> dict[str, tuple[str, int]]:
+    """Layers (Conv/ConvTranspose/Gemm/MatMul) whose constant weight or bias holds NaN or Inf:
+    node -> (that constant, how many values)."""
+    out = {}
+    for node in g.graph.node:
+        if node.op_type not in ("Conv", "ConvTranspose", "Gemm", "MatMul") or not node.name:
+            continue
+        for name in node.input[:3]:
+            if name and g.is_constant(name) and g.is_float(name):
+                w = g.weight(name)
+                k = int(w.size - np.count_nonzero(np.isfinite(w)))
+                if k:
+                    out[node.name] = (name, k)
+                    break
+    return out
 
 
 def _follow_folds(cfg: QuantConfig, g: Graph) -> QuantConfig:

@@ -1053,3 +1053,27 @@ def test_qop_names_an_if_as_the_reader_of_a_layer_output_a_branch_reads(tmp_path
                             skip_prof_layer=True)
     qdq = onnx.load(str(tmp_path / "out" / "quant_model_qdq.onnx"))
     assert qop.unquantized_outputs(qdq) == {"If": 1}
+
+
+@pytest.mark.parametrize("deploy", ["trt", "snpe"])
+def test_a_layer_whose_weight_holds_inf_stays_float(tmp_path, deploy, caplog):
+    """One Inf in one channel of a Conv weight: on a per-tensor backend the scale became inf and
+    every output channel of the quantized model non-finite, where the float model has one; the
+    run said nothing (found by a bug hunt). The layer stays float, with a warning; the next one
+    is quantized."""
+    import logging
+
+    w = rand((4, 3, 3, 3), 0, 0.3)
+    w[2, 0, 1, 1] = np.inf
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["c", "w2"], ["y"], name="conv2", pads=[1, 1, 1, 1])]
+    model = make_model(nodes, [vi("x", [1, 3, 6, 6])], [vi("y", [1, 4, 6, 6])], {"w": w, "w2": rand((4, 4, 3, 3), 1, 0.3)})
+    feeds = [{"x": np.abs(rand((1, 3, 6, 6), 10 + i))} for i in range(4)]
+    with caplog.at_level(logging.WARNING, logger="dipoorlet"):
+        res, qm = quantize_model(tmp_path, model, feeds=feeds, deploy=deploy, skip_prof_layer=True)
+    assert any("conv's w holds 1 NaN/Inf value" in r.getMessage() for r in caplog.records)
+    decisions = {d["node"]: d["quantized"] for d in res.report["decisions"]}
+    assert decisions["conv"] is False
+    for f in feeds:
+        ref, got = ort_run(model, f)[0], ort_run(qm, f)[0]
+        assert np.array_equal(np.isfinite(ref), np.isfinite(got))     # the same channels non-finite
