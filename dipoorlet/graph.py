@@ -173,13 +173,18 @@ def check_float(model: onnx.ModelProto, path) -> None:
     model, e.g. a quant_model.onnx passed back as -M, one from another quantizer or a QAT
     export): quantizing it again would put a second grid over the first one and calibrate on
     values the first one already rounded. A DequantizeLinear that reads a graph input (an
-    integer image turned into float at the model's entrance) is not quantization of the model."""
+    integer image turned into float at the model's entrance), or a QuantizeLinear that writes a
+    graph output (a uint8 map at its exit), is not quantization of the model."""
     inputs = {i.name for i in model.graph.input} - {t.name for t in model.graph.initializer}
+    outputs = {o.name for o in model.graph.output}
     found: dict[str, int] = {}
     first = None
     for node in _all_nodes(model):
         if not _quantized_op(node) or (node.op_type == "DequantizeLinear" and node.input and node.input[0] in inputs):
             continue
+        if node.op_type == "QuantizeLinear" and node.domain in ("", "ai.onnx") and node in model.graph.node \
+                and all(o in outputs for o in node.output if o):
+            continue     # the mirror case: a float result turned into integers at the model's exit
         found[node.op_type] = found.get(node.op_type, 0) + 1
         first = first or node.name or next((o for o in node.output if o), node.op_type)
     if found:

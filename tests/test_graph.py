@@ -318,6 +318,33 @@ def test_an_integer_input_dequantized_at_the_entrance_or_a_custom_op_named_like_
     assert np.corrcoef(ref.ravel(), got.ravel())[0, 1] > 0.999
 
 
+@pytest.mark.parametrize("deploy", ["trt", "snpe"])
+def test_a_float_model_quantizing_its_result_at_the_exit_is_float(tmp_path, deploy):
+    """The mirror of the entrance case: Conv -> Sigmoid -> QuantizeLinear -> a uint8 map as the
+    graph output. It was refused as already quantized; the layers before it are quantized now and
+    the output keeps its dtype, within a few of its levels of the float model's."""
+    w = {t.name: numpy_helper.to_array(t) for t in conv_model().graph.initializer}
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", pads=[1] * 4),
+             helper.make_node("Sigmoid", ["c"], ["p"], name="sig"),
+             helper.make_node("QuantizeLinear", ["p", "s", "z"], ["y"], name="to_u8")]
+    model = make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("y", [1, 4, 8, 8], onnx.TensorProto.UINT8)],
+                       {**w, "s": np.float32(1 / 255), "z": np.uint8(0)})
+    feeds = input_feeds(model, 4)
+    res, q = quantize_model(tmp_path, model, feeds=feeds, deploy=deploy, skip_prof_layer=True)
+    assert res.report["quantized_nodes"] >= 1
+    assert q.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.UINT8
+    ref, got = ort_run(model, feeds[0])[0], ort_run(q, feeds[0])[0]
+    assert got.dtype == np.uint8 and np.abs(ref.astype(int) - got.astype(int)).max() <= 6
+    # a QuantizeLinear inside the graph (its output read by another op) still is quantization
+    from dipoorlet.graph import check_float
+
+    nodes = nodes + [helper.make_node("DequantizeLinear", ["y", "s", "z"], ["y2"], name="dq")]
+    inside = make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("y2", [1, 4, 8, 8])],
+                        {**w, "s": np.float32(1 / 255), "z": np.uint8(0)})
+    with pytest.raises(ModelError, match="already quantized"):
+        check_float(inside, "m.onnx")
+
+
 def _conv_pool(opset: int) -> onnx.ModelProto:
     """Conv -> MaxPool -> output: the pool's input gets Q/DQ, its output none (onnxruntime's QDQ
     propagation copies the pair across the pool in a default session)."""
