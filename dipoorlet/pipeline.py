@@ -961,6 +961,10 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
                         "or choose layers by hand (--layer_bits NODE=a16)", a16.criterion, a16.target, est, got,
                         f", below the 8-bit model's {a16.before.value(a16.criterion):.6f}"
                         if got < a16.before.value(a16.criterion) else "", plat.name)
+    elif a16 is not None:
+        # no layer kept: the model written is the one the search measured first (report.md said
+        # "estimated by the search" of it; found by a bug hunt)
+        a16.measured = a16.before
     w8 = analysis.get("auto_w8")
     if w8 is not None and w8.float_layers:
         changed = promote_w8(g, places, plan, cfg, plat, w8.float_layers, shifted)

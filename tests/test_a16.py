@@ -549,3 +549,14 @@ def test_auto_a16_report_gives_the_written_models_figure_with_its_verdict(tmp_pa
     assert f"the search estimated {a['after_estimated']['cosine']} / {a['after_estimated']['sqnr_db']} dB" in md
     html = (out / "report.html").read_text()
     assert "(as written)" in html and f"the search estimated {a['after_estimated']['cosine']}" in html
+
+
+def test_auto_a16_whose_target_the_8_bit_model_meets_reports_it_as_written(tmp_path):
+    """No layer kept: the written model is the baseline the search measured; report.md and
+    report.html called its figure "estimated by the search" (found by a bug hunt)."""
+    res, out, _, _ = _run(tmp_path, tiny_cnn(), auto_a16="0.5", sens_samples=4)
+    rep = res.report["auto_a16"]
+    assert rep["a16_layers"] == [] and rep["met"]
+    assert rep["after_measured"] == rep["before"]
+    assert ", as written" in (out / "report.md").read_text().split("## auto_a16")[1].split("\n## ")[0]
+    assert "(as written)" in (out / "report.html").read_text()
