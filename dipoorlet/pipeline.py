@@ -863,7 +863,7 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
         if shifted:   # same weights, new tensor names: the weight grids stay as planned
             places = placement_mod.place(g, plat, cfg.skip_layers, warn=False)
     unsized = _unsized_input_layers_float(places, plan, stats)
-    _gridless_to_float(g, places, plan, unsized)
+    _gridless_to_float(g, places, plan, unsized, stats)
     fit_biases(g, places, plan)    # before the steps that fit weights or biases to these grids
     corrections = None
 
@@ -1386,10 +1386,24 @@ def _unsized_input_layers_float(places, plan, stats) -> dict[str, list[str]]:
     return gone
 
 
-def _gridless_to_float(g, places, plan, unsized=None) -> None:
+def _why_no_grid(t: str, stats) -> str:
+    """Why calibration sized no grid for ``t`` (plan_activations / plan_grids), for a decision."""
+    st = (stats or {}).get(t)
+    if st is None or _zero(st):
+        return f"{t} 0 in every calibration sample"
+    mm = st.minmax
+    if not mm.count or mm.lo > mm.hi:
+        return f"{t} empty or NaN throughout in every calibration sample"
+    if not math.isfinite(mm.amax):
+        return f"{t} reaches {mm.lo:.4g}..{mm.hi:.4g}"
+    return f"{t} reaches {mm.lo:.4g}..{mm.hi:.4g}, beyond any integer grid"
+
+
+def _gridless_to_float(g, places, plan, unsized=None, stats=None) -> None:
     """Nodes placed as quantized whose every grid the plan left out (inputs 0 in every calibration
-    sample, warn_degenerate) compute in float: say so in their decision (report.json counted an
-    Add with no Q/DQ left as quantized)."""
+    sample, warn_degenerate; or of a range no grid holds, a mask of -inf or float32's lowest)
+    compute in float: say so in their decision (report.json counted an Add with no Q/DQ left as
+    quantized; every such decision said "0 in every calibration sample", found by a bug hunt)."""
     from dipoorlet.placement import Decision
 
     gridded = {n for (n, _), wp in places.weights.items() if wp.tensor in plan.weights}
@@ -1420,10 +1434,9 @@ def _gridless_to_float(g, places, plan, unsized=None) -> None:
                                                f"kept float: no grid left ({zero} 0 in every calibration sample)")
                 gone.append(d.node)
         elif d.quantized and d.node not in gridded:
-            zero = sorted(t for t in dropped if d.node in places.activations[t].owners)
+            why = [_why_no_grid(t, stats) for t in sorted(dropped) if d.node in places.activations[t].owners]
             places.decisions[k] = Decision(d.node, d.op_type, False,
-                                           "kept float: no grid left" + (f" ({', '.join(zero[:3])} 0 in every "
-                                                                         "calibration sample)" if zero else ""))
+                                           "kept float: no grid left" + (f" ({'; '.join(why[:3])})" if why else ""))
             gone.append(d.node)
     if gone:
         # the placement's count in the log came before these (the summary's is after)

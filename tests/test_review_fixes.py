@@ -1077,3 +1077,21 @@ def test_a_layer_whose_weight_holds_inf_stays_float(tmp_path, deploy, caplog):
     for f in feeds:
         ref, got = ort_run(model, f)[0], ort_run(qm, f)[0]
         assert np.array_equal(np.isfinite(ref), np.isfinite(got))     # the same channels non-finite
+
+
+def test_a_layer_left_float_by_a_mask_input_gives_that_reason(tmp_path):
+    """A Mul reading a float32-lowest mask on qnn is left float for the mask's range; its decision
+    said "madd 0 in every calibration sample" (found by a bug hunt)."""
+    lowest = np.finfo(np.float32).min
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["s"], name="mm"),
+             helper.make_node("Cast", ["mask"], ["mb"], to=TensorProto.BOOL, name="cast"),
+             helper.make_node("Where", ["mb", "zero", "fill"], ["madd"], name="where"),
+             helper.make_node("Mul", ["madd", "half"], ["madd2"], name="scale_mask"),
+             helper.make_node("Add", ["s", "madd2"], ["y"], name="add_mask")]
+    model = make_model(nodes, [vi("x", ["B", 8]), vi("mask", ["B", 8], TensorProto.INT64)], [vi("y", ["B", 8])],
+                       {"w": rand((8, 8), 0, 0.3), "zero": np.array(0, np.float32),
+                        "fill": np.array(lowest, np.float32), "half": np.array(0.5, np.float32)}, opset=17)
+    feeds = [{"x": rand((2, 8), 3 + i), "mask": np.array([[1] * 8, [1] * 6 + [0] * 2], np.int64)} for i in range(4)]
+    res, _ = quantize_model(tmp_path, model, feeds=feeds, deploy="qnn", skip_prof_layer=True)
+    reason = {d["node"]: d["reason"] for d in res.report["decisions"]}["scale_mask"]
+    assert "madd reaches -3.403e+38..0, beyond any integer grid" in reason and "0 in every" not in reason, reason
