@@ -485,3 +485,54 @@ def test_a_weight_shared_along_different_output_axes_gets_one_per_tensor_grid(tm
         want = ort_run(model, feed)[0].ravel().astype(np.float64)
         got = ort_run(qm, feed, optimize=True)[0].ravel().astype(np.float64)
         assert want @ got / np.linalg.norm(want) / np.linalg.norm(got) > KERNEL_COS
+
+
+def _rotary(position_input: bool):
+    """x [1, L, 8] -> MatMul -> rotate by angles inv_freq * position: positions from a Range
+    over the length (as HF's Llama export computes them) or from an int64 position_ids input."""
+    from onnx import TensorProto
+
+    d = 8
+    inv_freq = (1.0 / (10000 ** (np.arange(0, d, 2) / d))).astype(np.float32).reshape(1, d // 2, 1)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="proj")]
+    inits = {"w": rand((d, d), 0, 0.4), "inv_freq": inv_freq, "one": np.array(1, np.int64),
+             "zero": np.array(0, np.int64), "ax": np.array([0], np.int64), "ax1": np.array([1], np.int64)}
+    inputs = [vi("x", [1, "L", d])]
+    if position_input:
+        inputs.append(vi("position_ids", [1, "L"], TensorProto.INT64))
+        pos = "position_ids"
+    else:
+        nodes += [helper.make_node("Shape", ["x"], ["shp"], name="shape", start=1, end=2),
+                  helper.make_node("Squeeze", ["shp", "ax"], ["len"], name="sq"),
+                  helper.make_node("Range", ["zero", "len", "one"], ["r"], name="range"),
+                  helper.make_node("Unsqueeze", ["r", "ax"], ["pos_ids"], name="unsq")]
+        pos = "pos_ids"
+    nodes += [helper.make_node("Unsqueeze", [pos, "ax1"], ["p3"], name="unsq_p"),
+              helper.make_node("Cast", ["p3"], ["pf"], to=TensorProto.FLOAT, name="cast_p"),
+              helper.make_node("MatMul", ["inv_freq", "pf"], ["freqs"], name="rope_matmul"),
+              helper.make_node("Transpose", ["freqs"], ["ang"], perm=[0, 2, 1], name="rope_t"),
+              helper.make_node("Concat", ["ang", "ang"], ["emb"], axis=-1, name="rope_cat"),
+              helper.make_node("Cos", ["emb"], ["cos"], name="cos"),
+              helper.make_node("Mul", ["h", "cos"], ["y"], name="rot")]
+    return make_model(nodes, inputs, [vi("y", [1, "L", d])], inits, opset=17)
+
+
+@pytest.mark.parametrize("position_input", [False, True])
+@pytest.mark.parametrize("deploy", ["trt", "qnn"])
+def test_rotary_positions_stay_float_past_the_calibrated_length(tmp_path, position_input, deploy):
+    """Llama's rotary embedding, inv_freq @ positions, was quantized as an ordinary MatMul: the
+    positions' grid stopped at the longest calibrated one and inv_freq's smallest values rounded
+    to 0; tokens past the calibrated length read cosine 0.58 (found by a bug hunt)."""
+    model = _rotary(position_input)
+    feed = lambda L, s: {"x": rand((1, L, 8), s), **({"position_ids": np.arange(L, dtype=np.int64)[None]}
+                                                      if position_input else {})}
+    res, qm = quantize_model(tmp_path, model, feeds=[feed(6 + i % 4, 10 + i) for i in range(6)], deploy=deploy,
+                             skip_prof_layer=True)
+    decisions = {d["node"]: d for d in res.report["decisions"]}
+    assert not decisions["rope_matmul"]["quantized"] and "positions" in decisions["rope_matmul"]["reason"]
+    gridded = {n.input[0] for n in qm.graph.node if n.op_type == "QuantizeLinear"}
+    assert not gridded & {"pf", "freqs", "ang", "emb", "inv_freq"}, gridded
+    f = feed(64, 99)
+    ref, got = ort_run(model, f)[0][0], ort_run(qm, f)[0][0]
+    cos = [a @ b / np.linalg.norm(a) / np.linalg.norm(b) for a, b in zip(ref[20:], got[20:])]
+    assert min(cos) > 0.99, min(cos)
