@@ -55,6 +55,7 @@ def collect(graph, data, indices, targets: list[str], comm, histograms: bool, bi
                                   spin=True, nan_safe="where"), data, indices, nan, comm)
         for t in nan:
             stats[t].minmax = again[t].minmax
+    _mask_inf_as_lowest(graph, stats)
     for st in stats.values():
         mm = st.minmax
         usable = mm.count and mm.lo <= mm.hi and math.isfinite(mm.lo) and math.isfinite(mm.hi)
@@ -176,6 +177,19 @@ def _mask_fed(graph, tensor: str) -> bool:
     return False
 
 
+def _mask_inf_as_lowest(graph, stats: dict[str, TensorStats]) -> None:
+    """A Softmax input reaching -inf (a mask of -inf, or two float32-lowest masks added, as GPT-2's
+    causal and padding masks in transformers 4.57 exports) and otherwise finite is taken as
+    reaching float32's lowest, which a Softmax weighs alike (0): its grid then starts at its floor
+    (softmax_floors) as a float32-lowest mask's does, where it had stayed float ("reaches -inf"),
+    every GPT-2 Softmax on qnn/ort (found by a bug hunt)."""
+    lowest = float(np.finfo(np.float32).min)
+    for t, st in stats.items():
+        mm = st.minmax
+        if mm.count and mm.lo == -math.inf and math.isfinite(mm.hi) and _softmax_axes(graph, t) is not None:
+            mm.lo = lowest
+
+
 def softmax_floors(graph, data, indices, stats: dict[str, TensorStats], comm, device="cpu") -> dict[str, float]:
     """Lower ends for the grids of Softmax inputs whose range an additive attention mask stretches.
 
@@ -205,6 +219,7 @@ def softmax_floors(graph, data, indices, stats: dict[str, TensorStats], comm, de
 
     from dipoorlet.graph import opset_of
 
+    _mask_inf_as_lowest(graph, stats)          # (the -A minmax one-pass ranges come here unseen by collect)
     cands, masked = {}, set()
     for t, st in stats.items():
         mm = st.minmax

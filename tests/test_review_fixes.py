@@ -1095,3 +1095,36 @@ def test_a_layer_left_float_by_a_mask_input_gives_that_reason(tmp_path):
     res, _ = quantize_model(tmp_path, model, feeds=feeds, deploy="qnn", skip_prof_layer=True)
     reason = {d["node"]: d["reason"] for d in res.report["decisions"]}["scale_mask"]
     assert "madd reaches -3.403e+38..0, beyond any integer grid" in reason and "0 in every" not in reason, reason
+
+
+@pytest.mark.parametrize("fill", [-np.inf, np.finfo(np.float32).min])
+def test_a_softmax_input_behind_a_minus_inf_mask_gets_its_floor_grid(tmp_path, fill):
+    """A mask of -inf (or two float32-lowest masks summed, GPT-2's causal and padding masks) left
+    the Softmax input float ("reaches -inf"), every GPT-2 Softmax on qnn; float32's lowest gave
+    it its floor grid (found by a bug hunt). Both now quantize it, and padding stays hidden."""
+    nodes = [helper.make_node("MatMul", ["x", "wq"], ["q"], name="mq"),
+             helper.make_node("Transpose", ["x"], ["xt"], perm=[0, 2, 1], name="xt"),
+             helper.make_node("MatMul", ["q", "xt"], ["s"], name="scores"),
+             helper.make_node("Cast", ["mask"], ["mb"], to=TensorProto.BOOL, name="cast"),
+             helper.make_node("Unsqueeze", ["mb", "ax1"], ["mb3"], name="unsq"),
+             helper.make_node("Where", ["mb3", "zero", "fill"], ["madd"], name="where"),
+             helper.make_node("Add", ["s", "madd"], ["sm"], name="add_mask"),
+             helper.make_node("Softmax", ["sm"], ["p"], axis=-1, name="softmax"),
+             helper.make_node("MatMul", ["p", "x"], ["y"], name="ctx")]
+    model = make_model(nodes, [vi("x", ["B", "L", 8]), vi("mask", ["B", "L"], TensorProto.INT64)],
+                       [vi("y", ["B", "L", 8])],
+                       {"wq": rand((8, 8), 0, 0.3), "zero": np.array(0, np.float32),
+                        "fill": np.array(fill, np.float32), "ax1": np.array([1], np.int64)}, opset=17)
+    feeds = []
+    for i in range(8):
+        mask = np.ones((2, 6 + i % 3), np.int64)
+        mask[0, -1 - i % 2:] = 0
+        feeds.append({"x": rand((2, 6 + i % 3, 8), 20 + i), "mask": mask})
+    _, qm = quantize_model(tmp_path, model, feeds=feeds, deploy="qnn", skip_prof_layer=True)
+    assert "sm" in {n.input[0] for n in qm.graph.node if n.op_type == "QuantizeLinear"}
+    f = dict(feeds[0])
+    other = dict(f, x=f["x"].copy())
+    other["x"][0, -1] += 5.0                       # a padded position's input: no real output moves
+    got, moved = ort_run(qm, f)[0], ort_run(qm, other)[0]
+    np.testing.assert_array_equal(got[0, :-2], moved[0, :-2])
+    assert np.corrcoef(ort_run(model, f)[0][0, :-2].ravel(), got[0, :-2].ravel())[0, 1] > 0.99
