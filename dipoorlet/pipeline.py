@@ -355,9 +355,10 @@ def check_bits(cfg: QuantConfig, plat) -> None:
     for flag, bits in wide:
         if bits is not None and bits > plat.activation.max_bits:
             keep = "" if flag in ("--a_bits", "--auto_a16") else ", or --skip_layers to keep the layer float"
+            narrower = "" if flag == "--auto_a16" else f"use 2..{plat.activation.max_bits} or "
             raise ConfigError(f"{flag} asks for {bits}-bit activations, but {plat.name} runs at most "
-                              f"{plat.activation.max_bits}-bit activations; use 2..{plat.activation.max_bits} "
-                              f"or a backend with 16-bit activations (qnn, snpe, ort){keep}")
+                              f"{plat.activation.max_bits}-bit activations; {narrower}use a backend with 16-bit "
+                              f"activations (qnn, snpe, ort){keep}")
     if cfg.sparse is not None and cfg.a_bits == 16:
         raise ConfigError("--sparse with --a_bits 16: the pruning is fitted on statistics of layer inputs of 8 bits "
                           "or fewer; prune at 8 bits, or give single layers 16-bit inputs with --layer_bits NODE=a16 "
@@ -742,6 +743,18 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
         log.warning("--stpu_wg applies to -D stpu only; ignored on %s", plat.name)
     if cfg.max_float_layers != 10 and not cfg.auto_skip:
         log.warning("--max_float_layers applies with --auto_skip only; ignored")
+    # flags whose step this run skips, said as the ones above (they were silent; found by a hunt)
+    if not sensitivity_runs(cfg):
+        for flag, changed in (("--sens_samples", cfg.sens_samples != 8), ("--criterion", cfg.criterion != "cosine")):
+            if changed:
+                log.warning("%s applies to the sensitivity analysis, which --skip_prof_layer skips (without "
+                            "--auto_skip/--auto_a16/--auto_w8); ignored", flag)
+    if cfg.gptq_memory != 256.0 and not (cfg.gptq or cfg.adaround or cfg.sparse is not None):
+        log.warning("--gptq_memory applies with --gptq, --adaround or --sparse only; ignored")
+    if cfg.trt_version != "8601" and plat.name != "trt":
+        log.warning("--trt_version applies to -D trt only (its calibration cache); ignored on %s", plat.name)
+    if not cfg.shift and not shift_mod.applicable(plat):
+        log.warning("--no_shift: %s shifts no activation (trt's symmetric grids only); ignored", plat.name)
     for flag, value, default, methods in (("--threshold", cfg.threshold, 0.99999, ("hist",)),
                                           ("--percentile", cfg.percentile, 99.999, ("percentile",)),
                                           ("--bins", cfg.bins, 2048, ("hist", "mse", "entropy", "percentile"))):

@@ -96,9 +96,9 @@ class Layer:
 LEFT_WEIGHT = "weight on the layer's left (MatMul(W, x) or Gemm(W, x)), which the fitted rounding does not handle"
 
 
-def wide_input(bits: int) -> str:
-    """Why a layer with a ``bits``-wide input is left alone."""
-    return f"its input is on a {bits}-bit grid (gptq fits layers with inputs of 8 bits or fewer)"
+def wide_input(bits: int, method: str = "gptq") -> str:
+    """Why a layer with a ``bits``-wide input is left alone by ``method``."""
+    return f"its input is on a {bits}-bit grid ({method} fits layers with inputs of 8 bits or fewer)"
 
 
 def unfit_reason(g, node, weight: str) -> str | None:
@@ -123,7 +123,7 @@ def unfit_reason(g, node, weight: str) -> str | None:
     return None
 
 
-def find_layers(g, places, plan, qmodel) -> tuple[list[Layer], dict]:
+def find_layers(g, places, plan, qmodel, method: str = "gptq") -> tuple[list[Layer], dict]:
     """The layers GPTQ can round, and why others are left alone (node -> reason)."""
     qnodes = {n.name: n for n in qmodel.graph.node}
     producers = {o: n for n in qmodel.graph.node for o in n.output}
@@ -155,7 +155,7 @@ def find_layers(g, places, plan, qmodel) -> tuple[list[Layer], dict]:
             continue
         if qp.bits > 8:
             # its statistics are exact integer sums over 8-bit levels (products below 2^24)
-            skipped[name] = wide_input(qp.bits)
+            skipped[name] = wide_input(qp.bits, method)
             continue
         wq = plan.weights[wp.tensor]
         rows = w.shape[0] if op == "Conv" else w.shape[1] if op == "ConvTranspose" else (
@@ -750,7 +750,7 @@ def reconstruct(g, places, plan, data, indices, comm, device="cpu", memory_mb: f
     is rounded (SparseGPT); layers with too few rows are pruned by magnitude; the others stay
     dense, with the reason."""
     qmodel = insert_qdq(g, places, plan)
-    layers, skipped = find_layers(g, places, plan, qmodel)
+    layers, skipped = find_layers(g, places, plan, qmodel, "sparse" if sparse is not None else method)
     if not layers:
         if sparse is not None:
             return _sparse_summary(g, plan, layers, [], [], [], skipped, sparse, 0, 0)

@@ -1128,3 +1128,38 @@ def test_a_softmax_input_behind_a_minus_inf_mask_gets_its_floor_grid(tmp_path, f
     got, moved = ort_run(qm, f)[0], ort_run(qm, other)[0]
     np.testing.assert_array_equal(got[0, :-2], moved[0, :-2])
     assert np.corrcoef(ort_run(model, f)[0][0, :-2].ravel(), got[0, :-2].ravel())[0, 1] > 0.99
+
+
+@pytest.mark.parametrize("deploy, kw, said", [
+    ("trt", {"skip_prof_layer": True, "sens_samples": 3}, "--sens_samples applies to the sensitivity analysis"),
+    ("qnn", {"skip_prof_layer": True, "criterion": "maxabs"}, "--criterion applies to the sensitivity analysis"),
+    ("trt", {"gptq_memory": 1.0}, "--gptq_memory applies with --gptq, --adaround or --sparse only; ignored"),
+    ("qnn", {"trt_version": "8500"}, "--trt_version applies to -D trt only"),
+    ("qnn", {"shift": False}, "--no_shift: qnn shifts no activation"),
+])
+def test_a_flag_this_run_does_not_use_is_said_ignored(tmp_path, deploy, kw, said, caplog):
+    """As --gptq_samples, --ada_iters, --bins... were; these were silent (found by a flag hunt)."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="dipoorlet"):
+        quantize_model(tmp_path, make_model([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")],
+                                            [vi("x", [1, 8])], [vi("y", [1, 8])], {"w": rand((8, 8), 0, 0.3)}),
+                       deploy=deploy, **kw)
+    assert any(said in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_adaround_with_16_bit_inputs_names_adaround_and_auto_a16_on_trt_names_no_width(tmp_path, caplog):
+    import logging
+
+    from dipoorlet.errors import ConfigError
+
+    model = make_model([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], [vi("x", [1, 8])],
+                       [vi("y", [1, 8])], {"w": rand((8, 8), 0, 0.3)})
+    pytest.importorskip("torch")
+    with caplog.at_level(logging.WARNING, logger="dipoorlet"):
+        quantize_model(tmp_path / "a", model, deploy="qnn", a_bits=16, adaround=True, ada_iters=5)
+    said = [r.getMessage() for r in caplog.records if "no layer can be fitted" in r.getMessage()]
+    assert said and "(adaround fits layers" in said[0] and "gptq" not in said[0], said
+    with pytest.raises(ConfigError) as err:
+        quantize_model(tmp_path / "b", model, deploy="trt", auto_a16="0.999")
+    assert "use 2..8" not in str(err.value) and "use a backend with 16-bit activations" in str(err.value)
