@@ -188,22 +188,28 @@ def left_weight(g: Graph, node, index: int) -> bool:
 
 # ops whose output is bounded whatever their input (a calibrated grid holds it at any length)
 _BOUNDED = frozenset({"Sin", "Cos", "Tanh", "Sigmoid", "HardSigmoid", "Softmax", "LogSoftmax", "Erf", "Softsign",
-                      "Sign", "Atan", "Not", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Shape",
-                      "Size", "IsNaN", "IsInf"})
+                      "Sign", "Atan", "Not", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "IsNaN",
+                      "IsInf"})
 _INTS = frozenset({2, 3, 4, 5, 6, 7, 12, 13})      # TensorProto's [u]int8/16/32/64
 _FLOAT = 1
+# the inputs that carry values into an op's output (the others give a shape, axes, indices)
+_VALUE_INPUTS = {"Expand": 1, "Reshape": 1, "Tile": 1, "Slice": 1, "Unsqueeze": 1, "Squeeze": 1, "Resize": 1,
+                 "Upsample": 1, "Pad": 1, "Gather": 1, "GatherElements": 1, "GatherND": 1, "ConstantOfShape": 0,
+                 "TopK": 1, "ReduceMax": 1, "ReduceMin": 1, "ReduceSum": 1, "ReduceMean": 1}
 
 
 def position_tensors(g: Graph) -> tuple[set, set]:
-    """(float tensors computed from sequence positions, the nodes computing them). Positions are
-    integers a Range or a CumSum makes (``arange`` of the length; a mask's running count), or an
-    int graph input named like ``position_ids``, and what integer arithmetic, a Cast to float and
-    float arithmetic with constants (or tensors computed from constants alone, an ``inv_freq``
-    Expanded to the batch) make of them, up to a bounded op (the rotary embedding's Cos/Sin). Their
-    values grow with the sequence length, past any grid the calibration lengths size: Llama's
-    rotary ``inv_freq @ positions`` clipped every position from 16 on to 15 (and rounded its
-    smallest frequencies to 0), the tokens there read cosine 0.58 (found by a bug hunt); ALiBi's
-    slopes times positions alike. A mask (a Cast of attention_mask) is not a position."""
+    """(float tensors computed from positions or sizes, the nodes computing them). Positions and
+    sizes are integers a Range, a CumSum, a Shape or a Size makes (``arange`` of the length; a
+    mask's running count; a feature map's height), a float Range, or an int graph input named like
+    ``position_ids``; with what integer arithmetic, a Cast to float and float arithmetic with
+    constants (or tensors computed from constants alone, an ``inv_freq`` Expanded to the batch)
+    make of them, up to a bounded op (the rotary embedding's Cos/Sin). Their values grow with the
+    input's length or size, past any grid the calibration inputs size: Llama's rotary ``inv_freq @
+    positions`` clipped every position from 16 on to 15 and its tokens there read cosine 0.58;
+    ``interpolate(scale_factor=2)``'s output size, computed in float, was clipped at the calibrated
+    size, and the model failed at another (both found by bug hunts). A mask (a Cast of
+    attention_mask) is not a position."""
     ints, floats, consts, nodes = set(), set(), set(), set()
     inputs = {i.name for i in g.graph_inputs}
     for i in g.graph_inputs:
@@ -214,27 +220,29 @@ def position_tensors(g: Graph) -> tuple[set, set]:
         if not outs or node.op_type == "Constant":
             continue
         op = node.op_type
-        live = [x for x in node.input if x and not g.is_constant(x)]
-        if op in ("Range", "CumSum") and all(g.elem_type(o) in _INTS for o in outs):
+        values = node.input[:_VALUE_INPUTS[op]] if op in _VALUE_INPUTS else node.input
+        live = [x for x in values if x and not g.is_constant(x)]
+        out_float = all(g.elem_type(o) == _FLOAT for o in outs)
+        if op in ("Range", "CumSum", "Shape", "Size") and all(g.elem_type(o) in _INTS for o in outs):
             ints.update(outs)
+            continue
+        if op == "Range" and out_float:
+            floats.update(outs)
+            nodes.add(node.name)
             continue
         if op in _BOUNDED:
             continue
-        out_float = all(g.elem_type(o) == _FLOAT for o in outs)
         if op in ("Cast", "CastLike") and out_float and live and live[0] in ints:
             floats.update(outs)
             nodes.add(node.name)
             continue
-        if op in ("Gather", "GatherElements", "GatherND"):
-            live = live[:1] if node.input[0] in live else []     # a lookup in a constant table is no position
         if out_float:
             if any(x in floats for x in live) and all(x in floats or x in consts or g.elem_type(x) in _INTS
                                                       for x in live):
                 floats.update(outs)
                 nodes.add(node.name)
-            elif all(x in consts or (g.elem_type(x) in _INTS and x not in ints) for x in live) and not any(
-                    x in inputs for x in live):
-                consts.update(outs)      # from constants and shapes alone (an Expand of a constant)
+            elif all(x in consts for x in live) and not any(x in inputs for x in live):
+                consts.update(outs)      # from constants alone (an Expand of a constant to a shape)
         elif all(g.elem_type(o) in _INTS for o in outs) and any(x in ints for x in live):
             ints.update(outs)
     return floats, nodes
@@ -252,8 +260,8 @@ def place(g: Graph, platform: Platform, skip_layers=(), weight_only=(), warn: bo
             plan.decisions.append(Decision(node.name, op, False, "skipped by --skip_layers"))
             continue
         if node.name in position_nodes and op in platform.quantize_ops:
-            plan.decisions.append(Decision(node.name, op, False, "computes on sequence positions, which grow with "
-                                           "the length past any calibrated grid: float"))
+            plan.decisions.append(Decision(node.name, op, False, "computes on positions or sizes (a Range, a Shape), "
+                                           "which grow with the input past any calibrated grid: float"))
             continue
         if op not in platform.quantize_ops or node.domain not in ("", "ai.onnx"):
             plan.decisions.append(Decision(node.name, op, False, f"{op} is not quantized on {platform.name}"))

@@ -536,3 +536,31 @@ def test_rotary_positions_stay_float_past_the_calibrated_length(tmp_path, positi
     ref, got = ort_run(model, f)[0][0], ort_run(qm, f)[0][0]
     cos = [a @ b / np.linalg.norm(a) / np.linalg.norm(b) for a, b in zip(ref[20:], got[20:])]
     assert min(cos) > 0.99, min(cos)
+
+
+@pytest.mark.parametrize("deploy", ["snpe", "ti"])
+def test_float_size_arithmetic_before_a_resize_stays_float(tmp_path, deploy):
+    """interpolate(scale_factor=2, recompute_scale_factor=True) as torch exports it: the output
+    size computed in float from Shape (Cast, Mul 2.0, Floor, Cast back). Mul and Concat are
+    quantized on these backends: the sizes got grids, snpe's run failed and ti's model broke at
+    another H/W (64 -> 63; found by a CNN-export hunt)."""
+    from onnx import TensorProto
+
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Shape", ["c"], ["shp"], name="shape"),
+             helper.make_node("Slice", ["shp", "s0", "s1"], ["hw"], name="slice"),
+             helper.make_node("Cast", ["hw"], ["hwf"], to=TensorProto.FLOAT, name="cast_f"),
+             helper.make_node("Mul", ["hwf", "two"], ["hw2"], name="times2"),
+             helper.make_node("Floor", ["hw2"], ["hw2f"], name="floor"),
+             helper.make_node("Cast", ["hw2f"], ["hwi"], to=TensorProto.INT64, name="cast_i"),
+             helper.make_node("Concat", ["nc", "hwi"], ["sizes"], axis=0, name="cat"),
+             helper.make_node("Resize", ["c", "", "", "sizes"], ["y"], name="up", mode="nearest")]
+    model = make_model(nodes, [vi("x", [1, 3, "H", "W"])], [vi("y", [1, 4, "H2", "W2"])],
+                       {"w": rand((4, 3, 3, 3), 0, 0.3), "s0": np.array([2], np.int64), "s1": np.array([4], np.int64),
+                        "two": np.array(2.0, np.float32), "nc": np.array([1, 4], np.int64)})
+    res, qm = quantize_model(tmp_path, model, feeds=[{"x": rand((1, 3, 16, 16), i)} for i in range(4)], deploy=deploy,
+                             skip_prof_layer=True)
+    gridded = {n.input[0] for n in qm.graph.node if n.op_type == "QuantizeLinear"}
+    assert not gridded & {"hwf", "hw2", "hw2f"}, gridded
+    big = {"x": rand((1, 3, 40, 24), 9)}
+    assert ort_run(qm, big)[0].shape == ort_run(model, big)[0].shape == (1, 4, 80, 48)
