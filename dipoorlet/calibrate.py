@@ -162,9 +162,10 @@ def _mask_fed(graph, tensor: str) -> bool:
     a constant by such a condition): padded positions at deployment reach it with a large
     negative value, whatever the calibration samples held."""
     node = graph.producer.get(tensor)
-    # BART-style attention adds the mask to [B, H, L, L] scores between two Reshapes
-    while node is not None and node.op_type in ("Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze",
-                                                "Identity"):
+    # BART-style attention adds the mask to [B, H, L, L] scores between two Reshapes; T5's casts
+    # the sum float -> float before its Softmax (the mask margin was never applied; found by a hunt)
+    while node is not None and (node.op_type in ("Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze",
+                                                 "Identity") or _float_cast(graph, node)):
         node = graph.producer.get(node.input[0])
     if node is None:
         return False
@@ -188,6 +189,44 @@ def _mask_inf_as_lowest(graph, stats: dict[str, TensorStats]) -> None:
         mm = st.minmax
         if mm.count and mm.lo == -math.inf and math.isfinite(mm.hi) and _softmax_axes(graph, t) is not None:
             mm.lo = lowest
+
+
+def _float_cast(graph, node) -> bool:
+    """A Cast (or CastLike) from float to float: it moves no value."""
+    return (node.op_type in ("Cast", "CastLike") and bool(node.input) and graph.is_float(node.input[0])
+            and graph.is_float(node.output[0]))
+
+
+def mask_carrying(graph) -> set[str]:
+    """Tensors that hold an attention mask added to something else on its way to a Softmax: an
+    Add/Sub (or Where) of a mask term and another tensor (:func:`_mask_fed`), and what Adds, Subs,
+    float Casts and ops that only move values make of one, as far as a Softmax reads it. Calibrated on unpadded samples such a
+    tensor holds no mask, its grid ends near its other term, and at deployment the mask is
+    clipped there: T5 adds the mask to its position bias first, a ±0.32 grid, and padded tokens
+    were attended to (a padded sentence's own tokens read cosine 0.75; found by a bug hunt)."""
+    carrying: set[str] = set()
+    moving = ("Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Expand", "Slice")
+    for node in graph.topological_nodes():
+        if not node.output or not node.output[0] or not graph.is_float(node.output[0]):
+            continue
+        out = node.output[0]
+        if node.op_type in ("Add", "Sub", "Where") and _mask_fed(graph, out):
+            carrying.add(out)
+        elif node.op_type in ("Add", "Sub") and any(x in carrying for x in node.input):
+            carrying.add(out)
+        elif (node.op_type in moving or _float_cast(graph, node)) and node.input and node.input[0] in carrying:
+            carrying.add(out)
+    # ... on its way to a Softmax (an Add of a state input and a layer's output is no mask)
+    toward, todo = set(), [n.input[0] for n in graph.graph.node if n.op_type == "Softmax" and n.input]
+    while todo:
+        t = todo.pop()
+        if t in toward or t not in carrying:
+            continue
+        toward.add(t)
+        node = graph.producer.get(t)
+        if node is not None:
+            todo.extend(x for x in node.input if x)
+    return toward
 
 
 def softmax_floors(graph, data, indices, stats: dict[str, TensorStats], comm, device="cpu") -> dict[str, float]:

@@ -406,7 +406,7 @@ def _zero(st) -> bool:
     return bool(st.minmax.count) and st.minmax.lo == 0.0 == st.minmax.hi
 
 
-def plan_grids(g: Graph, stats, cfg: QuantConfig, plat, places) -> QuantPlan:
+def plan_grids(g: Graph, stats, cfg: QuantConfig, plat, places, quiet: bool = False) -> QuantPlan:
     """Activation grids (plan_activations), tied into one per group of pass-through ops on
     backends that share them (share_scales), without the activations that were 0 in every
     calibration sample and belong to no such group: a grid sized on 0 is the narrowest there is
@@ -420,6 +420,17 @@ def plan_grids(g: Graph, stats, cfg: QuantConfig, plat, places) -> QuantPlan:
         del plan.activations[t]
         plan.rules.pop(t, None)
         plan.asked_bits.pop(t, None)
+    carrying = [t for t in sorted(calibrate.mask_carrying(g)) if t in plan.activations and not plan.shared.get(t)
+                and calibrate._softmax_axes(g, t) is None]
+    for t in carrying:
+        del plan.activations[t]
+        plan.rules.pop(t, None)
+        plan.asked_bits.pop(t, None)
+    if carrying and not quiet:
+        log.info("%d tensors hold an attention mask added to another term short of a Softmax (T5 adds it to its "
+                 "position bias) and stay float: a grid sized on the calibration data clips the mask at "
+                 "deployment, or rounds the other term away: %s", len(carrying),
+                 ", ".join(carrying[:4]) + (f" and {len(carrying) - 4} more" if len(carrying) > 4 else ""))
     return plan
 
 
@@ -1313,7 +1324,7 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, pl
         if stats is not None and plat is not None:
             # every activation's 16-bit grid, from the same statistics: a trial switches the
             # chosen layers' inputs onto these instead of leaving them float
-            wide = plan_grids(g, stats, dataclasses.replace(cfg, a_bits=16, layer_bits={}), plat, places)
+            wide = plan_grids(g, stats, dataclasses.replace(cfg, a_bits=16, layer_bits={}), plat, places, quiet=True)
         out["auto_a16"] = sensitivity.auto_a16(g, places, plan, scorer, out["isolated"], crit,
                                                target, cfg.max_a16_layers, fixed=fixed, wide_plan=wide)
         scorer.release()           # the trials' sessions; the promoted model gets its own
@@ -1510,7 +1521,7 @@ def promote_a16(g: Graph, places, plan: QuantPlan, stats, cfg: QuantConfig, plat
     for n in layers:
         if bits.get(n, (None, None))[1] is None:     # an explicit --layer_bits NODE=aM stands
             bits[n] = (bits.get(n, (None, None))[0], 16)
-    new = plan_grids(g, stats, dataclasses.replace(cfg, layer_bits=bits), plat, places)
+    new = plan_grids(g, stats, dataclasses.replace(cfg, layer_bits=bits), plat, places, quiet=True)
     changed = [t for t, qp in new.activations.items()
                if t in plan.activations and qp.bits != plan.activations[t].bits]
     for t in changed:
