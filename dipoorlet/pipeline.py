@@ -1013,15 +1013,24 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
                     w8.criterion, w8.target, w8.after.value(w8.criterion), _flag(rounding),
                     w8.measured.value(w8.criterion), _flag(rounding))
     elif w8 is not None and not w8.met:
+        # layers pinned below the backend's weight width (--layer_bits NODE=w4): the search leaves
+        # them, and their loss is no activation's (the advice sent it to --auto_skip; found by a hunt)
+        pinned = sorted((n, b) for n, b in cfg.layer_bits.items() if b[0] and b[0] < plat.weight.bits)
+        acts = "activations (--auto_skip, or a backend with 16-bit activations and --auto_a16)"
+        if len(w8.float_layers) < w8.candidates and not w8.tried_all:
+            rest = "a larger --max_w8_layers may meet it"
+        elif pinned:
+            rest = (f"what is left is not the candidates' weights: the weights --layer_bits keeps narrow "
+                    f"({', '.join(f'{n}=w{b[0]}' for n, b in pinned[:4])}), which the search leaves as asked, or {acts}")
+        else:
+            rest = f"what is left is not the candidates' weights: {acts}"
+        explicit = sum(1 for b in cfg.layer_bits.values() if b[0])
         log.warning("auto_w8: target %s %s not met (%s %.6f with %d layers' weights on %d-bit grids over the %d "
                     "sensitivity samples); %s", w8.criterion, w8.target, w8.criterion,
                     (w8.measured or w8.after).value(w8.criterion), len(w8.float_layers), plat.weight.bits,
                     analysis["sens_samples"],
-                    ("what is left is not the candidates' weights: activations (--auto_skip, or a backend with "
-                     "16-bit activations and --auto_a16)" if len(w8.float_layers) >= w8.candidates or w8.tried_all
-                     else "a larger --max_w8_layers may meet it")
-                    + (f"; {sum(1 for b in cfg.layer_bits.values() if b[0])} layers with an explicit --layer_bits "
-                       "weight width were not candidates" if any(b[0] for b in cfg.layer_bits.values()) else ""))
+                    rest + (f"; {explicit} layers with an explicit --layer_bits weight width were not candidates"
+                            if explicit else ""))
     left = ""
     if a16 is not None and not a16.met and not missed_as_written:
         if len(a16.float_layers) < a16.candidates and not a16.tried_all:

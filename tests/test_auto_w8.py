@@ -185,3 +185,14 @@ def test_layer_bits_on_either_reader_of_a_shared_weight_widens_it(tmp_path, capl
                               skip_prof_layer=True)
     assert np.abs(weight_ints(q, "w")).max() == 127
     assert "weight w is shared by conv0, conv1" in caplog.text and "8-bit for all of them" in caplog.text
+
+
+def test_a_missed_target_names_the_weights_layer_bits_keeps_narrow(tmp_path, caplog):
+    """--w_bits 4 --auto_w8 with conv2=w4 pinned: every candidate promoted, the loss left is the
+    pinned layer's, and the warning sent the user to --auto_skip/--auto_a16 for activations
+    (found by a flag-combination hunt)."""
+    with caplog.at_level(logging.WARNING, logger="dipoorlet"):
+        res, _ = quantize_model(tmp_path, _chain(3), n=6, w_bits=4, auto_w8="sqnr:200", sens_samples=4,
+                                layer_bits=["conv2=w4"], deploy="qnn")
+    said = [r.getMessage() for r in caplog.records if "auto_w8: target" in r.getMessage()]
+    assert said and "the weights --layer_bits keeps narrow (conv2=w4)" in said[0], said
