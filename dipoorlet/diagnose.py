@@ -144,7 +144,7 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
              gptq_ran: bool = False, max_act_bits: int = 8, rounding: str = "--gptq", sparse: dict | None = None,
              sparse_pattern: str | None = None, promoted=(), deferred: str | None = None,
              held_out: bool = False, floated=(), unfit=None, calibration=None, criterion: str = "cosine",
-             bc_ran: bool = False, a16=None) -> list[dict]:
+             bc_ran: bool = False, a16=None, asked_a: dict | None = None) -> list[dict]:
     """One row per layer among the ``k`` most sensitive that lose more than ``MIN_LOSS``, leaving
     out ``floated`` (the layers --auto_skip kept float: they limit nothing in the written model).
     ``shifted``: dipoorlet.shift's rows; a shifted input is described by its source tensor (its
@@ -287,7 +287,7 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
                                 max_act_bits=max_act_bits, rounding=rounding,
                                 unfit=(unfit or {}).get(row["node"]) if gptq_ran else
                                 None if fits else _why_not_fitted(g, s.node, narrow_inputs), ran=gptq_ran,
-                                gptq_flag=_gptq_flag(bc_ran, a16))
+                                gptq_flag=_gptq_flag(bc_ran, a16), asked_a=asked_a)
         if row["node"] in set(a16 or ()):
             row["advice"] = ("isolated scores measured on its 8-bit inputs, before --auto_a16 gave them 16-bit "
                              "grids; " + row["advice"])
@@ -353,7 +353,8 @@ def _gptq_could_fit(g, name: str) -> bool:
 
 def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | None = None,
             gptq_hint: bool = False, max_act_bits: int = 8, rounding: str = "--gptq",
-            unfit: str | None = None, ran: bool = True, gptq_flag: str = "--gptq") -> str:
+            unfit: str | None = None, ran: bool = True, gptq_flag: str = "--gptq",
+            asked_a: dict | None = None) -> str:
     """``gptq_hint``: the layer has a constant weight and --gptq did not run, so it could re-round
     that weight to compensate the rounding of the layer's input. ``max_act_bits``: the widest
     activation grid the platform runs (16: name --layer_bits NODE=a16 for activation losses).
@@ -451,7 +452,14 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | 
     hint = (f"; {gptq_flag} re-rounds its weights to compensate part of its input's rounding (one extra pass)"
             if gptq_hint and row.get("activations") and not uncovered else "")
     narrow = [a for a in row.get("activations", []) if a.get("bits", 8) < max_act_bits]
-    if narrow and not uncovered:      # clipped held-out values: a finer grid does not reach them
+    asked_a = asked_a or {}
+    if narrow and not uncovered and all((asked_a.get(n) or 0) >= max_act_bits for n in names):
+        # asked already: another reader of the same tensor asks fewer bits, and one grid serves
+        # them all (the advice repeated the flag that had no effect; found by a flag hunt)
+        hint += (f"; its --layer_bits {' '.join(f'{n}=a{asked_a[n]}' for n in names)} does not stand: another "
+                 f"reader of {narrow[0]['tensor']} asks fewer bits and one grid serves them all (the log names "
+                 f"them); give them a{max_act_bits} too")
+    elif narrow and not uncovered:      # clipped held-out values: a finer grid does not reach them
         flags = " ".join(f"{n}=a{max_act_bits}" for n in names)
         hint += (f"; --layer_bits {flags} gives {'its' if len(names) == 1 else 'their'} inputs {max_act_bits}-bit "
                  f"grids ({platform} runs them; --a_bits {max_act_bits} for every layer)")

@@ -1183,3 +1183,20 @@ def test_channel_ranges_are_per_output_channel(op, shape, attrs):
         cin, cout_g = shape[0] // g, shape[1]
         want = [np.abs(w[(o // cout_g) * cin:(o // cout_g + 1) * cin, o % cout_g]).max() for o in range(g * cout_g)]
     np.testing.assert_array_equal(channel_ranges(node, w), np.array(want, np.float32))
+
+
+def test_advice_does_not_repeat_a_layer_bits_width_that_did_not_stand(tmp_path):
+    """conv1=a8 asked with --a_bits 6: s is also read by conv2 (6 bits), one grid serves both at
+    6 bits, and conv1's advice said "--layer_bits conv1=a8 gives its inputs 8-bit grids" (found by
+    a flag hunt). It now says the width did not stand and why."""
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["s"], name="conv0", pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["s", "w1"], ["y1"], name="conv1", pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["s", "w2"], ["y2"], name="conv2", pads=[1, 1, 1, 1])]
+    model = make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("y1", [1, 4, 8, 8]), vi("y2", [1, 4, 8, 8])],
+                       {"w0": rand((4, 3, 3, 3), 0, 0.4), "w1": rand((4, 4, 3, 3), 1, 0.4),
+                        "w2": rand((4, 4, 3, 3), 2, 0.4)})
+    res, _ = quantize_model(tmp_path, model, n=6, deploy="stpu", a_bits=6, layer_bits=["conv1=a8"])
+    rows = {r["node"]: r["advice"] for r in res.report.get("diagnosis", [])}
+    assert "conv1" in rows, rows
+    assert "conv1=a8 gives" not in rows["conv1"]
+    assert "--layer_bits conv1=a8 does not stand: another reader of s asks fewer bits" in rows["conv1"], rows["conv1"]
