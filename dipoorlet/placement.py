@@ -211,7 +211,9 @@ def position_tensors(g: Graph) -> tuple[set, set]:
     size, and the model failed at another (both found by bug hunts). A mask (a Cast of
     attention_mask) is not a position."""
     ints, floats, consts, nodes = set(), set(), set(), set()
-    inputs = {i.name for i in g.graph_inputs}
+    # tensors whose values depend on the inputs' values (a Shape or Size reads only their shape):
+    # token embeddings are such, though computed by a Gather from a constant table
+    data = {i.name for i in g.graph_inputs}
     for i in g.graph_inputs:
         if "position" in i.name.lower() and g.elem_type(i.name) in _INTS:
             ints.add(i.name)
@@ -220,6 +222,8 @@ def position_tensors(g: Graph) -> tuple[set, set]:
         if not outs or node.op_type == "Constant":
             continue
         op = node.op_type
+        if op not in ("Shape", "Size") and any(x in data for x in node.input if x):
+            data.update(outs)
         values = node.input[:_VALUE_INPUTS[op]] if op in _VALUE_INPUTS else node.input
         live = [x for x in values if x and not g.is_constant(x)]
         out_float = all(g.elem_type(o) == _FLOAT for o in outs)
@@ -241,7 +245,7 @@ def position_tensors(g: Graph) -> tuple[set, set]:
                                                       for x in live):
                 floats.update(outs)
                 nodes.add(node.name)
-            elif all(x in consts for x in live) and not any(x in inputs for x in live):
+            elif all(x in consts for x in live) and not any(o in data for o in outs):
                 consts.update(outs)      # from constants alone (an Expand of a constant to a shape)
         elif all(g.elem_type(o) in _INTS for o in outs) and any(x in ints for x in live):
             ints.update(outs)

@@ -564,3 +564,36 @@ def test_float_size_arithmetic_before_a_resize_stays_float(tmp_path, deploy):
     assert not gridded & {"hwf", "hw2", "hw2f"}, gridded
     big = {"x": rand((1, 3, 40, 24), 9)}
     assert ort_run(qm, big)[0].shape == ort_run(model, big)[0].shape == (1, 4, 80, 48)
+
+
+def test_alibi_positions_stay_float_and_the_scores_they_join_keep_their_grid():
+    """Token embeddings come from a Gather of a constant table by the ids: they are data, so the
+    scores plus ALiBi's slope * positions are no positions (they keep a grid on qnn), while the
+    slope * positions term gets none."""
+    from onnx import TensorProto
+
+    from dipoorlet.graph import Graph
+    from dipoorlet.platform import load
+
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["emb"], name="embed"),
+             helper.make_node("MatMul", ["emb", "wq"], ["q"], name="mq"),
+             helper.make_node("Transpose", ["emb"], ["et"], perm=[0, 2, 1], name="et"),
+             helper.make_node("MatMul", ["q", "et"], ["s"], name="scores"),
+             helper.make_node("Shape", ["ids"], ["shp"], name="shape", start=1, end=2),
+             helper.make_node("Squeeze", ["shp", "ax0"], ["len"], name="sq"),
+             helper.make_node("Range", ["zero", "len", "one"], ["r"], name="range"),
+             helper.make_node("Cast", ["r"], ["rf"], to=TensorProto.FLOAT, name="cast"),
+             helper.make_node("Mul", ["rf", "slope"], ["alibi"], name="alibi"),
+             helper.make_node("Add", ["s", "alibi"], ["sm"], name="add_alibi"),
+             helper.make_node("Softmax", ["sm"], ["p"], axis=-1, name="softmax")]
+    model = make_model(nodes, [vi("ids", [1, "L"], TensorProto.INT64)], [vi("p", [1, "L", "L"])],
+                       {"table": rand((20, 8), 0), "wq": rand((8, 8), 1, 0.3), "ax0": np.array([0], np.int64),
+                        "zero": np.array(0, np.int64), "one": np.array(1, np.int64),
+                        "slope": np.array(-0.5, np.float32)}, opset=17)
+    g = Graph(onnx.shape_inference.infer_shapes(model))
+    from dipoorlet.placement import position_tensors
+
+    positions, nodes_ = position_tensors(g)
+    assert {"rf", "alibi"} <= positions and not {"emb", "q", "s", "sm"} & positions
+    places = place(g, load("qnn"))
+    assert "sm" in places.activations and "alibi" not in places.activations and "s" in places.activations
