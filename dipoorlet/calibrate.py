@@ -146,17 +146,18 @@ MASK_OPS = {"Cast", "CastLike", "Unsqueeze", "Squeeze", "Reshape", "Expand", "Ti
             "LessOrEqual", "Greater", "GreaterOrEqual", "And", "Or", "Where", "Max", "Min", "Clip"}
 
 
-def _from_input(graph, tensor: str, depth: int = 16) -> bool:
-    """``tensor`` is computed from a network input by MASK_OPS alone (and constants)."""
+def _from_input(graph, tensor: str, depth: int = 16, integer: bool = False) -> bool:
+    """``tensor`` is computed from a network input by MASK_OPS alone (and constants); with
+    ``integer``, from an integer or boolean input (an attention_mask as exporters write it)."""
     if any(i.name == tensor for i in graph.graph_inputs):
-        return True
+        return not integer or not graph.is_float(tensor)
     node = graph.producer.get(tensor)
     if node is None or depth == 0 or node.op_type not in MASK_OPS:
         return False
-    return any(_from_input(graph, x, depth - 1) for x in node.input if x and not graph.is_constant(x))
+    return any(_from_input(graph, x, depth - 1, integer) for x in node.input if x and not graph.is_constant(x))
 
 
-def _mask_fed(graph, tensor: str) -> bool:
+def _mask_fed(graph, tensor: str, integer: bool = False) -> bool:
     """``tensor`` is attention scores plus a mask term (an Add or Sub with one operand from the
     network inputs by MASK_OPS alone, the other not; or a Where choosing between the scores and
     a constant by such a condition): padded positions at deployment reach it with a large
@@ -170,10 +171,12 @@ def _mask_fed(graph, tensor: str) -> bool:
     if node is None:
         return False
     if node.op_type in ("Add", "Sub") and len(node.input) == 2:
-        fed = [_from_input(graph, x) and not graph.is_constant(x) for x in node.input]
-        return fed[0] != fed[1]
+        fed = [_from_input(graph, x, integer=integer) and not graph.is_constant(x) for x in node.input]
+        # (with ``integer``: the other operand is no input of its own, a state or a prior)
+        return fed[0] != fed[1] and not (integer and any(_from_input(graph, x) and not graph.is_constant(x)
+                                                         for x, f in zip(node.input, fed) if not f))
     if node.op_type == "Where" and len(node.input) == 3:
-        return (_from_input(graph, node.input[0]) and not graph.is_constant(node.input[0])
+        return (_from_input(graph, node.input[0], integer=integer) and not graph.is_constant(node.input[0])
                 and (graph.is_constant(node.input[1]) or graph.is_constant(node.input[2])))
     return False
 
@@ -199,7 +202,9 @@ def _float_cast(graph, node) -> bool:
 
 def mask_carrying(graph) -> set[str]:
     """Tensors that hold an attention mask added to something else on its way to a Softmax: an
-    Add/Sub (or Where) of a mask term and another tensor (:func:`_mask_fed`), and what Adds, Subs,
+    Add/Sub (or Where) of a mask term computed from an integer or boolean input (an attention_mask;
+    a float input added to a layer's output is a state or a prior, no mask: it had lost its grid,
+    found by a review) and another tensor (:func:`_mask_fed`), and what Adds, Subs,
     float Casts and ops that only move values make of one, as far as a Softmax reads it. Calibrated on unpadded samples such a
     tensor holds no mask, its grid ends near its other term, and at deployment the mask is
     clipped there: T5 adds the mask to its position bias first, a ±0.32 grid, and padded tokens
@@ -210,7 +215,7 @@ def mask_carrying(graph) -> set[str]:
         if not node.output or not node.output[0] or not graph.is_float(node.output[0]):
             continue
         out = node.output[0]
-        if node.op_type in ("Add", "Sub", "Where") and _mask_fed(graph, out):
+        if node.op_type in ("Add", "Sub", "Where") and _mask_fed(graph, out, integer=True):
             carrying.add(out)
         elif node.op_type in ("Add", "Sub") and any(x in carrying for x in node.input):
             carrying.add(out)
