@@ -258,6 +258,10 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
             elif kind == "reachable":
                 a["equalization"] = ("already equalized" if via.name in rescaled else
                                      f"reachable from {via.name} but estimated to gain under 3 dB")
+            elif kind == "blocked" and via.name in rescaled:
+                # equalization rescaled it after all (an Add whose scalar constant it made per
+                # channel, PP-LCNet's affine blocks): "blocked by" it was false (found by a hunt)
+                a["equalization"] = "already equalized"
             elif kind == "blocked":
                 a["equalization"] = f"blocked by {_describe(g, via)}, which does not commute with a channel scale"
                 if conv_input:

@@ -1200,3 +1200,26 @@ def test_advice_does_not_repeat_a_layer_bits_width_that_did_not_stand(tmp_path):
     assert "conv1" in rows, rows
     assert "conv1=a8 gives" not in rows["conv1"]
     assert "--layer_bits conv1=a8 does not stand: another reader of s asks fewer bits" in rows["conv1"], rows["conv1"]
+
+
+def test_diagnosis_does_not_call_an_add_equalization_rescaled_a_blocker(tmp_path):
+    """PP-LCNet's affine block (HardSwish -> Mul(scalar) -> Add(scalar) -> Conv): equalization
+    rescaled the Add (report.json lists it as the producer), and the diagnosis said the Conv's
+    input was "blocked by Add aff_add" (found on PP-OCRv5 by a hunt)."""
+    r = np.random.default_rng(0)
+    c = 16
+    w0 = (r.normal(0, 0.3, (c, 3, 3, 3)) * np.geomspace(0.05, 3.0, c)[:, None, None, None]).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w0", "b0"], ["c0"], name="conv0", pads=[1, 1, 1, 1]),
+             helper.make_node("HardSwish", ["c0"], ["hs"], name="hswish"),
+             helper.make_node("Mul", ["hs", "aff_w"], ["m"], name="aff_mul"),
+             helper.make_node("Add", ["m", "aff_b"], ["a"], name="aff_add"),
+             helper.make_node("Conv", ["a", "w1", "b1"], ["y"], name="conv1")]
+    model = make_model(nodes, [vi("x", [1, 3, 16, 16])], [vi("y", [1, 8, 16, 16])],
+                       {"w0": w0, "b0": np.zeros(c, np.float32), "aff_w": np.array([1.3], np.float32),
+                        "aff_b": np.array([0.2], np.float32), "w1": r.normal(0, 0.3, (8, c, 1, 1)).astype(np.float32),
+                        "b1": np.zeros(8, np.float32)}, opset=17)
+    feeds = [{"x": r.normal(0, 1, (1, 3, 16, 16)).astype(np.float32)} for _ in range(8)]
+    res, _ = quantize_model(tmp_path, model, feeds=feeds, a_bits=4)
+    assert any(e["producer"] == "aff_add" for e in res.report["equalization"])
+    said = [a["equalization"] for d in res.report["diagnosis"] if d["node"] == "conv1" for a in d["activations"]]
+    assert said and all("blocked by" not in s for s in said) and "already equalized" in said, said
