@@ -878,6 +878,16 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
     data.share_notes(comm)      # every process has read its share of the samples by now
     timings["calibration_s"] = time.perf_counter() - t
     plan = plan_grids(g, stats, cfg, plat, places)
+    mixed = [t for t in placement_mod.position_mixed(g, placement_mod.position_tensors(g)[0]) if t in plan.activations]
+    if mixed:
+        # the nodes that own their grids (their readers; the producer of an output quantized in place)
+        producers = list(dict.fromkeys(o for t in mixed if t in places.activations for o in (
+            list(places.activations[t].owners) + ([places.output_owners[t]] if t in places.output_owners else []))))
+        log.warning("%d quantized tensors hold positions or sizes (a Range over the input's length or size) added "
+                    "to or beside data, e.g. a detector's anchors plus its predicted offsets: their grids are sized "
+                    "on the calibration inputs and clip them at a larger input; calibrate at the largest size "
+                    "deployment sees, or keep them float with --skip_layers %s", len(mixed),
+                    " ".join(producers[:8]) + (" ..." if len(producers) > 8 else ""))
     warn_degenerate(stats, plan)
     plan_weights(g, places, plan, plat, cfg)
     shifted = []

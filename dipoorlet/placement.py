@@ -252,6 +252,30 @@ def position_tensors(g: Graph) -> tuple[set, set]:
     return floats, nodes
 
 
+_CARRY = frozenset({"Add", "Sub", "Mul", "Div", "Concat", "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze",
+                    "Slice", "Split", "Identity", "Expand", "Gather", "Max", "Min", "Clip", "Relu"})
+
+
+def position_mixed(g: Graph, positions: set) -> list[str]:
+    """Float tensors that hold positions or sizes added to, scaled with or put beside data (a
+    YOLO head's anchor + predicted distance, times its stride, concatenated with the scores), as
+    far as ops that carry values reach: their range grows with the input's size like the
+    positions', so a grid sized on the calibration inputs clips them at a larger size (a 640 px
+    image's boxes stopped at 323 px, calibrated at 320; found by a hunt on untuned models)."""
+    mixed: list[str] = []
+    seen = set(positions)
+    for node in g.topological_nodes():
+        if node.op_type not in _CARRY:
+            continue
+        values = node.input[:_VALUE_INPUTS[node.op_type]] if node.op_type in _VALUE_INPUTS else node.input
+        if any(x in seen for x in values if x):
+            for o in node.output:
+                if o and o not in seen and g.is_float(o):
+                    seen.add(o)
+                    mixed.append(o)
+    return mixed
+
+
 def place(g: Graph, platform: Platform, skip_layers=(), weight_only=(), warn: bool = True) -> Placement:
     """Where Q/DQ go on ``platform``; ``warn``: log what the spec leaves float by mistake (once a run)."""
     plan = Placement()

@@ -597,3 +597,40 @@ def test_alibi_positions_stay_float_and_the_scores_they_join_keep_their_grid():
     assert {"rf", "alibi"} <= positions and not {"emb", "q", "s", "sm"} & positions
     places = place(g, load("qnn"))
     assert "sm" in places.activations and "alibi" not in places.activations and "s" in places.activations
+
+
+def test_positions_added_to_data_are_named_with_the_flags_that_keep_them_float(tmp_path, caplog):
+    """A YOLO head decodes boxes as anchors (a Range over the feature map's width) plus predicted
+    offsets, times the stride: on qnn those sums got grids sized on the calibration images, and a
+    640 px image's boxes stopped at 323 px, calibrated at 320, without a word (found by a hunt on
+    untuned models). The run names them and the --skip_layers that keeps them float; with it, the
+    boxes follow a wider input."""
+    import logging
+    import re
+
+    from onnx import TensorProto
+
+    nodes = [helper.make_node("Conv", ["x", "w"], ["d"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Shape", ["x"], ["shp"], name="shape", start=3, end=4),
+             helper.make_node("Squeeze", ["shp", "ax0"], ["wlen"], name="sq"),
+             helper.make_node("Range", ["zero", "wlen", "one"], ["r"], name="range"),
+             helper.make_node("Cast", ["r"], ["anchor"], to=TensorProto.FLOAT, name="cast"),
+             helper.make_node("Add", ["d", "anchor"], ["xy"], name="decode"),
+             helper.make_node("Mul", ["xy", "stride"], ["y"], name="to_pixels")]
+    model = make_model(nodes, [vi("x", [1, 2, 4, "W"])], [vi("y", [1, 2, 4, "W"])],
+                       {"w": rand((2, 2, 3, 3), 0, 0.2), "ax0": np.array([0], np.int64), "zero": np.array(0, np.int64),
+                        "one": np.array(1, np.int64), "stride": np.array(8.0, np.float32)}, opset=17)
+    feeds = [{"x": rand((1, 2, 4, 16), i)} for i in range(4)]
+    with caplog.at_level(logging.WARNING, logger="dipoorlet"):
+        quantize_model(tmp_path / "a", model, feeds=feeds, deploy="qnn", skip_prof_layer=True)
+    said = [r.getMessage() for r in caplog.records if "hold positions or sizes" in r.getMessage()]
+    assert said, [r.getMessage() for r in caplog.records]
+    skip = re.search(r"--skip_layers (.*)$", said[0]).group(1).split()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dipoorlet"):
+        _, qm = quantize_model(tmp_path / "b", model, feeds=feeds, deploy="qnn", skip_prof_layer=True,
+                               skip_layers=skip)
+    assert not [r for r in caplog.records if "hold positions or sizes" in r.getMessage()]
+    wide = {"x": rand((1, 2, 4, 64), 9)}
+    ref, got = ort_run(model, wide)[0], ort_run(qm, wide)[0]
+    assert abs(got.max() - ref.max()) < 0.05 * ref.max()        # the far boxes reach 500 px, not 128
