@@ -256,6 +256,16 @@ _CARRY = frozenset({"Add", "Sub", "Mul", "Div", "Concat", "Reshape", "Transpose"
                     "Slice", "Split", "Identity", "Expand", "Gather", "Max", "Min", "Clip", "Relu"})
 
 
+def _elements(shape) -> int | None:
+    """How many values a tensor of ``shape`` holds (None where a dim, or the rank, is unknown)."""
+    if shape is None or any(d is None for d in shape):
+        return None
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
 def position_mixed(g: Graph, positions: set) -> list[str]:
     """Float tensors that hold positions or sizes added to, scaled with or put beside data (a
     YOLO head's anchor + predicted distance, times its stride, concatenated with the scores), as
@@ -263,7 +273,10 @@ def position_mixed(g: Graph, positions: set) -> list[str]:
     positions', so a grid sized on the calibration inputs clips them at a larger size (a 640 px
     image's boxes stopped at 323 px, calibrated at 320; found by a hunt on untuned models)."""
     mixed: list[str] = []
-    seen = set(positions)
+    # a position that is one number (a head size, a mean's count, var's N/(N-1)) scales data by a
+    # fixed amount, it does not grow across it: only vectors of positions are (a review found the
+    # scaled-dot-product scale, a mean and a variance named)
+    seen = {t for t in positions if _elements(g.shape(t)) != 1}
     for node in g.topological_nodes():
         if node.op_type not in _CARRY:
             continue

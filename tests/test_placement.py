@@ -634,3 +634,24 @@ def test_positions_added_to_data_are_named_with_the_flags_that_keep_them_float(t
     wide = {"x": rand((1, 2, 4, 64), 9)}
     ref, got = ort_run(model, wide)[0], ort_run(qm, wide)[0]
     assert abs(got.max() - ref.max()) < 0.05 * ref.max()        # the far boxes reach 500 px, not 128
+
+
+def test_a_size_that_scales_data_by_a_fixed_amount_is_no_growing_position():
+    """q / sqrt(head size) taken from a Shape, a sum over H*W, var's N/(N-1): one number, which
+    scales the data; the position warning named such layers for --skip_layers (found by a review)."""
+    from onnx import TensorProto
+
+    from dipoorlet.graph import Graph
+    from dipoorlet.placement import position_mixed, position_tensors
+
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["q"], name="mq"),
+             helper.make_node("Shape", ["q"], ["shp"], name="shape", start=2, end=3),
+             helper.make_node("Cast", ["shp"], ["d"], to=TensorProto.FLOAT, name="cast"),
+             helper.make_node("Sqrt", ["d"], ["sd"], name="sqrt"),
+             helper.make_node("Div", ["q", "sd"], ["qs"], name="scale"),
+             helper.make_node("MatMul", ["qs", "w2"], ["y"], name="out")]
+    model = make_model(nodes, [vi("x", [1, "L", 8])], [vi("y", [1, "L", 8])],
+                       {"w": rand((8, 8), 0, 0.3), "w2": rand((8, 8), 1, 0.3)}, opset=17)
+    g = Graph(onnx.shape_inference.infer_shapes(model))
+    positions, _ = position_tensors(g)
+    assert "sd" in positions and position_mixed(g, positions) == []
