@@ -512,8 +512,9 @@ _r = np.random.default_rng(7)
 @pytest.mark.parametrize("wide, input_dtype", [
     # float64 of float32 data (numpy's default float): low words with only their top 3 bits set
     (_r.standard_normal((4, 8)).astype(np.float32).astype(np.float64), np.float32),
-    # whole-number pixels: low words all 0
+    # whole-number pixels, int16 audio / 32768 (soundfile's default float64): low words all 0
     (_r.integers(0, 256, (4, 8)).astype(np.float64), np.float32),
+    (_r.integers(-3000, 3000, (4, 400)) / 32768, np.float32),
     # float32 files for a float16 input, full mantissas and pixels
     (_r.standard_normal((4, 8)).astype(np.float32), np.float16),
     (_r.integers(0, 256, (4, 8)).astype(np.float32), np.float16),
@@ -538,7 +539,8 @@ def test_bin_of_twice_the_inputs_width_from_narrower_values_is_named(tmp_path, w
     # (found by a review of the first version of the check, which refused these)
     np.stack([np.zeros(32), _r.uniform(0.2, 1, 32)], 1), np.stack([np.zeros(32), _r.uniform(2, 4, 32)], 1),
     np.stack([_r.choice([0.0, 2.0], 32), _r.uniform(0.5, 4, 32)], 1),
-    np.stack([_r.uniform(300, 1000, 32), _r.uniform(0.5, 4, 32)], 1)])
+    np.stack([_r.uniform(300, 1000, 32), _r.uniform(0.5, 4, 32)], 1),
+    np.stack([np.zeros(64), _r.integers(-3000, 3000, 64) / 32768], 1)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_bin_of_the_inputs_own_width_is_read(tmp_path, values, dtype):
     """Constants, one-hot and sparse counts, silent interleaved channels, pixels, masks, a column
