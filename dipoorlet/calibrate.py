@@ -205,7 +205,8 @@ def mask_carrying(graph) -> set[str]:
     Add/Sub (or Where) of a mask term computed from an integer or boolean input (an attention_mask;
     a float input added to a layer's output is a state or a prior, no mask: it had lost its grid,
     found by a review) and another tensor (:func:`_mask_fed`), and what Adds, Subs,
-    float Casts and ops that only move values make of one, as far as a Softmax reads it. Calibrated on unpadded samples such a
+    float Casts and ops that only move values make of one, as far as a Softmax reads it, short of
+    the Softmax's own input (when Softmax ops alone read it). Calibrated on unpadded samples such a
     tensor holds no mask, its grid ends near its other term, and at deployment the mask is
     clipped there: T5 adds the mask to its position bias first, a ±0.32 grid, and padded tokens
     were attended to (a padded sentence's own tokens read cosine 0.75; found by a bug hunt)."""
@@ -221,7 +222,8 @@ def mask_carrying(graph) -> set[str]:
             carrying.add(out)
         elif (node.op_type in moving or _float_cast(graph, node)) and node.input and node.input[0] in carrying:
             carrying.add(out)
-    # ... on its way to a Softmax (an Add of a state input and a layer's output is no mask)
+    # ... on its way to a Softmax (an Add of a state input and a layer's output is no mask), short
+    # of an input that Softmax ops alone read (its grid starts at its floor: softmax_floors)
     toward, todo = set(), [n.input[0] for n in graph.graph.node if n.op_type == "Softmax" and n.input]
     while todo:
         t = todo.pop()
@@ -231,7 +233,7 @@ def mask_carrying(graph) -> set[str]:
         node = graph.producer.get(t)
         if node is not None:
             todo.extend(x for x in node.input if x)
-    return toward
+    return {t for t in toward if _softmax_axes(graph, t) is None}
 
 
 def softmax_floors(graph, data, indices, stats: dict[str, TensorStats], comm, device="cpu") -> dict[str, float]:

@@ -30,6 +30,9 @@ PROTOBUF_LIMIT = 2**31 - 1
 # Leave headroom for the Q/DQ nodes and exposed outputs we add before serializing.
 EXTERNAL_THRESHOLD = int(1.8 * 2**30)
 FLOAT_TYPES = {onnx.TensorProto.FLOAT}
+INTEGER_TYPES = {onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT16, onnx.TensorProto.UINT16,
+                 onnx.TensorProto.INT32, onnx.TensorProto.UINT32, onnx.TensorProto.INT64, onnx.TensorProto.UINT64,
+                 onnx.TensorProto.BOOL}
 MIN_OPSET, MAX_OPSET, QDQ_OPSET = 11, 21, 13
 
 

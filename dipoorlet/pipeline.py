@@ -32,7 +32,7 @@ from dipoorlet.data import VALIDATION, DataSource, input_specs, shard, spread
 from dipoorlet.deploy import DeployContext, export_all
 from dipoorlet.dist import SingleProcess
 from dipoorlet.errors import ConfigError, DataError, ModelError, OutputError
-from dipoorlet.graph import Graph, node_attr, check_float, model_files, opset_of, save_model
+from dipoorlet.graph import INTEGER_TYPES, Graph, node_attr, check_float, model_files, opset_of, save_model
 from dipoorlet.qdq import insert_qdq
 from dipoorlet.qparams import MIN_SCALE, QuantPlan, bias_qparams, levels, make_qparams, share_scales
 from dipoorlet.ranges import NEEDS_HISTOGRAM, RANGE_METHODS, RangeParams, clip_range, power_of_two_clip
@@ -41,9 +41,6 @@ from dipoorlet.util import write_json
 log = logging.getLogger(__name__)
 
 # integer and bool element types: outputs of these (class ids, indices, masks) are not scored by default
-INTEGER_TYPES = {onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT16, onnx.TensorProto.UINT16,
-                 onnx.TensorProto.INT32, onnx.TensorProto.UINT32, onnx.TensorProto.INT64, onnx.TensorProto.UINT64,
-                 onnx.TensorProto.BOOL}
 
 
 @dataclass
@@ -341,6 +338,11 @@ def open_validation(cfg: QuantConfig, specs, comm):
     return val, k, indices
 
 
+def _changed(cfg: QuantConfig, name: str) -> bool:
+    """Whether the field ``name`` of ``cfg`` differs from QuantConfig's default (a flag given)."""
+    return getattr(cfg, name) != QuantConfig.__dataclass_fields__[name].default
+
+
 def one_pass_minmax(cfg: QuantConfig) -> bool:
     """Equalization statistics and -A minmax ranges from one pass (:func:`equalize.equalize_and_calibrate`;
     the statistics still read only --eq_samples / 64 samples spread over the N)."""
@@ -420,8 +422,7 @@ def plan_grids(g: Graph, stats, cfg: QuantConfig, plat, places, quiet: bool = Fa
         del plan.activations[t]
         plan.rules.pop(t, None)
         plan.asked_bits.pop(t, None)
-    carrying = [t for t in sorted(calibrate.mask_carrying(g)) if t in plan.activations and not plan.shared.get(t)
-                and calibrate._softmax_axes(g, t) is None]
+    carrying = [t for t in sorted(calibrate.mask_carrying(g)) if t in plan.activations and not plan.shared.get(t)]
     for t in carrying:
         del plan.activations[t]
         plan.rules.pop(t, None)
@@ -752,24 +753,23 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
                     else f"on {plat.name}, whose per-tensor weights are equalized from the weights alone")
     if cfg.stpu_wg and plat.name != "stpu":
         log.warning("--stpu_wg applies to -D stpu only; ignored on %s", plat.name)
-    if cfg.max_float_layers != 10 and not cfg.auto_skip:
+    if _changed(cfg, "max_float_layers") and not cfg.auto_skip:
         log.warning("--max_float_layers applies with --auto_skip only; ignored")
     # flags whose step this run skips, said as the ones above (they were silent; found by a hunt)
     if not sensitivity_runs(cfg):
-        for flag, changed in (("--sens_samples", cfg.sens_samples != 8), ("--criterion", cfg.criterion != "cosine")):
-            if changed:
+        for flag, field_name in (("--sens_samples", "sens_samples"), ("--criterion", "criterion")):
+            if _changed(cfg, field_name):
                 log.warning("%s applies to the sensitivity analysis, which --skip_prof_layer skips (without "
                             "--auto_skip/--auto_a16/--auto_w8); ignored", flag)
-    if cfg.gptq_memory != 256.0 and not (cfg.gptq or cfg.adaround or cfg.sparse is not None):
+    if _changed(cfg, "gptq_memory") and not (cfg.gptq or cfg.adaround or cfg.sparse is not None):
         log.warning("--gptq_memory applies with --gptq, --adaround or --sparse only; ignored")
-    if cfg.trt_version != "8601" and plat.name != "trt":
+    if _changed(cfg, "trt_version") and plat.name != "trt":
         log.warning("--trt_version applies to -D trt only (its calibration cache); ignored on %s", plat.name)
     if not cfg.shift and not shift_mod.applicable(plat):
         log.warning("--no_shift: %s shifts no activation (trt's symmetric grids only); ignored", plat.name)
-    for flag, value, default, methods in (("--threshold", cfg.threshold, 0.99999, ("hist",)),
-                                          ("--percentile", cfg.percentile, 99.999, ("percentile",)),
-                                          ("--bins", cfg.bins, 2048, ("hist", "mse", "entropy", "percentile"))):
-        if value != default and cfg.act_quant not in methods:
+    for flag, methods in (("--threshold", ("hist",)), ("--percentile", ("percentile",)),
+                          ("--bins", ("hist", "mse", "entropy", "percentile"))):
+        if _changed(cfg, flag[2:]) and cfg.act_quant not in methods:
             log.warning("%s applies with -A %s only; ignored with -A %s", flag, " or ".join(methods), cfg.act_quant)
     guard_inputs(cfg.model, cfg.input_dir, out_dir, cfg.savefp)
     g, cfg = load_graph(cfg, plat)
@@ -878,7 +878,7 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
     data.share_notes(comm)      # every process has read its share of the samples by now
     timings["calibration_s"] = time.perf_counter() - t
     plan = plan_grids(g, stats, cfg, plat, places)
-    mixed = [t for t in placement_mod.position_mixed(g, placement_mod.position_tensors(g)[0]) if t in plan.activations]
+    mixed = [t for t in placement_mod.position_mixed(g, places.positions) if t in plan.activations]
     if mixed:
         # the nodes that own their grids (their readers; the producer of an output quantized in place)
         producers = list(dict.fromkeys(o for t in mixed if t in places.activations for o in (

@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from dipoorlet.graph import Graph, node_attr
+import onnx
+
+from dipoorlet.graph import INTEGER_TYPES, Graph, node_attr
 from dipoorlet.platform import Platform
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,7 @@ class Placement:
     weights: dict[tuple[str, int], WeightPoint] = field(default_factory=dict)
     decisions: list[Decision] = field(default_factory=list)
     output_owners: dict[str, str] = field(default_factory=dict)  # quantized output -> producer
+    positions: set = field(default_factory=set)     # float tensors computed from positions or sizes
 
     @property
     def quantized_nodes(self) -> list[str]:
@@ -70,6 +73,7 @@ class Placement:
                 if pairs or as_output:
                     out.activations[t] = ActPoint(t, [u for u, _ in pairs], as_output, [o for _, o in pairs])
         out.output_owners = dict(self.output_owners)
+        out.positions = self.positions
         if weights:
             out.weights = {k: w for k, w in self.weights.items() if w.node in keep}
         return out
@@ -190,8 +194,7 @@ def left_weight(g: Graph, node, index: int) -> bool:
 _BOUNDED = frozenset({"Sin", "Cos", "Tanh", "Sigmoid", "HardSigmoid", "Softmax", "LogSoftmax", "Erf", "Softsign",
                       "Sign", "Atan", "Not", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "IsNaN",
                       "IsInf"})
-_INTS = frozenset({2, 3, 4, 5, 6, 7, 12, 13})      # TensorProto's [u]int8/16/32/64
-_FLOAT = 1
+_INTS = frozenset(INTEGER_TYPES - {onnx.TensorProto.BOOL})     # a comparison's bool is no position
 # the inputs that carry values into an op's output (the others give a shape, axes, indices)
 _VALUE_INPUTS = {"Expand": 1, "Reshape": 1, "Tile": 1, "Slice": 1, "Unsqueeze": 1, "Squeeze": 1, "Resize": 1,
                  "Upsample": 1, "Pad": 1, "Gather": 1, "GatherElements": 1, "GatherND": 1, "ConstantOfShape": 0,
@@ -226,7 +229,7 @@ def position_tensors(g: Graph) -> tuple[set, set]:
             data.update(outs)
         values = node.input[:_VALUE_INPUTS[op]] if op in _VALUE_INPUTS else node.input
         live = [x for x in values if x and not g.is_constant(x)]
-        out_float = all(g.elem_type(o) == _FLOAT for o in outs)
+        out_float = all(g.is_float(o) for o in outs)
         if op in ("Range", "CumSum", "Shape", "Size") and all(g.elem_type(o) in _INTS for o in outs):
             ints.update(outs)
             continue
@@ -291,10 +294,10 @@ def position_mixed(g: Graph, positions: set) -> list[str]:
 
 def place(g: Graph, platform: Platform, skip_layers=(), weight_only=(), warn: bool = True) -> Placement:
     """Where Q/DQ go on ``platform``; ``warn``: log what the spec leaves float by mistake (once a run)."""
-    plan = Placement()
+    positions, position_nodes = position_tensors(g)
+    plan = Placement(positions=positions)
     skip = set(skip_layers)
     stray: dict[str, tuple[str, int, int]] = {}
-    positions, position_nodes = position_tensors(g)
     for node in g.topological_nodes():
         op = node.op_type
         if node.name in skip:
