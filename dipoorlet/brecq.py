@@ -60,6 +60,8 @@ from collections import Counter
 import numpy as np
 
 from dipoorlet.adaround import BETA, GAMMA, WARMUP, ZETA
+from dipoorlet.data import sample_name
+from dipoorlet.layer_errors import warn_left_out
 from dipoorlet.progress import progress
 from dipoorlet.qdq import insert_qdq
 
@@ -384,27 +386,39 @@ def _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop
     records = []
     gen = torch.Generator().manual_seed(SEED + comm.rank)
     rng = np.random.default_rng(SEED + comm.rank)
+    # samples on which a block's float target or quantized input holds a NaN/Inf (a fully padded
+    # sequence through a -inf mask): left out from that block on, as --adaround/--gptq do (one NaN
+    # made every block's summed loss NaN, and every block kept its nearest rounding without a word)
+    bad: list[int] = []
     for bi, (start, end, layer_pos) in enumerate(progress(blocks, "brecq blocks", comm)):
+        live = [j for j in range(len(qs)) if qs[j] is not None]
         with torch.no_grad():
             for envs in (qs, fs):
-                for env in envs:
+                for j in live:
+                    env = envs[j]
                     tg.run(env, pos, start, "q" if envs is qs else "f")
                     _forget(env, last, start)
         produced = {o for n in tg.nodes[start:end] for o in n.output if o}
         outs = [t for t in produced if last.get(t, -1) >= end]
         ins = sorted({t for n in tg.nodes[start:end] for t in tg.reads(n)
                       if t not in produced and t not in tg.consts and t not in tg.wdq})
-        targets = []
+        targets = [None] * len(fs)
         inner = [t for t in produced if last.get(t, -1) < end]
         with torch.no_grad():
-            for env in fs:
+            for j in live:
+                env = fs[j]
                 tg.run(env, start, end, "f")
-                targets.append({t: env[t] for t in outs if _is_float(env[t])})
+                targets[j] = {t: env[t] for t in outs if _is_float(env[t])}
                 # the block's inner tensors: not needed past the targets (they were held for every
                 # sample through the fit, 3x the tensors crossing the cut; found by a memory hunt)
                 for t in inner:
                     env.pop(t, None)
-        outs = [t for t in outs if targets and t in targets[0]]
+                if not all(bool(torch.isfinite(v).all()) for v in targets[j].values()) or not all(
+                        bool(torch.isfinite(qs[j][t]).all()) for t in ins if t in qs[j] and _is_float(qs[j][t])):
+                    bad.append(j)
+                    qs[j] = fs[j] = targets[j] = None
+        live = [j for j in live if qs[j] is not None]
+        outs = [t for t in outs if live and t in targets[live[0]]]
         names = [tg.nodes[k].name for k in layer_pos]
         mine = [o for k in layer_pos for o in readers[k]]
         blk_softs = [softs[o] for o in mine] + [biases[bias_of[o]] for o in mine if o in bias_of]
@@ -413,10 +427,11 @@ def _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop
         # samples whose block inputs have the same shapes run as one batch (concatenated on the
         # first axis) where the block allows it: checked on the float stream against the targets
         groups: dict[tuple, list[int]] = {}
-        for j, env in enumerate(qs):
+        for j in live:
+            env = qs[j]
             groups.setdefault(tuple(tuple(env[t].shape) if t in env else None for t in ins), []).append(j)
         # (the first axis need not be 1: a sequence model's frames are its batch; the check decides)
-        stack = {t: all(t in qs[j] and _is_float(qs[j][t]) and qs[j][t].ndim for j in range(len(qs))) for t in ins}
+        stack = {t: all(t in qs[j] and _is_float(qs[j][t]) and qs[j][t].ndim for j in live) for t in ins}
 
         def run_batch(idx, mode, mode_drop=0.0, hard=False, fmix=None, check=False):
             src = qs if mode == "q" else fs
@@ -443,7 +458,7 @@ def _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop
                 tot = tot + (d.pow(2).sum(1) / (ff.pow(2).sum(1) + 1e-12)).sum()
             return tot
 
-        batched = all(stack.values()) and bool(outs) and all(targets[0][t].ndim for t in outs)
+        batched = all(stack.values()) and bool(outs) and all(targets[live[0]][t].ndim for t in outs)
         if batched:
             big = max(groups.values(), key=len)
             if len(big) > 1:
@@ -455,8 +470,8 @@ def _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop
                     log.debug("brecq: samples run one at a time (two stacked failed: %s)", exc)
                     batched = False
         if not batched:
-            groups = {(j,): [j] for j in range(len(qs))}
-        bs = max(1, min(batch or BATCH, len(qs)))
+            groups = {(j,): [j] for j in live}
+        bs = max(1, min(batch or BATCH, max(len(live), 1)))
         chunks = [grp[i:i + (bs if batched else 1)] for grp in groups.values()
                   for i in range(0, len(grp), bs if batched else 1)]
 
@@ -478,7 +493,8 @@ def _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop
         opt = torch.optim.Adam([{"params": [s.V for s in blk_softs], "lr": LR}]
                                + ([{"params": [s.V for s in blk_steps], "lr": LR_STEP}] if blk_steps else []))
         warm = int(WARMUP * iters)
-        norm = l_near / max(total, 1.0) if l_near > 0 else 1.0
+        n_live = comm.allreduce_sum(np.array([len(live)], np.float64))[0]
+        norm = l_near / max(n_live, 1.0) if l_near > 0 else 1.0
         for it in range(iters if params and l_near > 0 else 0):
             idx_lists = _draw(groups, bs, batched, rng)
             opt.zero_grad()
@@ -543,12 +559,14 @@ def _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop
                  "" if kept else " (nearest kept)",
                  f" ({len(blk_steps)} activation scales learned)" if scales_kept else "")
         with torch.no_grad():
-            for env in qs:
-                tg.run(env, start, end, "q")
-                _forget(env, last, end)
-            for env in fs:
-                _forget(env, last, end)
+            for j in live:
+                tg.run(qs[j], start, end, "q")
+                _forget(qs[j], last, end)
+                _forget(fs[j], last, end)
         pos = end
+    warn_left_out(comm, [(indices[j], sample_name(data.sample(indices[j]), indices[j])) for j in sorted(bad)],
+                  "qdrop" if drop else "brecq", "a block's float output or quantized input is NaN/Inf on them")
+    total -= comm.allreduce_sum(np.array([len(bad)], np.float64))[0]
     changed, old_w, new_w = [], {}, {}
     for out, (name, tensor, qp) in learn.items():
         sft = softs[out]

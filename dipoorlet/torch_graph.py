@@ -48,6 +48,9 @@ ACT_TYPES = {onnx.TensorProto.INT8: (-128, 127), onnx.TensorProto.UINT8: (0, 255
              onnx.TensorProto.INT16: (-32768, 32767), onnx.TensorProto.UINT16: (0, 65535)}
 
 
+BOUND = float(2**40)     # |x / s| bound before rounding: beyond any grid's levels, exact in float32
+
+
 class FakeQuant:
     """One activation chain: DequantizeLinear(Clip?(QuantizeLinear(src)))."""
 
@@ -293,7 +296,10 @@ class TorchGraph:
             shape = [1] * x.ndim
             shape[fq.axis] = -1
             s, z = s.reshape(shape), (z.reshape(shape) if z.ndim else z)
-        v = x / s
+        # x / s bounded first: a float32-lowest mask value on a Softmax input's floor grid
+        # overflows to -inf, and -inf + (round(-inf) - -inf) is NaN, which the clamp keeps (every
+        # block loss of a causal LM was NaN). Values that far out clamp to the grid's end anyway.
+        v = torch.clamp(x / s, -BOUND, BOUND)
         r = torch.round(v)
         v = v + (r - v).detach()          # straight-through: the gradient of rounding is 1
         # (a learned scale then gets LSQ's gradient: round(x/s) - x/s inside the grid, the

@@ -543,3 +543,52 @@ def test_the_last_block_ends_past_a_network_outputs_grid(tmp_path):
     assert last.op_type == "DequantizeLinear" and last.output[0] == "logits" and learn[-1] == len(tg.nodes) - 2
     blocks = _layout(tg, learn)[0]
     assert blocks[-1][1] == len(tg.nodes)
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_brecq_leaves_out_a_sample_the_float_model_makes_nan(tmp_path, drop, caplog):
+    """A fully padded sequence (an all -inf mask row) makes the float model NaN on that sample:
+    it is left out and named, and the blocks are still re-rounded on the others (its NaN made
+    every block's summed loss NaN, and every block kept nearest rounding without a word)."""
+    import logging
+
+    from test_review_fixes import _masked_softmax_model
+
+    model = _masked_softmax_model()
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.standard_normal((1, 4, 8)).astype(np.float32) * 3,
+              "mask": np.ones((1, 4, 8), np.float32)} for _ in range(7)]
+    feeds[3]["mask"][0, 1] = 0.0
+    path = save(model, tmp_path / "m.onnx")
+    data = write_samples(tmp_path / "data", feeds)
+    out = tmp_path / "out"
+    with caplog.at_level(logging.WARNING):
+        dipoorlet.quantize(model=path, input_dir=data, data_num=7, deploy="trt", output_dir=out, w_bits=2,
+                           skip_prof_layer=True, brecq=not drop, drop=drop, ada_iters=40)
+    what = "qdrop" if drop else "brecq"
+    left_out = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert any(m.startswith(f"{what}: 1 sample(s) left out") and "3.npy" in m for m in left_out), left_out
+    rep = json.loads((out / "report.json").read_text())[what]
+    assert rep["samples"] == 6
+    assert any(b["kept"] for b in rep["block_loss"]), rep["block_loss"]
+    assert all(b["loss_db"] is not None for b in rep["block_loss"])
+
+
+def test_fake_quant_of_a_float32_lowest_mask_value_is_the_grids_end():
+    """A float32-lowest mask value on a Softmax input's floor grid: x / s overflowed to -inf and
+    the straight-through step made it NaN (every block loss of a causal LM was NaN, so --brecq
+    kept nearest rounding everywhere); it reads the grid's lowest level, as onnxruntime's Q/DQ do."""
+    from types import SimpleNamespace
+
+    from dipoorlet.torch_graph import FakeQuant, TorchGraph
+
+    s = torch.tensor(0.085)
+    fq = FakeQuant("x", s, torch.tensor(128.0), 0, 255, 1)
+    fq.step = None
+    x = torch.tensor([-3.4028235e38, -np.inf, -20.0, 0.3, 3.4028235e38], requires_grad=True)
+    y = TorchGraph._fake_quant(SimpleNamespace(torch=torch), x, fq)
+    expect = (np.clip(np.round(np.array([-3.4028235e38, -np.inf, -20.0, 0.3, 3.4028235e38], np.float64) / 0.085)
+                      + 128, 0, 255) - 128) * np.float32(0.085)
+    np.testing.assert_allclose(y.detach().numpy(), expect, rtol=1e-6)
+    y.sum().backward()
+    assert np.isfinite(x.grad.numpy()).all()
