@@ -143,7 +143,13 @@ def _softmax_axes(graph, tensor: str) -> list[int] | None:
 # added to (Cast, Unsqueeze, (1 - m) * -1e4, a boolean Where ...): no op that mixes in weights
 MASK_OPS = {"Cast", "CastLike", "Unsqueeze", "Squeeze", "Reshape", "Expand", "Tile", "Slice", "Identity",
             "Flatten", "Transpose", "Concat", "Sub", "Mul", "Add", "Div", "Neg", "Not", "Equal", "Less",
-            "LessOrEqual", "Greater", "GreaterOrEqual", "And", "Or", "Where", "Max", "Min", "Clip"}
+            "LessOrEqual", "Greater", "GreaterOrEqual", "And", "Or", "Where", "Max", "Min", "Clip",
+            "Gather", "GatherElements", "GatherND", "ScatterND", "ScatterElements"}
+# the inputs a mask passes through: a Gather's data (transformers 4.57 indexes the padding mask,
+# mask[b, kv]; an embedding lookup of token ids is data from a table, no mask), a Scatter's data
+# and updates (older exports slice-assign the padding into the causal mask), not their indices
+MASK_DATA_INPUTS = {"Gather": (0,), "GatherElements": (0,), "GatherND": (0,), "ScatterND": (0, 2),
+                    "ScatterElements": (0, 2)}
 
 
 def _from_input(graph, tensor: str, depth: int = 16, integer: bool = False) -> bool:
@@ -154,7 +160,8 @@ def _from_input(graph, tensor: str, depth: int = 16, integer: bool = False) -> b
     node = graph.producer.get(tensor)
     if node is None or depth == 0 or node.op_type not in MASK_OPS:
         return False
-    return any(_from_input(graph, x, depth - 1, integer) for x in node.input if x and not graph.is_constant(x))
+    reads = [node.input[k] for k in MASK_DATA_INPUTS.get(node.op_type, range(len(node.input))) if k < len(node.input)]
+    return any(_from_input(graph, x, depth - 1, integer) for x in reads if x and not graph.is_constant(x))
 
 
 def _mask_fed(graph, tensor: str, integer: bool = False) -> bool:

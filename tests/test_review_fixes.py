@@ -317,7 +317,7 @@ def test_rows_masked_out_as_a_whole_do_not_set_the_softmax_floor(tmp_path):
     assert step < 1.0
 
 
-@pytest.mark.parametrize("style", ["add", "where", "add_reshape"])
+@pytest.mark.parametrize("style", ["add", "where", "add_reshape", "gather", "scatter"])
 def test_a_masked_softmax_calibrated_without_padding_still_hides_padding(tmp_path, style):
     """An int64 attention_mask turned into (1 - m) * -1e4 and added to the scores (or a Where
     choosing -1e4 by it), calibrated on unpadded samples: qnn's Softmax-input grid ended at the
@@ -339,6 +339,19 @@ def test_a_masked_softmax_calibrated_without_padding_still_hides_padding(tmp_pat
                   helper.make_node("Reshape", ["s", "shape4"], ["s4"], name="view4"),
                   helper.make_node("Add", ["s4", "bias"], ["sm4"], name="addmask"),
                   helper.make_node("Reshape", ["sm4", "shape3"], ["sm"], name="view3")]
+    elif style == "gather":            # transformers 4.57 indexes the padding mask: mask[b, kv]
+        nodes += [helper.make_node("Cast", ["m3"], ["mf"], to=TensorProto.FLOAT, name="cast"),
+                  helper.make_node("Gather", ["mf", "kv"], ["mg"], name="index", axis=2),
+                  helper.make_node("Sub", ["one", "mg"], ["inv"], name="inv"),
+                  helper.make_node("Mul", ["inv", "big"], ["bias"], name="scale"),
+                  helper.make_node("Add", ["s", "bias"], ["sm"], name="addmask")]
+    elif style == "scatter":           # transformers 4.44 slice-assigns the padding into the causal mask
+        nodes += [helper.make_node("Cast", ["m3"], ["mf"], to=TensorProto.FLOAT, name="cast"),
+                  helper.make_node("Sub", ["one", "mf"], ["inv"], name="inv"),
+                  helper.make_node("Mul", ["inv", "big"], ["bias"], name="scale"),
+                  helper.make_node("Expand", ["bias", "shape3"], ["upd"], name="expand"),
+                  helper.make_node("ScatterND", ["causal", "at0", "upd"], ["full"], name="assign"),
+                  helper.make_node("Add", ["s", "full"], ["sm"], name="addmask")]
     else:
         nodes += [helper.make_node("Cast", ["m3"], ["mb"], to=TensorProto.BOOL, name="cast"),
                   helper.make_node("Where", ["mb", "s", "big"], ["sm"], name="wheremask")]
@@ -346,7 +359,9 @@ def test_a_masked_softmax_calibrated_without_padding_still_hides_padding(tmp_pat
               helper.make_node("MatMul", ["p", "v"], ["y"], name="pv")]
     inits = {k: rand((dim, dim), i, 0.3 / np.sqrt(dim)) for i, k in enumerate(("wq", "wk", "wv"))}
     inits.update({"ax": np.array([1], np.int64), "one": np.float32(1.0), "big": np.float32(-1e4),
-                  "shape4": np.array([1, 1, length, length], np.int64), "shape3": np.array([1, length, length], np.int64)})
+                  "shape4": np.array([1, 1, length, length], np.int64), "shape3": np.array([1, length, length], np.int64),
+                  "kv": np.arange(length, dtype=np.int64), "causal": np.zeros((1, length, length), np.float32),
+                  "at0": np.zeros((1, 1), np.int64)})
     model = make_model(nodes, [vi("x", [1, length, dim]), vi("attention_mask", [1, length], TensorProto.INT64)],
                        [vi("y", [1, length, dim])], inits)
     rng = np.random.default_rng(1)
@@ -1215,3 +1230,18 @@ def test_a_float_input_added_before_a_softmax_is_no_mask(tmp_path):
     feeds = [{"x": rand((1, 8), 10 + i), "prior": rand((1, 8), 20 + i)} for i in range(6)]
     _, qm = quantize_model(tmp_path, model, feeds=feeds, deploy="qnn", skip_prof_layer=True)
     assert "z" in {n.input[0] for n in qm.graph.node if n.op_type == "QuantizeLinear"}
+
+
+def test_an_embedding_lookup_of_token_ids_is_no_mask_term():
+    """Masks are followed through a Gather's data (mask[b, kv]), not its indices: a table looked
+    up by an integer input (token embeddings, a relative position bias) is no mask term."""
+    from dipoorlet.calibrate import _from_input
+
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["emb"], name="lookup"),
+             helper.make_node("Cast", ["mask"], ["mf"], to=TensorProto.FLOAT, name="cast"),
+             helper.make_node("Gather", ["mf", "kv"], ["mg"], name="index", axis=1),
+             helper.make_node("Add", ["emb", "mg"], ["y"], name="add")]
+    g = Graph(make_model(nodes, [vi("ids", [1, 4], TensorProto.INT64), vi("mask", [1, 4], TensorProto.INT64)],
+                         [vi("y", [1, 4, 4])], {"table": rand((10, 4), 1), "kv": np.arange(4, dtype=np.int64)}))
+    assert not _from_input(g, "emb", integer=True)
+    assert _from_input(g, "mg", integer=True)
