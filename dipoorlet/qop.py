@@ -86,14 +86,16 @@ def unquantized_outputs(model: onnx.ModelProto) -> dict[str, int]:
     return readers
 
 
-def convert(model: onnx.ModelProto, exclude=()) -> tuple[onnx.ModelProto, int]:
+def convert(model: onnx.ModelProto, exclude=(), origin: dict | None = None) -> tuple[onnx.ModelProto, int]:
     """A QOperator copy of a QDQ model and the number of ops converted (nodes named in
-    ``exclude`` stay QDQ)."""
+    ``exclude`` stay QDQ). ``origin``, if given, receives each new node's name -> the name of the
+    node it replaced (``<name>_quant``, or ``<name>_quant_1``… where a node already has that name)."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     g = out.graph
     v = _View(out)
     replaced, new_nodes, extra_inits, converted = set(), {}, [], 0
+    taken = {n.name for n in g.node}
     # tensors If/Loop bodies read from this scope: a node whose float output one reads stays
     outer = {r for n in g.node for r in _subgraph_outer_refs(n)}
     for node in list(g.node):
@@ -136,7 +138,9 @@ def convert(model: onnx.ModelProto, exclude=()) -> tuple[onnx.ModelProto, int]:
         y_args = [q.input[1], q.input[2] if len(q.input) > 2 else ""]
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute
                  if not (node.op_type == "Gemm" and a.name in ("alpha", "beta"))}
-        name = node.name + "_quant"
+        name, k = node.name + "_quant", 1
+        while name in taken:      # a node of the model named so already: onnxruntime refuses two
+            name, k = f"{node.name}_quant_{k}", k + 1
         if node.op_type == "Conv":
             bias = _int32_bias(v, node, dqs, extra_inits)
             if bias is False:
@@ -156,6 +160,9 @@ def convert(model: onnx.ModelProto, exclude=()) -> tuple[onnx.ModelProto, int]:
                                    domain=MS, **attrs)
         replaced.update({node.name, q.name} | ({relu.name} if relu is not None else set()))
         new_nodes[node.name] = new
+        taken.add(name)
+        if origin is not None:
+            origin[name] = node.name
         converted += 1
     if not converted:
         return out, 0
@@ -266,18 +273,19 @@ def convert_checked(model: onnx.ModelProto, feed: dict, max_tries: int = 50):
         reference, ref_optimized = run(model), False
     excluded: list[str] = []
     for _ in range(max_tries):
-        out, converted = convert(model, excluded)
+        origin: dict[str, str] = {}
+        out, converted = convert(model, excluded, origin)
         try:
             got = run(out)
         except Exception as exc:  # noqa: BLE001 - onnxruntime raises several types
             msg = ort_message(exc)
-            bad = [n.name[:-len("_quant")] for n in out.graph.node
-                   if n.name.endswith("_quant") and (f"'{n.name}'" in msg or f'"{n.name}"' in msg)]
+            bad = [origin[n.name] for n in out.graph.node
+                   if n.name in origin and (f"'{n.name}'" in msg or f'"{n.name}"' in msg or f"({n.name})" in msg)]
             if not bad:
                 # a kernel's run-time check names its op type, not the node: every node of it
                 # stays QDQ
                 kinds = [op for op in ("Conv", "MatMul", "Gemm", *_PLAIN) if op.lower() in msg.lower()]
-                bad = [n.name[:-len("_quant")] for n in out.graph.node if n.name.endswith("_quant")
+                bad = [origin[n.name] for n in out.graph.node if n.name in origin
                        and any(n.op_type.lower().endswith(k.lower()) for k in kinds)]
             if not bad or set(bad) <= set(excluded):
                 raise RuntimeError(f"the QOP model does not run in onnxruntime: {msg}") from exc

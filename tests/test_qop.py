@@ -182,3 +182,17 @@ def test_ort_backend_checks_the_model_in_a_default_session(tmp_path, caplog, cas
         if fmt == "QOP":
             assert not [r for r in caplog.records if "or quantize with -D ort" in r.getMessage()]
         caplog.clear()
+
+
+def test_a_node_already_named_like_the_converted_one_keeps_the_conversion(tmp_path):
+    """A Softmax named "mm_quant" beside the MatMul "mm": the QLinearMatMul took the same name,
+    onnxruntime refused the model, and the whole run fell back to QDQ (found by a hunt)."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["t"], name="mm"),
+             helper.make_node("Softmax", ["t"], ["y"], name="mm_quant", axis=-1)]
+    model = make_model(nodes, [vi("x", [1, 4, 64])], [vi("y", [1, 4, 16])], {"w": rand((64, 16), 1, 0.2)})
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.standard_normal((1, 4, 64)).astype(np.float32)} for _ in range(8)]
+    qop = _qop(tmp_path, model, feeds, "qnn")
+    names = [n.name for n in qop.graph.node]
+    assert len(names) == len(set(names))
+    assert [n.name for n in qop.graph.node if n.op_type == "QLinearMatMul"] == ["mm_quant_1"]
