@@ -217,7 +217,8 @@ def build(rows, places, meta: dict, analysis: dict | None = None, stats=None, pl
 def table(headers, body) -> str:
     # a '|' inside a cell ends it in every Markdown table renderer (the header "max |err|" turned
     # GitHub's rendering of the outputs table into a paragraph of pipes)
-    cell = lambda c: "-" if c is None else str(c).replace("|", "\\|")
+    # (a line break, legal in an ONNX name, split its row in two: written as \n)
+    cell = lambda c: "-" if c is None else str(c).replace("|", "\\|").replace("\r", "\\r").replace("\n", "\\n")
     cells = [list(map(cell, headers))] + [[cell(c) for c in row] for row in body]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     fmt = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"

@@ -1245,3 +1245,13 @@ def test_an_embedding_lookup_of_token_ids_is_no_mask_term():
                          [vi("y", [1, 4, 4])], {"table": rand((10, 4), 1), "kv": np.arange(4, dtype=np.int64)}))
     assert not _from_input(g, "emb", integer=True)
     assert _from_input(g, "mg", integer=True)
+
+
+def test_a_line_break_in_a_name_keeps_its_markdown_table_row_whole():
+    """ONNX allows a line break in a node name; report.md's tables split that row in two."""
+    from dipoorlet.report import table
+
+    lines = table(["node", "cos"], [["conv\nline|x", 0.5], ["b\r\nc", None]]).splitlines()
+    assert len(lines) == 4
+    assert lines[2].startswith("| conv\\nline\\|x ") and lines[3].startswith("| b\\r\\nc ")
+    assert all(l.count("|") - l.count("\\|") == 3 for l in lines)
