@@ -199,7 +199,7 @@ def load_graph(cfg: QuantConfig, plat=None) -> Graph:
         if found:
             g.refresh()
             log.info("%d tensors typed by onnxruntime where ONNX shape inference left them untyped", len(found))
-    cfg = _follow_folds(cfg, g)
+    cfg = _follow_folds(_follow_duplicates(cfg, g), g)
     bad = _nonfinite_weights(g)
     if bad:
         # the float model computes NaN/Inf there too; quantized, one Inf made a per-tensor grid's
@@ -267,6 +267,22 @@ def _nonfinite_weights(g: Graph) -> dict[str, tuple[str, int]]:
                     out[node.name] = (name, k)
                     break
     return out
+
+
+def _follow_duplicates(cfg: QuantConfig, g: Graph) -> QuantConfig:
+    """--skip_layers/--layer_bits naming a name several nodes of the model shared apply to every
+    one of them (renamed NAME_1, ... to tell them apart); it had reached the first alone, without
+    a word (found by a hunt)."""
+    dups = getattr(g, "duplicate_names", {})
+    named = [n for n in dict.fromkeys([*cfg.skip_layers, *cfg.layer_bits]) if n in dups]
+    if not named:
+        return cfg
+    for n in named:
+        log.warning("%d nodes of the model are named %s (now %s): --skip_layers/--layer_bits naming it apply "
+                    "to all of them", len(dups[n]), n, ", ".join(dups[n]))
+    skip = tuple(dict.fromkeys(m for n in cfg.skip_layers for m in dups.get(n, [n])))
+    bits = {m: v for n, v in cfg.layer_bits.items() for m in dups.get(n, [n])}
+    return dataclasses.replace(cfg, skip_layers=skip, layer_bits=bits)
 
 
 def _follow_folds(cfg: QuantConfig, g: Graph) -> QuantConfig:

@@ -813,18 +813,24 @@ def lower_ir_version(g: Graph) -> int:
 
 
 def name_nodes(g: Graph) -> int:
-    """Give every node a unique name (the report and --skip_layers refer to nodes by name)."""
+    """Give every node a unique name (the report and --skip_layers refer to nodes by name). A
+    name several nodes shared is recorded in ``g.duplicate_names`` (name -> every node's name now,
+    the first keeping it), so that flags naming it reach all of them."""
     taken = {n.name for n in g.graph.node if n.name}
     seen, renamed = set(), 0
+    dups = getattr(g, "duplicate_names", {})
     for i, node in enumerate(g.graph.node):
         if not node.name or node.name in seen:
             base = node.name or f"{node.op_type}_{i}"
             name, k = base, 1
             while name in seen or (name in taken and name != node.name):
                 name, k = f"{base}_{k}", k + 1
+            if node.name:
+                dups.setdefault(node.name, [node.name]).append(name)
             node.name = name
             renamed += 1
         seen.add(node.name)
+    g.duplicate_names = dups
     if renamed:
         g.refresh()
     return renamed

@@ -1255,3 +1255,25 @@ def test_a_line_break_in_a_name_keeps_its_markdown_table_row_whole():
     assert len(lines) == 4
     assert lines[2].startswith("| conv\\nline\\|x ") and lines[3].startswith("| b\\r\\nc ")
     assert all(l.count("|") - l.count("\\|") == 3 for l in lines)
+
+
+def test_skip_layers_naming_a_name_two_nodes_share_keeps_both_float(tmp_path, caplog):
+    """Two Convs named "blk" (ONNX does not forbid it): the second is renamed blk_1, and
+    --skip_layers blk had kept the first alone float, without a word (found by a hunt)."""
+    import logging
+
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["a"], name="blk", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["a"], ["r"]),
+             helper.make_node("Conv", ["r", "w2"], ["b"], name="blk", pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["b", "w3"], ["y"], name="other", pads=[1, 1, 1, 1])]
+    model = make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("y", [1, 4, 8, 8])],
+                       {"w1": rand((4, 3, 3, 3), 1, 0.3), "w2": rand((4, 4, 3, 3), 2, 0.3),
+                        "w3": rand((4, 4, 3, 3), 3, 0.3)})
+    with caplog.at_level(logging.WARNING):
+        _, qm = quantize_model(tmp_path, model, deploy="trt", skip_layers=("blk",), skip_prof_layer=True)
+    convs = {n.name: n for n in qm.graph.node if n.op_type == "Conv"}
+    assert sorted(convs) == ["blk", "blk_1", "other"]
+    dq = {o for n in qm.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+    assert not any(i in dq for k in ("blk", "blk_1") for i in convs[k].input)
+    assert all(i in dq for i in convs["other"].input[:2])
+    assert any("2 nodes of the model are named blk (now blk, blk_1)" in r.getMessage() for r in caplog.records)
