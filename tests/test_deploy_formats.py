@@ -287,6 +287,25 @@ def test_relu_fill_in_matches_whole_names_and_survives_relu_on_input(tmp_path):
     assert params["@relu0:out0"]["scale"] == [0.25] and "@x:out0" not in params
 
 
+def test_rv_a_node_named_like_the_input_keeps_the_inputs_entry_and_warns(tmp_path, caplog):
+    """The format keys an input @NAME:out0 as a node of its name: a node named like the input
+    (x) got the same key, and its grid replaced the input's without a word (found by a hunt)."""
+    import logging
+
+    w = np.ones((1, 1, 1, 1), np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], name="x"),
+             helper.make_node("Relu", ["c1"], ["y"], name="relu")]
+    g = Graph(make_model(nodes, [vi("x", [1, 1, 2, 2])], [vi("y", [1, 1, 2, 2])], {"w1": w}))
+    p = Placement()
+    p.activations = {"x": ActPoint("x", [("x", 0)]), "c1": ActPoint("c1", [])}
+    plan = SimpleNamespace(activations={"x": qp(0.25, 0, False, 0, 255), "c1": qp(0.5, 3, False, 0, 255)}, weights={})
+    ctx = DeployContext(g, plan, p, SimpleNamespace(quantize_bias=False), SimpleNamespace())
+    with caplog.at_level(logging.WARNING):
+        params = load_pair(export("rockchip_rv", ctx, tmp_path), "rv_quantized_param")["quantize_parameters"]
+    assert params["@x:out0"]["scale"] == [0.25]
+    assert any("both keyed @x:out0" in r.getMessage() for r in caplog.records)
+
+
 # ---- Atlas ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", CONTEXTS)
 def test_atlas_parse_back(tmp_path, kind):

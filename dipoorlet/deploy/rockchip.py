@@ -102,8 +102,19 @@ def rv_entry(qp) -> dict:
 def export_rv(ctx, folder):
     params = {}
     acts = ctx.plan.activations
+    owner, clashes = {}, []
     for t, qp in acts.items():
-        params[rv_key(ctx, t)] = rv_entry(qp)
+        key = rv_key(ctx, t)
+        if key in owner:
+            # a node named like a graph input: both are keyed @NAME:out0 (the format keys an input
+            # as a node of its name); the second entry had replaced the first without a word
+            clashes.append((key, owner[key], t))
+            continue
+        owner[key] = t
+        params[key] = rv_entry(qp)
+    for key, first, second in clashes:
+        log.warning("rockchip_rv: tensors %s and %s are both keyed %s (a node is named like a graph input): "
+                    "the file holds %s's grid only; rename that node in the model", first, second, key, first)
     for src, dst in relu_fill_ins(ctx, _fused(ctx)).items():
         params.setdefault(rv_key(ctx, src), rv_entry(acts[dst]))
     for layer in weighted_layers(ctx):
