@@ -700,3 +700,25 @@ def test_stpu_bias_alpha_is_the_product_of_the_steps_its_ranges_give(tmp_path, f
         assert p[f"{layer}_bias"]["alpha"] == pytest.approx(want, rel=1e-6), layer
         checked += 1
     assert checked >= 2
+
+
+def test_atlas_record_of_a_matmul_of_two_activations_warns(tmp_path, caplog):
+    """AMCT's record holds one data grid per layer: Q·Kᵀ's second input had no entry there and
+    nothing said so (found by a hunt); the record keeps the first input's grid and a warning names
+    the layer."""
+    import logging
+
+    from conftest import quantize_model, rand
+
+    nodes = [helper.make_node("MatMul", ["x", "wq"], ["q"], name="proj_q"),
+             helper.make_node("MatMul", ["x", "wk"], ["k"], name="proj_k"),
+             helper.make_node("Transpose", ["k"], ["kt"], name="kt", perm=[0, 2, 1]),
+             helper.make_node("MatMul", ["q", "kt"], ["y"], name="scores")]
+    model = make_model(nodes, [vi("x", [1, 6, 8])], [vi("y", [1, 6, 6])], {"wq": rand((8, 8), 1), "wk": rand((8, 8), 2)})
+    with caplog.at_level(logging.WARNING):
+        quantize_model(tmp_path, model, deploy="atlas", skip_prof_layer=True)
+    rec = json.loads((tmp_path / "out" / "atlas_record.json").read_text())
+    flat = json.loads((tmp_path / "out" / "atlas_quant_param.json").read_text())
+    assert "scores" in rec and "q" in flat and ("kt" in flat or "k" in flat)
+    assert any(r.getMessage().startswith("atlas_record: 1 layers read two activations (scores)")
+               for r in caplog.records)

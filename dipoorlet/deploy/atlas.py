@@ -16,7 +16,9 @@ point (``offset = 0`` for a symmetric one). Three files:
 - ``atlas_record.json``: ``{layer: {"scale_d": f, "offset_d": i, "scale_w": [f...],
   "offset_w": [i...]}}`` keyed by node name, for every quantized node whose data input has a
   grid; ``scale_w``/``offset_w`` (one per output channel, or one) only for nodes with a quantized
-  weight. The reference omitted weights, leaving AMCT to recompute them.
+  weight. The reference omitted weights, leaving AMCT to recompute them. A layer of two
+  activations (attention's Q·Kᵀ) gets its first input's grid: the record has no field for a
+  second (a warning says so; both are in ``atlas_quant_param.json``).
 - ``atlas_record.txt``: the same records in protobuf text format (``record { key: ... value {
   ... } }``), the form AMCT reads as a record file.
 
@@ -25,11 +27,15 @@ are ONNX node names.
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from dipoorlet.deploy import register
 from dipoorlet.deploy.snpe import floats, ints, tensor_grid, unsigned_zero_point, weighted_layers
 from dipoorlet.util import write_json, write_text
+
+log = logging.getLogger(__name__)
 
 
 def amct_offset(qp) -> np.ndarray:
@@ -45,6 +51,7 @@ def records(ctx) -> dict[str, dict]:
     g = ctx.graph
     weighted = {layer.node.name: layer for layer in weighted_layers(ctx)}
     out = {}
+    two = []
     for name in ctx.placement.quantized_nodes:
         node = g.node_by_name.get(name)
         if node is None:
@@ -53,8 +60,10 @@ def records(ctx) -> dict[str, dict]:
         if layer is not None:
             dqp = layer.dqp
         else:
-            data = next((i for i, t in enumerate(node.input) if t and not g.is_constant(t)), None)
-            dqp = None if data is None else tensor_grid(ctx, node, data)[1]
+            data = [i for i, t in enumerate(node.input) if t and not g.is_constant(t)]
+            dqp = tensor_grid(ctx, node, data[0])[1] if data else None
+            if dqp is not None and any(tensor_grid(ctx, node, i)[1] is not None for i in data[1:]):
+                two.append(name)
         if dqp is None:
             continue
         rec = _data_record(dqp)
@@ -62,6 +71,12 @@ def records(ctx) -> dict[str, dict]:
             rec["scale_w"] = floats(layer.wqp.scale)
             rec["offset_w"] = ints(amct_offset(layer.wqp))
         out[name] = rec
+    if two:
+        # AMCT's record holds one data grid per layer (scale_d/offset_d; scale_w/offset_w are a
+        # weight's, offset 0): the second input of Q·Kᵀ or softmax·V has no field there
+        log.warning("atlas_record: %d layers read two activations (%s%s); the record holds the first one's grid "
+                    "(scale_d/offset_d) only, the format having no field for a second: the other's is in "
+                    "atlas_quant_param.json", len(two), ", ".join(two[:3]), " ..." if len(two) > 3 else "")
     return out
 
 
