@@ -339,8 +339,8 @@ def test_qop_op_that_onnxruntime_rejects_stays_qdq(case, monkeypatch):
     qdq = onnx.load(str(run(case, "ort")[1] / "quant_model.onnx"))
     real = qop.convert
 
-    def broken(m, exclude=()):
-        out, n = real(m, exclude)
+    def broken(m, exclude=(), origin=None):
+        out, n = real(m, exclude, origin)
         for node in out.graph.node:
             if node.name == "conv2_quant":
                 node.attribute.append(helper.make_attribute("bogus", 1))
