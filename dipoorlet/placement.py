@@ -255,6 +255,83 @@ def position_tensors(g: Graph) -> tuple[set, set]:
     return floats, nodes
 
 
+_STAT_REDUCE = frozenset({"ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2"})
+_STAT_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Max", "Min", "Sqrt", "Reciprocal", "Pow", "Reshape", "Expand",
+                       "Unsqueeze", "Squeeze", "Cast", "Identity", "Clip", "Neg", "Abs"})
+_APPLY = frozenset({"Mul", "Div", "Sub"})
+
+
+def norm_statistics(g: Graph) -> tuple[set, set]:
+    """(float tensors that are a normalization's per-row statistics, the nodes computing them):
+    a reduction of the data (ReduceMean/ReduceSum/ReduceL2: a mean, a sum of squares, a norm) and
+    what elementwise ops with constants make of it (variance, + eps, Sqrt, Reciprocal, times
+    gamma), where every such tensor ends in a Mul/Div/Sub applying it to the data it was reduced
+    from (x - mean, x * 1/rms, x / ||x||; a decomposed softmax's exp / sum). These are what a
+    fused LayerNorm computes inside, in float: on backends that quantize every op a grid rounded
+    JAX's sum of squares (magika's LayerNorm, isolated cosine 0.67 on qnn) and clipped Llama's
+    RMSNorm 1/rms at lengths past calibration (both found by hunts). A reduction read by anything
+    else (a squeeze-and-excitation block's pooled vector into a Conv) is no statistic."""
+    floats = lambda n: [x for x in n.input if x and not g.is_constant(x) and g.is_float(x)]    # noqa: E731
+    consts: set = set()          # float tensors computed from constants and shapes alone (gamma reshaped)
+    stats: dict[str, set] = {}   # statistic -> the tensors its reductions read
+    nodes_of: dict[str, str] = {}
+    # tensors whose values depend on the inputs' values (a Shape reads only a shape; token
+    # embeddings do, though a Gather makes them from a constant table and integer ids)
+    data = {i.name for i in g.graph_inputs}
+    for node in g.topological_nodes():
+        outs = [o for o in node.output if o]
+        if node.op_type not in ("Shape", "Size") and any(x in data for x in node.input if x):
+            data.update(outs)
+        if not outs or not all(g.is_float(o) for o in outs):
+            continue
+        live = [x for x in floats(node) if x not in consts]
+        if not any(o in data for o in outs):
+            consts.update(outs)
+            continue
+        if not live:
+            continue
+        if node.op_type in _STAT_REDUCE and len(outs) == 1:
+            stats[outs[0]] = {live[0]}
+        elif node.op_type in _STAT_OPS and len(outs) == 1 and all(x in stats for x in live):
+            stats[outs[0]] = set().union(*(stats[x] for x in live))
+        else:
+            continue
+        nodes_of[outs[0]] = node.name
+
+    def ancestors(t: str, depth: int = 3) -> set:
+        seen, frontier = {t}, [t]
+        for _ in range(depth):
+            nxt = []
+            for x in frontier:
+                prod = g.producer.get(x)
+                if prod is not None:
+                    nxt += [i for i in floats(prod) if i not in seen and i not in consts]
+            seen.update(nxt)
+            frontier = nxt
+        return seen
+
+    def applies(node, t: str) -> bool:
+        if node.op_type not in _APPLY:
+            return False
+        data = [x for x in floats(node) if x not in stats and x not in consts]
+        if len(data) != 1:
+            return False
+        reach = ancestors(data[0])
+        return any(reach & ancestors(r) for r in stats[t])
+
+    outputs = set(g.output_names)
+    valid: set = set()
+    for node in reversed(g.topological_nodes()):
+        for t in node.output:
+            if t not in stats:
+                continue
+            users = g.consumers.get(t, [])
+            if t not in outputs and users and all(
+                    applies(u, t) or (u.output and u.output[0] in valid) for u in users):
+                valid.add(t)
+    return valid, {nodes_of[t] for t in valid}
+
+
 _CARRY = frozenset({"Add", "Sub", "Mul", "Div", "Concat", "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze",
                     "Slice", "Split", "Identity", "Expand", "Gather", "Max", "Min", "Clip", "Relu"})
 
@@ -295,6 +372,7 @@ def position_mixed(g: Graph, positions: set) -> list[str]:
 def place(g: Graph, platform: Platform, skip_layers=(), weight_only=(), warn: bool = True) -> Placement:
     """Where Q/DQ go on ``platform``; ``warn``: log what the spec leaves float by mistake (once a run)."""
     positions, position_nodes = position_tensors(g)
+    stats, stat_nodes = norm_statistics(g)
     plan = Placement(positions=positions)
     skip = set(skip_layers)
     stray: dict[str, tuple[str, int, int]] = {}
@@ -310,6 +388,11 @@ def place(g: Graph, platform: Platform, skip_layers=(), weight_only=(), warn: bo
         if op not in platform.quantize_ops or node.domain not in ("", "ai.onnx"):
             plan.decisions.append(Decision(node.name, op, False, f"{op} is not quantized on {platform.name}"))
             continue
+        if node.name in stat_nodes:
+            plan.decisions.append(Decision(node.name, op, False, "computes a normalization's statistics (a mean, "
+                                           "a variance, 1/rms, a norm), which a fused LayerNorm keeps in float: "
+                                           "float"))
+            continue
         w_index = platform.weight_inputs.get(op)
         act_inputs, weights = [], []
         for i, name in enumerate(node.input):
@@ -319,7 +402,7 @@ def place(g: Graph, platform: Platform, skip_layers=(), weight_only=(), warn: bo
                 weights.append(i)
             elif op in ("Conv", "ConvTranspose", "Gemm") and i == 2:
                 continue  # bias: platform.quantize_bias handles it in qdq
-            elif not g.is_constant(name) and g.is_float(name) and name not in positions:
+            elif not g.is_constant(name) and g.is_float(name) and name not in positions and name not in stats:
                 act_inputs.append(i)
             elif i == 1 and w_index not in (None, 1) and g.is_float(name) \
                     and op in ("Conv", "ConvTranspose", "Gemm", "MatMul"):

@@ -655,3 +655,53 @@ def test_a_size_that_scales_data_by_a_fixed_amount_is_no_growing_position():
     g = Graph(onnx.shape_inference.infer_shapes(model))
     positions, _ = position_tensors(g)
     assert "sd" in positions and position_mixed(g, positions) == []
+
+
+def _rmsnorm_model():
+    """x -> RMSNorm (Pow, ReduceMean, Add eps, Sqrt, Div(1, .), Mul x, Mul gamma) -> MatMul, beside
+    a squeeze-and-excitation-like pooled vector (ReduceMean -> MatMul) that is no statistic."""
+    n = helper.make_node
+    nodes = [n("Pow", ["x", "two"], ["sq"], name="pow"),
+             n("ReduceMean", ["sq"], ["ms"], name="mean", axes=[-1], keepdims=1),
+             n("Add", ["ms", "eps"], ["mse"], name="add_eps"),
+             n("Sqrt", ["mse"], ["rms"], name="sqrt"),
+             n("Div", ["one", "rms"], ["inv"], name="inv"),
+             n("Mul", ["x", "inv"], ["xn"], name="apply"),
+             n("Mul", ["xn", "gamma"], ["xg"], name="gamma"),
+             n("MatMul", ["xg", "w"], ["h"], name="proj"),
+             n("ReduceMean", ["x"], ["pooled"], name="pool", axes=[1], keepdims=1),
+             n("MatMul", ["pooled", "w"], ["p"], name="pool_proj"),
+             n("Add", ["h", "p"], ["y"], name="out")]
+    inits = {"two": np.float32(2.0), "eps": np.float32(1e-6), "one": np.float32(1.0),
+             "gamma": (1 + rand((16,), 1, 0.1)).astype(np.float32), "w": rand((16, 16), 2, 0.25)}
+    return make_model(nodes, [vi("x", [1, 8, 16])], [vi("y", [1, 8, 16])], inits)
+
+
+def test_norm_statistics_are_the_rmsnorm_chain_not_a_pooled_vector():
+    from dipoorlet.placement import norm_statistics
+
+    g = Graph(onnx.shape_inference.infer_shapes(_rmsnorm_model()))
+    tensors, nodes = norm_statistics(g)
+    assert nodes == {"mean", "add_eps", "sqrt", "inv"}
+    assert tensors == {"ms", "mse", "rms", "inv"}
+
+
+def test_rmsnorm_statistics_stay_float_so_a_row_of_smaller_rms_is_not_clipped(tmp_path):
+    """Llama's RMSNorm on qnn: 1/rms had a calibrated grid; rows of a smaller rms at deployment
+    (attention over a longer context shrinks the residual) were clipped to the calibrated 1/rms
+    (worst decode step cosine 0.9625, trt 0.9973; found by a KV-cache hunt). The statistics now
+    stay float, as in a fused LayerNorm; the normalized rows keep their grids."""
+    model = _rmsnorm_model()
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.standard_normal((1, 8, 16)).astype(np.float32)} for _ in range(8)]
+    _, qm = quantize_model(tmp_path, model, feeds=feeds, deploy="qnn", skip_prof_layer=True)
+    dq_src = {n.output[0]: n.input[0] for n in qm.graph.node if n.op_type == "DequantizeLinear"}
+    q_src = {n.output[0]: n.input[0] for n in qm.graph.node if n.op_type == "QuantizeLinear"}
+    gridded = {q_src.get(t) for t in dq_src.values()}
+    assert not gridded & {"ms", "mse", "rms", "inv"}
+    assert {"x", "xn"} <= gridded
+    x = rng.standard_normal((1, 8, 16)).astype(np.float32)
+    x[:, 4:] *= 0.2                                   # rows of rms 0.2: 1/rms 5x the calibrated
+    want, got = ort_run(model, {"x": x})[0], ort_run(qm, {"x": x})[0]
+    err = float(np.linalg.norm(got[:, 4:] - want[:, 4:]) / np.linalg.norm(want[:, 4:]))
+    assert err < 0.1, err
