@@ -370,7 +370,7 @@ def test_qop_check_compares_float_outputs_only(monkeypatch):
         m.ir_version = 8
         return m
 
-    monkeypatch.setattr(qop, "convert", lambda m, exclude=(): (model(0), 0))
+    monkeypatch.setattr(qop, "convert", lambda m, exclude=(), origin=None: (model(0), 0))
     _, _, _, cos, fused_error = qop.convert_checked(model(1), {"x": np.ones((1, 4), np.float32)})
     assert cos == 1.0 and fused_error is None
 
