@@ -298,26 +298,26 @@ def norm_statistics(g: Graph) -> tuple[set, set]:
             continue
         nodes_of[outs[0]] = node.name
 
-    def ancestors(t: str, depth: int = 3) -> set:
-        seen, frontier = {t}, [t]
-        for _ in range(depth):
-            nxt = []
-            for x in frontier:
-                prod = g.producer.get(x)
-                if prod is not None:
-                    nxt += [i for i in floats(prod) if i not in seen and i not in consts]
-            seen.update(nxt)
-            frontier = nxt
-        return seen
-
     def applies(node, t: str) -> bool:
+        """``node`` applies statistic ``t`` to the data it was reduced from: that very tensor
+        (x - mean, exp / sum), the one whose square or magnitude was reduced (x * 1/rms), or
+        that tensor less a statistic (JAX's (x - mean) * rstd). A mean gating another branch
+        is no normalization (found by a review)."""
         if node.op_type not in _APPLY:
             return False
         data = [x for x in floats(node) if x not in stats and x not in consts]
         if len(data) != 1:
             return False
-        reach = ancestors(data[0])
-        return any(reach & ancestors(r) for r in stats[t])
+        d = data[0]
+        pd = g.producer.get(d)
+        for r in stats[t]:
+            pr = g.producer.get(r)
+            if d == r or (pr is not None and pr.op_type in ("Pow", "Mul", "Abs")
+                          and {x for x in floats(pr) if x not in consts} == {d}):
+                return True
+            if pd is not None and pd.op_type == "Sub" and pd.input[0] == r and pd.input[1] in stats:
+                return True
+        return False
 
     outputs = set(g.output_names)
     valid: set = set()

@@ -705,3 +705,19 @@ def test_rmsnorm_statistics_stay_float_so_a_row_of_smaller_rms_is_not_clipped(tm
     want, got = ort_run(model, {"x": x})[0], ort_run(qm, {"x": x})[0]
     err = float(np.linalg.norm(got[:, 4:] - want[:, 4:]) / np.linalg.norm(want[:, 4:]))
     assert err < 0.1, err
+
+
+def test_a_mean_gating_another_branch_is_no_normalization_statistic():
+    """ReduceMean(a) multiplying b (a gate over a sibling branch) shared an ancestor with b and
+    was taken for a statistic kept float (found by a review): only the data it was reduced from
+    (or its square, or it less a mean) counts."""
+    from dipoorlet.placement import norm_statistics
+
+    n = helper.make_node
+    nodes = [n("Conv", ["x", "wa"], ["a"], name="conva"),
+             n("Conv", ["x", "wb"], ["b"], name="convb"),
+             n("ReduceMean", ["a"], ["ma"], name="gap", axes=[2, 3], keepdims=1),
+             n("Mul", ["b", "ma"], ["y"], name="gate")]
+    model = make_model(nodes, [vi("x", [1, 4, 6, 6])], [vi("y", [1, 4, 6, 6])],
+                       {"wa": rand((4, 4, 1, 1), 1), "wb": rand((4, 4, 1, 1), 2)})
+    assert norm_statistics(Graph(onnx.shape_inference.infer_shapes(model))) == (set(), set())
