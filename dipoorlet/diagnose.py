@@ -222,7 +222,13 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
             st = (calibration or {}).get(m)
             if st is not None and math.isfinite(st.minmax.lo) and math.isfinite(st.minmax.hi):
                 a["calibration_max"] = max(abs(st.minmax.lo), abs(st.minmax.hi))
-            if m in ranges:
+            lo = float(np.min(plan.activations[t].lo))
+            if st is not None and st.floor is not None and lo >= st.floor - 1e-6 * max(abs(st.floor), 1.0) \
+                    and st.minmax.lo < lo:
+                # a Softmax input's grid starts at its floor on purpose: below it a value weighs
+                # nothing, and its channel maxima are the mask's (3.4e38; found by a hunt)
+                a["softmax_floor"] = [lo, float(np.max(plan.activations[t].hi))]
+            elif m in ranges:
                 r = ranges[m][0]
                 live = r[r > 0]
                 if live.size:
@@ -414,6 +420,10 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | 
         if "shifted_from" in a:
             lo, hi = a["clip"]
             part = [f"input {a['shifted_from']} clipped to [{lo:.4g}, {hi:.4g}] (asymmetric grid, shifted)"]
+        elif "softmax_floor" in a:
+            lo, hi = a["softmax_floor"]
+            part = [f"input {a['tensor']} on a grid from the Softmax's floor {lo:.4g} to {hi:.4g} (lower values, the "
+                    f"mask's, weigh nothing after the Softmax)"]
         elif a.get("channel_max") and a["amax"] > WIDE_GRID * a["channel_max"]:
             # not clipped: the grid is far wider than what this tensor carries
             part = [f"{'output' if a.get('output') else 'input'} {a['tensor']} on a grid to {a['amax']:.4g}, "
