@@ -149,7 +149,7 @@ MASK_OPS = {"Cast", "CastLike", "Unsqueeze", "Squeeze", "Reshape", "Expand", "Ti
 # mask[b, kv]; an embedding lookup of token ids is data from a table, no mask), a Scatter's data
 # and updates (older exports slice-assign the padding into the causal mask), not their indices
 MASK_DATA_INPUTS = {"Gather": (0,), "GatherElements": (0,), "GatherND": (0,), "ScatterND": (0, 2),
-                    "ScatterElements": (0, 2)}
+                    "ScatterElements": (0, 2), "CastLike": (0,)}    # (CastLike's second gives a type only)
 
 
 def _from_input(graph, tensor: str, depth: int = 16, integer: bool = False) -> bool:

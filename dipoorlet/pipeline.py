@@ -273,13 +273,19 @@ def _follow_duplicates(cfg: QuantConfig, g: Graph) -> QuantConfig:
     """--skip_layers/--layer_bits naming a name several nodes of the model shared apply to every
     one of them (renamed NAME_1, ... to tell them apart); it had reached the first alone, without
     a word (found by a hunt)."""
-    dups = getattr(g, "duplicate_names", {})
+    folded = getattr(g, "folded_into", {})
+    # the nodes of that name preparation kept (or folded into a Conv): an Identity or a constant
+    # subexpression of the name is gone (a review found the run stopped on a name the user never typed)
+    dups = {n: [m for m in names if m in g.node_by_name or m in folded]
+            for n, names in getattr(g, "duplicate_names", {}).items()}
+    dups = {n: names for n, names in dups.items() if names}
     named = [n for n in dict.fromkeys([*cfg.skip_layers, *cfg.layer_bits]) if n in dups]
     if not named:
         return cfg
     for n in named:
-        log.warning("%d nodes of the model are named %s (now %s): --skip_layers/--layer_bits naming it apply "
-                    "to all of them", len(dups[n]), n, ", ".join(dups[n]))
+        if len(dups[n]) > 1:
+            log.warning("%d nodes of the model are named %s (now %s): --skip_layers/--layer_bits naming it apply "
+                        "to all of them", len(dups[n]), n, ", ".join(dups[n]))
     skip = tuple(dict.fromkeys(m for n in cfg.skip_layers for m in dups.get(n, [n])))
     bits = {m: v for n, v in cfg.layer_bits.items() for m in dups.get(n, [n])}
     return dataclasses.replace(cfg, skip_layers=skip, layer_bits=bits)

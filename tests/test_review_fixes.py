@@ -317,7 +317,7 @@ def test_rows_masked_out_as_a_whole_do_not_set_the_softmax_floor(tmp_path):
     assert step < 1.0
 
 
-@pytest.mark.parametrize("style", ["add", "where", "add_reshape", "gather", "scatter"])
+@pytest.mark.parametrize("style", ["add", "where", "add_reshape", "gather", "scatter", "castlike"])
 def test_a_masked_softmax_calibrated_without_padding_still_hides_padding(tmp_path, style):
     """An int64 attention_mask turned into (1 - m) * -1e4 and added to the scores (or a Where
     choosing -1e4 by it), calibrated on unpadded samples: qnn's Softmax-input grid ended at the
@@ -339,6 +339,11 @@ def test_a_masked_softmax_calibrated_without_padding_still_hides_padding(tmp_pat
                   helper.make_node("Reshape", ["s", "shape4"], ["s4"], name="view4"),
                   helper.make_node("Add", ["s4", "bias"], ["sm4"], name="addmask"),
                   helper.make_node("Reshape", ["sm4", "shape3"], ["sm"], name="view3")]
+    elif style == "castlike":          # mask.type_as(scores), as torch's dynamo exporter writes it
+        nodes += [helper.make_node("CastLike", ["m3", "s"], ["mf"], name="cast"),
+                  helper.make_node("Sub", ["one", "mf"], ["inv"], name="inv"),
+                  helper.make_node("Mul", ["inv", "big"], ["bias"], name="scale"),
+                  helper.make_node("Add", ["s", "bias"], ["sm"], name="addmask")]
     elif style == "gather":            # transformers 4.57 indexes the padding mask: mask[b, kv]
         nodes += [helper.make_node("Cast", ["m3"], ["mf"], to=TensorProto.FLOAT, name="cast"),
                   helper.make_node("Gather", ["mf", "kv"], ["mg"], name="index", axis=2),
@@ -363,7 +368,7 @@ def test_a_masked_softmax_calibrated_without_padding_still_hides_padding(tmp_pat
                   "kv": np.arange(length, dtype=np.int64), "causal": np.zeros((1, length, length), np.float32),
                   "at0": np.zeros((1, 1), np.int64)})
     model = make_model(nodes, [vi("x", [1, length, dim]), vi("attention_mask", [1, length], TensorProto.INT64)],
-                       [vi("y", [1, length, dim])], inits)
+                       [vi("y", [1, length, dim])], inits, opset=15 if style == "castlike" else 13)
     rng = np.random.default_rng(1)
     feeds = [{"x": rng.standard_normal((1, length, dim)).astype(np.float32),
               "attention_mask": np.ones((1, length), np.int64)} for _ in range(8)]
@@ -1331,3 +1336,17 @@ def test_the_diagnosis_of_a_masked_softmax_names_its_floor_not_the_masks_channel
     soft = [d for d in diag if d["node"] == "softmax"]
     assert soft, [d["node"] for d in diag]
     assert "e+38" not in soft[0]["advice"] and "from the Softmax's floor" in soft[0]["advice"], soft[0]["advice"]
+
+
+def test_a_shared_name_of_which_preparation_removed_one_node_still_skips_the_other(tmp_path):
+    """A Conv and an Identity both named "n": --skip_layers n expanded to n_1, the Identity that
+    preparation removes, and the run stopped on a name the user never typed (found by a review)."""
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["a"], name="n", pads=[1, 1, 1, 1]),
+             helper.make_node("Identity", ["a"], ["b"], name="n"),
+             helper.make_node("Conv", ["b", "w2"], ["y"], name="other", pads=[1, 1, 1, 1])]
+    model = make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("y", [1, 4, 8, 8])],
+                       {"w1": rand((4, 3, 3, 3), 1, 0.3), "w2": rand((4, 4, 3, 3), 2, 0.3)})
+    _, qm = quantize_model(tmp_path, model, deploy="trt", skip_layers=("n",), skip_prof_layer=True)
+    convs = {c.name: c for c in qm.graph.node if c.op_type == "Conv"}
+    dq = {o for c in qm.graph.node if c.op_type == "DequantizeLinear" for o in c.output}
+    assert not any(i in dq for i in convs["n"].input) and convs["other"].input[1] in dq
