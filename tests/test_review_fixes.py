@@ -831,17 +831,9 @@ def test_log_gives_the_quantized_count_again_when_placed_nodes_lose_their_grid(t
     assert all(n in lines[0] for n in gone)
 
 
-@pytest.mark.parametrize("a_bits", [None, 16])
-def test_softmax_input_behind_a_float32_lowest_mask_gets_its_floor_grid(tmp_path, a_bits, caplog):
-    """HF's (1 - mask) * float32.min added to the scores, calibrated on padded samples: the log
-    said the Softmax input's grid starts at its floor (the lowest row maximum less 20), and the
-    next line dropped the grid because the tensor's raw minimum is -3.4e38 (found by a bug hunt:
-    MiniLM on qnn, 6 of 6 Softmax inputs left float). The floor decides the reach now: the grid
-    starts there (numpy oracle) and the padding still gets no attention."""
-    import logging
-
-    from dipoorlet.calibrate import SOFTMAX_MARGIN
-
+def _lowest_mask_attention():
+    """Attention scores + (1 - mask) * float32's lowest, a Softmax and softmax·V; 8 samples padded
+    to random lengths: (model, feeds)."""
     length, dim = 12, 16
     nodes = _attention_scores() + [
              helper.make_node("Sub", ["one", "mask"], ["inv"], name="sub"),
@@ -860,6 +852,21 @@ def test_softmax_input_behind_a_float32_lowest_mask_gets_its_floor_grid(tmp_path
         mask = np.zeros((1, 1, length), np.float32)
         mask[..., :n] = 1
         feeds.append({"x": rng.standard_normal((1, length, dim)).astype(np.float32), "mask": mask})
+    return model, feeds
+
+
+@pytest.mark.parametrize("a_bits", [None, 16])
+def test_softmax_input_behind_a_float32_lowest_mask_gets_its_floor_grid(tmp_path, a_bits, caplog):
+    """HF's (1 - mask) * float32.min added to the scores, calibrated on padded samples: the log
+    said the Softmax input's grid starts at its floor (the lowest row maximum less 20), and the
+    next line dropped the grid because the tensor's raw minimum is -3.4e38 (found by a bug hunt:
+    MiniLM on qnn, 6 of 6 Softmax inputs left float). The floor decides the reach now: the grid
+    starts there (numpy oracle) and the padding still gets no attention."""
+    import logging
+
+    from dipoorlet.calibrate import SOFTMAX_MARGIN
+
+    model, feeds = _lowest_mask_attention()
     with caplog.at_level(logging.INFO, logger="dipoorlet"):
         _, qm = quantize_model(tmp_path, model, feeds=feeds, act_quant="mse", deploy="qnn", a_bits=a_bits,
                                skip_prof_layer=True)
@@ -1312,23 +1319,7 @@ def test_the_diagnosis_of_a_masked_softmax_names_its_floor_not_the_masks_channel
     """The diagnosis of a Softmax input behind a float32-lowest mask read "clipped at 20.69;
     largest channel max over 8 samples 3.403e+38": the mask, kept below the floor on purpose
     (found by a KV-cache hunt). It names the floor grid now."""
-    length, dim = 12, 16
-    nodes = _attention_scores() + [
-             helper.make_node("Sub", ["one", "mask"], ["inv"], name="sub"),
-             helper.make_node("Mul", ["inv", "lowest"], ["neg"], name="mul"),
-             helper.make_node("Add", ["s", "neg"], ["sm"], name="addmask"),
-             helper.make_node("Softmax", ["sm"], ["p"], name="softmax", axis=-1),
-             helper.make_node("MatMul", ["p", "v"], ["y"], name="pv")]
-    inits = {k: rand((dim, dim), i, 1.5 / np.sqrt(dim)) for i, k in enumerate(("wq", "wk", "wv"))}
-    inits.update({"one": np.float32(1), "lowest": np.float32(np.finfo(np.float32).min)})
-    model = make_model(nodes, [vi("x", [1, length, dim]), vi("mask", [1, 1, length])], [vi("y", [1, length, dim])],
-                       inits)
-    rng = np.random.default_rng(5)
-    feeds = []
-    for i in range(8):
-        mask = np.zeros((1, 1, length), np.float32)
-        mask[..., :int(rng.integers(4, length))] = 1
-        feeds.append({"x": rng.standard_normal((1, length, dim)).astype(np.float32), "mask": mask})
+    model, feeds = _lowest_mask_attention()
     quantize_model(tmp_path, model, feeds=feeds, act_quant="mse", deploy="qnn")
     import json
 
