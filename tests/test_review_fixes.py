@@ -520,7 +520,6 @@ def test_attention_mask_of_float32_lowest_stays_float(tmp_path, flags, caplog):
     """HF's (1 - mask) * float32.min: a grid over +-3.4e38 has steps of 1e36 (the real scores
     collapsed: output cosine 0.56 on qnn) and its end levels dequantize to inf (a 'math domain
     error' in the report, an inf range in ti_blob_range.txt). Such tensors stay float, named."""
-    import json
     import logging
 
     nodes = [helper.make_node("MatMul", ["x", "w"], ["s"], name="mm"),
