@@ -165,24 +165,8 @@ def _from_input(graph, tensor: str, depth: int = 16, integer: bool = False) -> b
     # every other operand holds no data (constants, a causal mask made from a Range or a Shape):
     # "scores + ALiBi" is no mask though its ALiBi comes from attention_mask (BLOOM's padding mask
     # then read as added to another mask, and was missed; found by a review)
-    dep = _value_dependent(graph)
+    dep = graph.value_dependent()
     return any(f for _, f in fed) and all(f or x not in dep for x, f in fed)
-
-
-def _value_dependent(graph) -> set:
-    """Tensors whose values depend on the network inputs' values (a Shape or Size reads only a
-    shape), cached on ``graph`` until its nodes change."""
-    nodes = graph.graph.node
-    key = (len(nodes), nodes[0].name if nodes else "", tuple(nodes[-1].output) if nodes else ())
-    cached = getattr(graph, "_value_dependent_cache", None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    dep = {i.name for i in graph.graph_inputs}
-    for node in graph.topological_nodes():
-        if node.op_type not in ("Shape", "Size") and any(x in dep for x in node.input if x):
-            dep.update(o for o in node.output if o)
-    graph._value_dependent_cache = (key, dep)
-    return dep
 
 
 def _mask_fed(graph, tensor: str, integer: bool = False) -> bool:

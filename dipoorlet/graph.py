@@ -255,8 +255,21 @@ class Graph:
                 self.types[vi.name] = (tt.elem_type, shape)
         for t in g.initializer:
             self.types[t.name] = (t.data_type, list(t.dims))
+        self._value_dependent: set | None = None
 
     # ---- queries --------------------------------------------------------------------------
+    def value_dependent(self) -> set:
+        """Tensors whose values depend on the network inputs' values (a Shape or Size reads only
+        a shape; token embeddings do, though a Gather makes them from a constant table), computed
+        once per :meth:`refresh`."""
+        if self._value_dependent is None:
+            dep = {i.name for i in self.graph_inputs}
+            for node in self.topological_nodes():
+                if node.op_type not in ("Shape", "Size") and any(x in dep for x in node.input if x):
+                    dep.update(o for o in node.output if o)
+            self._value_dependent = dep
+        return self._value_dependent
+
     def is_constant(self, name: str) -> bool:
         if name in self.initializers:
             return True

@@ -214,9 +214,7 @@ def position_tensors(g: Graph) -> tuple[set, set]:
     size, and the model failed at another (both found by bug hunts). A mask (a Cast of
     attention_mask) is not a position."""
     ints, floats, consts, nodes = set(), set(), set(), set()
-    # tensors whose values depend on the inputs' values (a Shape or Size reads only their shape):
-    # token embeddings are such, though computed by a Gather from a constant table
-    data = {i.name for i in g.graph_inputs}
+    data = g.value_dependent()
     for i in g.graph_inputs:
         if "position" in i.name.lower() and g.elem_type(i.name) in _INTS:
             ints.add(i.name)
@@ -225,8 +223,6 @@ def position_tensors(g: Graph) -> tuple[set, set]:
         if not outs or node.op_type == "Constant":
             continue
         op = node.op_type
-        if op not in ("Shape", "Size") and any(x in data for x in node.input if x):
-            data.update(outs)
         values = node.input[:_VALUE_INPUTS[op]] if op in _VALUE_INPUTS else node.input
         live = [x for x in values if x and not g.is_constant(x)]
         out_float = all(g.is_float(o) for o in outs)
@@ -275,13 +271,9 @@ def norm_statistics(g: Graph) -> tuple[set, set]:
     consts: set = set()          # float tensors computed from constants and shapes alone (gamma reshaped)
     stats: dict[str, set] = {}   # statistic -> the tensors its reductions read
     nodes_of: dict[str, str] = {}
-    # tensors whose values depend on the inputs' values (a Shape reads only a shape; token
-    # embeddings do, though a Gather makes them from a constant table and integer ids)
-    data = {i.name for i in g.graph_inputs}
+    data = g.value_dependent()
     for node in g.topological_nodes():
         outs = [o for o in node.output if o]
-        if node.op_type not in ("Shape", "Size") and any(x in data for x in node.input if x):
-            data.update(outs)
         if not outs or not all(g.is_float(o) for o in outs):
             continue
         live = [x for x in floats(node) if x not in consts]
