@@ -42,8 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bins", type=int, default=2048, help="histogram bins (hist, mse, entropy, percentile)")
     p.add_argument("--threshold", type=float, default=0.99999, help="|x| mass kept by -A hist")
     p.add_argument("--percentile", type=float, default=99.999, help="percentile for -A percentile")
-    p.add_argument("--skip_layers", nargs="+", default=[], metavar="NODE", help="node names to keep in float")
-    p.add_argument("--input_shape", nargs="+", default=[], metavar="NAME:D1,D2,..",
+    p.add_argument("--skip_layers", nargs="+", action="extend", default=[], metavar="NODE", help="node names to keep in float")
+    p.add_argument("--input_shape", nargs="+", action="extend", default=[], metavar="NAME:D1,D2,..",
                    help="shape of a dynamic input for raw .bin data, e.g. x:1,3,640,640")
     p.add_argument("--savefp", action="store_true", help="save the float model's outputs per sample")
     p.add_argument("--skip_prof_layer", action="store_true", help="profile network outputs only")
@@ -131,13 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exit with code 3 (for CI) when a network output is below TARGET: its mean cosine over the "
                         "profile's samples (0.99 or cosine:0.99) or its SQNR in dB (sqnr:30; pooled over the "
                         "samples, so outputs near zero on some samples do not pull it down)")
-    p.add_argument("--score_outputs", nargs="+", default=[], metavar="OUTPUT",
+    p.add_argument("--score_outputs", nargs="+", action="extend", default=[], metavar="OUTPUT",
                    help="network outputs that --auto_skip/--auto_a16/--auto_w8 targets, the sensitivity ranking and "
                         "--fail_below judge, e.g. a recurrent model's prediction, not its state (default: every "
                         "output but integer ones such as class ids)")
     p.add_argument("--w_bits", type=int, default=None, help="weight bits for every layer (default: the platform's)")
     p.add_argument("--a_bits", type=int, default=None, help="activation bits for every layer (2..8; 16 where the backend has 16-bit activations: qnn, snpe, ort)")
-    p.add_argument("--layer_bits", nargs="+", default=[], metavar="NODE=wNaM",
+    p.add_argument("--layer_bits", nargs="+", action="extend", default=[], metavar="NODE=wNaM",
                    help="per-layer bit widths, e.g. conv1=w8a8 fc=w4 (w or a may be left out)")
     p.add_argument("--trt_version", default="8601", help="version in the TensorRT calibration cache header")
     p.add_argument("--mpirun", action="store_true", help="run as one of the processes mpirun/mpiexec started")
@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log_all_ranks", action="store_true",
                    help="under MPI, ranks other than 0 also log, to dipoorlet.rank<N>.log")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="onnxruntime device")
-    p.add_argument("--custom_op_lib", nargs="+", default=[], metavar="LIB",
+    p.add_argument("--custom_op_lib", nargs="+", action="extend", default=[], metavar="LIB",
                    help="onnxruntime custom-op libraries for the model's non-standard ops (they stay float), "
                         "e.g. the path onnxruntime_extensions.get_library_path() gives")
     p.add_argument("--debug", action="store_true", help="full tracebacks and debug logs")

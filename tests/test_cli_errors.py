@@ -1112,3 +1112,25 @@ def test_a_sample_count_above_n_is_said(tmp_path, capsys):
     assert rc == 0
     assert ("--eq_samples 50, --prof_samples 100: more than the 2 calibration samples (-N); all 2 are read"
             in (case.out / "dipoorlet.log").read_text())
+
+
+def test_a_list_flag_given_twice_keeps_both_occurrences():
+    """`--skip_layers a --skip_layers b` had kept b only (argparse's default store action), so a
+    layer the user named stayed quantized without a word; `--layer_bits fc=w4 --layer_bits fc=w8`
+    ran where `--layer_bits fc=w4 fc=w8` is refused (found by a bug hunt)."""
+    from dipoorlet.cli import build_parser
+    from dipoorlet.data import parse_input_shapes
+    from dipoorlet.config import parse_layer_bits
+
+    base = ["-M", "m.onnx", "-I", "d", "-N", "4", "-D", "trt"]
+    args = build_parser().parse_args(base + [
+        "--skip_layers", "conv1", "--skip_layers", "conv2", "conv3",
+         "--layer_bits", "conv1=w4", "--layer_bits", "fc=w4", "--input_shape", "x:1,3,8,8", "--input_shape", "y:1,2",
+         "--score_outputs", "a", "--score_outputs", "b", "--custom_op_lib", "l1.so", "--custom_op_lib", "l2.so"])
+    assert args.skip_layers == ["conv1", "conv2", "conv3"]
+    assert parse_layer_bits(args.layer_bits) == {"conv1": (4, None), "fc": (4, None)}
+    assert parse_input_shapes(args.input_shape) == {"x": (1, 3, 8, 8), "y": (1, 2)}
+    assert args.score_outputs == ["a", "b"] and args.custom_op_lib == ["l1.so", "l2.so"]
+    with pytest.raises(DipoorletError, match="two w widths"):
+        parse_layer_bits(build_parser().parse_args(base + ["--layer_bits", "fc=w4", "--layer_bits", "fc=w8"]).layer_bits)
+    assert build_parser().parse_args(base).skip_layers == []     # the default is not shared between parses
