@@ -168,7 +168,7 @@ class DataSource:
                 raise DataError(f"{self.what} data {self.path} is a file but not .npz; pass a "
                                 "folder with one sub-folder per input, or an .npz file")
             return self.path
-        if not any((self.path / s.name).is_dir() or (self.path / _safe(s.name)).is_dir()
+        if not any((self.path / s.name).is_dir() or (self.path / self._own_name(s)).is_dir()
                    for s in self.specs):
             found = sorted(self.path.glob("*.npz"))
             if len(found) == 1:
@@ -202,8 +202,14 @@ class DataSource:
                 raise DataError(f"{path}[{s.name!r}] holds {count} samples but {self.n_flag} is {self.n}; "
                                 f"lower {self.n_flag} to {count} or add samples")
 
+    def _own_name(self, spec: InputSpec) -> str:
+        """The folder name for an input: its name with / : \\ made _, unless that is another input's
+        own name (inputs `in:0` and `in_0` must not both read `in_0/`), then the name itself."""
+        safe = _safe(spec.name)
+        return spec.name if any(s.name == safe for s in self.specs if s is not spec) else safe
+
     def _folder(self, spec: InputSpec) -> Path:
-        for cand in (self.path / spec.name, self.path / _safe(spec.name)):
+        for cand in (self.path / spec.name, self.path / self._own_name(spec)):
             if cand.is_dir():
                 return cand
         npz = sorted(p.name for p in self.path.glob("*.npz"))
@@ -220,7 +226,7 @@ class DataSource:
         dirs = [k for k in listing if (self.path / k).is_dir()]
         if loose and len(self.specs) == 1:
             hint = (f"{len(loose)} sample file{'s' if len(loose) > 1 else ''} such as {loose[0]} in {self.path} "
-                    f"itself: move them into {self.path / _safe(spec.name)}"
+                    f"itself: move them into {self.path / self._own_name(spec)}"
                     + (" and name them 0.npy, 1.npy ..." if not all(k[:-4].isdigit() for k in loose) else ""))
         else:
             hint = _layout_hint(self.path, files)
@@ -228,7 +234,7 @@ class DataSource:
             hint = (f"its folders are {', '.join(dirs[:4])}{' ...' if len(dirs) > 4 else ''}: name each after a "
                     f"model input ({', '.join(repr(x.name) for x in self.specs)})")
         raise DataError(f"no folder for model input {spec.name!r} in {self.path}; expected "
-                        f"{self.path / _safe(spec.name)}/0.bin (or .npy) ... one file per sample"
+                        f"{self.path / self._own_name(spec)}/0.bin (or .npy) ... one file per sample"
                         + (f" ({hint})" if hint else ""))
 
     def _files(self, spec: InputSpec) -> list[Path]:

@@ -94,6 +94,24 @@ def test_input_names_with_slash_or_colon_use_a_safe_folder_name(tmp_path):
     np.testing.assert_array_equal(src.sample(0)["input:0"], x)
 
 
+def test_an_input_never_reads_the_folder_named_after_another_input(tmp_path):
+    """Inputs `in:0` and `in_0`: the safe folder name of the first is the second's own folder, which
+    both had read without a word (found by a bug hunt); `in:0` now needs a folder of its exact
+    name, and the error says so."""
+    x = rand((2, 3), 1)
+    (tmp_path / "in_0").mkdir()
+    np.save(tmp_path / "in_0" / "0.npy", x)
+    specs = [InputSpec("in:0", F32, (2, 3)), InputSpec("in_0", F32, (2, 3))]
+    with pytest.raises(DataError, match=r"no folder for model input 'in:0' .*in:0/0\.bin"):
+        DataSource(tmp_path, specs, 1)
+    y = rand((2, 3), 2)
+    (tmp_path / "in:0").mkdir()
+    np.save(tmp_path / "in:0" / "0.npy", y)
+    feed = DataSource(tmp_path, specs, 1).sample(0)
+    np.testing.assert_array_equal(feed["in:0"], y)
+    np.testing.assert_array_equal(feed["in_0"], x)
+
+
 def test_two_inputs_are_read_from_their_own_folders(tmp_path):
     a, b = rand((2, 3), 1), rand((3, 4), 2)
     for name, arr in (("a", a), ("b", b)):
