@@ -15,9 +15,10 @@ def quantize(**kwargs):
     """
     from pathlib import Path
 
-    from dipoorlet.cli import RUN_LOG, name_run_log
+    from dipoorlet.cli import RUN_LOG, _check_log_names, name_run_log
     from dipoorlet.config import config_from_kwargs
     from dipoorlet.dist import launched_by_mpi, make_comm
+    from dipoorlet.graph import check_model_path
     from dipoorlet.pipeline import OutputLock, check_output_dir, quantize as _quantize
 
     distributed = bool(kwargs.pop("mpirun", False)) | bool(kwargs.pop("slurm", False))
@@ -25,7 +26,12 @@ def quantize(**kwargs):
     # the run's log goes into the output folder as from the CLI (dipoorlet.log; a failed run's beside
     # an earlier run's outputs is dipoorlet.failed.log); the caller sees what it saw before
     out = Path(cfg.output_dir)
+    # as from the CLI: a missing model is named before -O (default <model dir>/results) is made,
+    # and the log must not overwrite a file of the model (an API call had made ram/typo/results/
+    # and a log there for a mistyped model path; found by a bug hunt)
+    check_model_path(cfg.model)
     check_output_dir(out)
+    _check_log_names(cfg)
     comm = make_comm(mpirun=True) if distributed else None
     if comm is None and launched_by_mpi():
         import logging

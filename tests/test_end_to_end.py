@@ -404,6 +404,30 @@ def test_python_api_takes_the_clis_long_flag_names(tmp_path):
         assert all(w in str(err.value) for w in words)
 
 
+def test_python_api_names_a_missing_model_before_making_any_folder(tmp_path):
+    """As from the CLI: dipoorlet.quantize with a mistyped model path had made the default -O
+    (<model dir>/results, parents included) and a log in it before saying the model is missing
+    (found by a bug hunt); and a log that would overwrite a file of the model is refused."""
+    import dipoorlet
+    from dipoorlet.errors import ModelError, OutputError
+
+    missing = tmp_path / "typo" / "sub" / "m.onnx"
+    for out in (None, tmp_path / "out"):
+        with pytest.raises(ModelError, match="does not exist"):
+            dipoorlet.quantize(model=missing, input_dir=tmp_path, data_num=1, deploy="trt",
+                               **({"output_dir": out} if out else {}))
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    model = tiny_cnn()
+    (tmp_path / "out").mkdir()
+    onnx.save(model, tmp_path / "out" / "m.onnx", save_as_external_data=True, all_tensors_to_one_file=True,
+              location="dipoorlet.log", size_threshold=0)
+    before = (tmp_path / "out" / "dipoorlet.log").read_bytes()
+    with pytest.raises(OutputError, match="is a file of the model"):
+        dipoorlet.quantize(model=tmp_path / "out" / "m.onnx", input_dir=tmp_path, data_num=1, deploy="trt",
+                           output_dir=tmp_path / "out")
+    assert (tmp_path / "out" / "dipoorlet.log").read_bytes() == before
+
+
 def test_python_api_log_file_gets_info_while_the_callers_handlers_get_what_they_did(tmp_path):
     """dipoorlet.log holds the run's INFO lines; a caller whose logging passes WARNING and up
     still gets only those (here a warning for an option that does not apply)."""
