@@ -58,6 +58,11 @@ def quantize(**kwargs):
 
                     _log_to_file(f"dipoorlet: error: {exc}")
                     raise
+                except KeyboardInterrupt:
+                    from dipoorlet.cli import _log_to_file, _stop_note
+
+                    _log_to_file(f"dipoorlet: interrupted; {_stop_note()}")
+                    raise
                 ok = True       # the outputs are written, a miss of fail_below included
                 _check_bar(result, cfg)
             return result

@@ -628,19 +628,29 @@ def _fail(comm, state, message: str, code: int, trace: str = "") -> int:
     return code
 
 
+def _published() -> list:
+    return getattr(sys.modules.get("dipoorlet.pipeline"), "PUBLISHED", None) or []
+
+
+def _stop_note() -> str:
+    PUBLISHED = _published()
+    return f"after the outputs were written into {PUBLISHED[-1]}" if PUBLISHED else "no output was written"
+
+
 def _stop(comm, state, what: str, code: int) -> int:
     """Ctrl-C or SIGTERM: the staging folder is gone (the exception unwound through the pipeline);
     under MPI the other ranks are taken down too, or they would wait in a collective forever."""
     # not imported here: Ctrl-C may have cut the pipeline's own import short (a module left half
     # initialized), and a pipeline that never loaded published nothing
-    PUBLISHED = getattr(sys.modules.get("dipoorlet.pipeline"), "PUBLISHED", None) or []
-    done = f"after the outputs were written into {PUBLISHED[-1]}" if PUBLISHED else "no output was written"
+    PUBLISHED = _published()
+    done = _stop_note()
     if PUBLISHED:
         state["ok"] = True          # the log describes the outputs -O now holds
     if comm is not None and comm.world > 1 and comm.rank != 0 and PUBLISHED:
         # a signal to this rank alone, held until rank 0 had published: the run is done, rank 0
         # finishes it (an abort would kill it while it closes its log); this rank exits with the code
         print(f"dipoorlet: rank {comm.rank}: {what}; {done}", file=sys.stderr, flush=True)
+        _log_to_file(f"dipoorlet: rank {comm.rank}: {what}; {done}")
         return code
     if comm is not None and comm.world > 1 and comm.rank != 0:
         # mpirun passes Ctrl-C to every rank: rank 0 says it and its abort ends this wait (a
@@ -653,6 +663,9 @@ def _stop(comm, state, what: str, code: int) -> int:
 
     if comm is not None or launcher_rank() == 0:     # before MPI started: the launcher's rank 0
         print(f"dipoorlet: {what}; {done}", file=sys.stderr, flush=True)
+    # the log says so too: a run a CI step's time limit or slurm ended had left a log that stopped
+    # on an ordinary line, which reads like a hang or a crash (found by a bug hunt)
+    _log_to_file(f"dipoorlet: {what}; {done}")
     if comm is None:
         abort_launch(code)
     if comm is not None and comm.world > 1:

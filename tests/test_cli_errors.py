@@ -807,6 +807,9 @@ def test_sigterm_unwinds_like_ctrl_c(tmp_path, capsys, monkeypatch):
     assert "terminated (SIGTERM)" in err
     assert signal.getsignal(signal.SIGTERM) == before        # the handler is the caller's again
     assert_nothing_written(case)
+    # the log says so too (it had stopped on an ordinary line; found by a bug hunt)
+    log = (case.out / "dipoorlet.log").read_text().splitlines()
+    assert log[-1] == "dipoorlet: terminated (SIGTERM); no output was written"
 
 
 def _fresh_python(code: str, timeout: int = 120) -> str:
@@ -866,6 +869,8 @@ def test_interrupt_while_publishing_puts_every_earlier_output_back(tmp_path, cap
     assert rc == 130 and len(calls) == 2
     assert _outputs(case.out) == before
     assert not list(case.out.glob(".dipoorlet-staging-*"))
+    # the stopped run's log (beside the earlier run's outputs) ends on why it stopped
+    assert (case.out / "dipoorlet.failed.log").read_text().splitlines()[-1] == "dipoorlet: interrupted; no output was written"
 
 
 def test_runtime_failure_names_the_sample_file(tmp_path, capfd):

@@ -428,6 +428,25 @@ def test_python_api_names_a_missing_model_before_making_any_folder(tmp_path):
     assert (tmp_path / "out" / "dipoorlet.log").read_bytes() == before
 
 
+def test_python_api_log_says_the_run_was_interrupted(tmp_path, monkeypatch):
+    """Ctrl-C in a dipoorlet.quantize call: the caller gets the KeyboardInterrupt and the log in -O
+    ends on why the run stopped, not on an ordinary line (found by a bug hunt)."""
+    import dipoorlet
+    from dipoorlet import pipeline
+
+    def interrupted(cfg, comm=None):
+        import logging
+
+        logging.getLogger("dipoorlet").info("calibrating")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "quantize", interrupted)
+    model_path = save(tiny_cnn(), tmp_path / "model.onnx")
+    with pytest.raises(KeyboardInterrupt):
+        dipoorlet.quantize(model=model_path, input_dir=tmp_path, data_num=1, deploy="trt", output_dir=tmp_path / "o")
+    assert (tmp_path / "o" / "dipoorlet.log").read_text().splitlines()[-1] == "dipoorlet: interrupted; no output was written"
+
+
 def test_python_api_log_file_gets_info_while_the_callers_handlers_get_what_they_did(tmp_path):
     """dipoorlet.log holds the run's INFO lines; a caller whose logging passes WARNING and up
     still gets only those (here a warning for an option that does not apply)."""
