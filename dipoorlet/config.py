@@ -303,6 +303,9 @@ class QuantConfig:
         if self.quant_format not in ("QDQ", "QOP"):
             raise ConfigError(f"--quant_format must be QDQ or QOP, got {self.quant_format!r}")
         libs = (self.custom_op_libs,) if isinstance(self.custom_op_libs, (str, os.PathLike)) else self.custom_op_libs
+        if any(isinstance(x, str) and not x.strip() for x in libs):    # (abspath would make it the working folder)
+            raise ConfigError("--custom_op_lib is an empty path; give the path of the onnxruntime custom-op library "
+                              "(.so/.dll/.dylib), or leave the flag out")
         # absolute: onnxruntime's loader searches the library path, not the working folder, for a bare name
         object.__setattr__(self, "custom_op_libs", tuple(os.path.abspath(str(x)) for x in libs))
         for lib in self.custom_op_libs:

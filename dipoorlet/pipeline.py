@@ -2188,9 +2188,13 @@ def _move_all(moves, out_dir: Path, aside: Path, moved_aside: list, moved_in: li
                 log.error("could not put back %s (kept in %s)", dst, held)
         if not isinstance(exc, OSError):
             raise
+        import errno
+
+        # the advice fits the cause: a permission error had been told to free space (found by a bug hunt)
+        fix = ("make it writable (or remove it) or choose another -O"
+               if exc.errno in (errno.EACCES, errno.EPERM) else "free space there or choose another -O")
         raise OutputError(f"could not write {exc.filename or out_dir} ({exc.strerror or exc}); "
-                          f"the earlier files in {out_dir} are as they were; free space there or choose "
-                          f"another -O") from exc
+                          f"the earlier files in {out_dir} are as they were; {fix}") from exc
 
 
 def _remove_stale(out_dir: Path, listed: list, written: set, kept: set) -> list[str]:

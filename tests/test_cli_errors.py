@@ -605,7 +605,13 @@ def input_dir_empty(c):
     return ["-I is an empty path", "calibration data folder"]
 
 
-CASES = [output_dir_empty, input_dir_empty, sample_named_with_a_non_ascii_digit, far_too_many_files, npy_without_batch_axis_channels_last, missing_model, model_is_a_folder, not_onnx, external_data_missing, custom_op, input_dir_missing, input_folder_missing,
+def custom_op_lib_empty(c):
+    # it had read "--custom_op_lib /the/working/folder is not a file" (found by a bug hunt)
+    c.extra = ["--custom_op_lib", ""]
+    return ["--custom_op_lib is an empty path", "leave the flag out"]
+
+
+CASES = [output_dir_empty, input_dir_empty, custom_op_lib_empty, sample_named_with_a_non_ascii_digit, far_too_many_files, npy_without_batch_axis_channels_last, missing_model, model_is_a_folder, not_onnx, external_data_missing, custom_op, input_dir_missing, input_folder_missing,
          too_few_files, bin_wrong_size, nan_in_sample, inf_in_npy, images_instead_of_samples,
          images_in_input_dir, samples_named_otherwise, samples_outside_input_folder, channels_last_sample,
          channels_last_sample_dynamic_batch, samples_zero_padded, too_few_files_beside_a_stray_file,
@@ -755,9 +761,22 @@ def test_failed_move_puts_every_earlier_output_back(tmp_path, capsys, monkeypatc
     assert len(calls) == 3
     assert rc == 2
     (line,) = error_lines(err)
-    assert "No space left on device" in line and "as they were" in line
+    assert "No space left on device" in line and "as they were" in line and "free space there" in line
     assert _outputs(case.out) == before
     assert not list(case.out.glob(".dipoorlet-staging-*"))
+    # a permission error is not told to free space (found by a bug hunt)
+    calls.clear()
+    monkeypatch.undo()
+    calls = _on_moves_into(monkeypatch, case, lambda c: _raise(PermissionError(13, "Permission denied", str(c[-1])))
+                           if len(c) == 2 else None)
+    rc, err = run_cli(case, capsys)
+    (line,) = error_lines(err)
+    assert rc == 2 and "Permission denied" in line and "make it writable" in line and "free space" not in line
+    assert _outputs(case.out) == before
+
+
+def _raise(exc):
+    raise exc
 
 
 def test_failed_move_removes_the_folders_it_made(tmp_path, capsys, monkeypatch):
