@@ -189,7 +189,13 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
     # the channel ranges come from the sensitivity samples (``samples`` over all processes,
     # ``indices`` this one's share), the clip from all N: say so
     n_samples = samples if samples is not None else len(list(indices))
-    rescaled = {n for r in equalized for n in [r.get("producer"), *r.get("absorbers", [])] if n}
+    # the nodes whose output a pair rescaled (a Conv, or an affine Mul/Add): an input reached from
+    # one of them is equalized; one reached from a pair's absorber only is not (its input side was
+    # rescaled; "already equalized" had been said there, found by a bug hunt)
+    rescaled = {r["producer"] for r in equalized if r.get("producer")}
+    from dipoorlet.equalize import matmul_targets
+
+    smoothable = matmul_targets(g) if smooth else {}
     from dipoorlet.sensitivity import grid_copies, grid_partners
 
     copies = grid_copies(g, places, plan)           # B -> (A, c): B's grid is A's times c
@@ -259,11 +265,17 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
             elif kind == "smoothed":
                 a["equalization"] = "already smoothed (a per-channel input scale moved into the weights)"
             elif matmul_input:
-                a["equalization"] = ("MatMul input smoothing estimated to gain under 3 dB" if smooth else
-                                     "MatMul input smoothing is off: this platform quantizes the Mul it inserts")
+                a["equalization"] = (
+                    "MatMul input smoothing is off: this platform quantizes the Mul it inserts" if not smooth else
+                    "MatMul input smoothing estimated to gain under 3 dB" if t in smoothable else
+                    "MatMul input smoothing does not apply: the weight is not this MatMul's own (another layer "
+                    "reads it) or not a float32 2-D initializer")
             elif kind == "reachable":
                 a["equalization"] = ("already equalized" if via.name in rescaled else
-                                     f"reachable from {via.name} but estimated to gain under 3 dB")
+                                     f"reachable from {via.name} but not equalized: estimated to gain under 3 dB, "
+                                     f"or the pair does not qualify ({via.name}'s weight or bias shared, its output "
+                                     "read by an op that is not a Conv of its own or does not commute with a channel "
+                                     "scale, or a graph output)")
             elif kind == "blocked" and via.name in rescaled:
                 # equalization rescaled it after all (an Add whose scalar constant it made per
                 # channel, PP-LCNet's affine blocks): "blocked by" it was false (found by a hunt)

@@ -1223,3 +1223,52 @@ def test_diagnosis_does_not_call_an_add_equalization_rescaled_a_blocker(tmp_path
     assert any(e["producer"] == "aff_add" for e in res.report["equalization"])
     said = [a["equalization"] for d in res.report["diagnosis"] if d["node"] == "conv1" for a in d["activations"]]
     assert said and all("blocked by" not in s for s in said) and "already equalized" in said, said
+
+
+def test_diagnosis_says_already_equalized_only_where_a_pair_rescaled_the_input(tmp_path):
+    """conv0 -> conv1 is a pair; conv1 -> conv2 is not (conv2's weight is conv3's too). conv2's
+    input had been called "already equalized" because conv1 was rescaled as a pair's absorber,
+    which leaves its output channels as they were (found by a bug hunt)."""
+    r = np.random.default_rng(1)
+    c = 16
+    spread = np.geomspace(0.05, 3.0, c)[:, None, None, None]
+    nodes = [helper.make_node("Conv", ["x", "w0", "b0"], ["c0"], name="conv0", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c0"], ["r0"], name="relu0"),
+             helper.make_node("Conv", ["r0", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+             helper.make_node("Conv", ["r1", "ws", "b2"], ["c2"], name="conv2"),
+             helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
+             helper.make_node("Conv", ["r2", "ws", "b3"], ["y"], name="conv3")]
+    model = make_model(nodes, [vi("x", [1, 3, 12, 12])], [vi("y", [1, c, 12, 12])],
+                       {"w0": (r.normal(0, 0.3, (c, 3, 3, 3)) * spread).astype(np.float32),
+                        "b0": np.zeros(c, np.float32),
+                        "w1": (r.normal(0, 0.1, (c, c, 3, 3)) * spread).astype(np.float32),
+                        "b1": np.zeros(c, np.float32), "ws": r.normal(0, 0.3, (c, c, 1, 1)).astype(np.float32),
+                        "b2": np.zeros(c, np.float32), "b3": np.zeros(c, np.float32)}, opset=13)
+    feeds = [{"x": r.normal(0, 1, (1, 3, 12, 12)).astype(np.float32)} for _ in range(8)]
+    res, _ = quantize_model(tmp_path, model, feeds=feeds, a_bits=4, no_bc=True)
+    assert [e["producer"] for e in res.report["equalization"] if "producer" in e] == ["conv0"]
+    said = {d["node"]: [a["equalization"] for a in d["activations"]] for d in res.report["diagnosis"]}
+    assert "conv2" in said, said
+    assert said["conv2"] and all("already equalized" not in s for s in said["conv2"]), said["conv2"]
+    assert any("reachable from conv1 but not equalized" in s for s in said["conv2"]), said["conv2"]
+    if "conv1" in said:
+        assert "already equalized" in said["conv1"], said["conv1"]
+
+
+def test_diagnosis_of_a_matmul_whose_weight_is_shared_says_smoothing_does_not_apply(tmp_path):
+    """Smoothing never considers a MatMul whose weight another layer reads; its diagnosis had said
+    "estimated to gain under 3 dB" (found by a bug hunt)."""
+    r = np.random.default_rng(2)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm1"),
+             helper.make_node("Relu", ["h"], ["hr"], name="relu"),
+             helper.make_node("MatMul", ["hr", "w"], ["y"], name="mm2")]
+    model = make_model(nodes, [vi("x", [1, 8, 16])], [vi("y", [1, 8, 16])],
+                       {"w": r.normal(0, 0.3, (16, 16)).astype(np.float32)}, opset=13)
+    scale = np.ones(16, np.float32)
+    scale[3] = 40.0                           # an outlier channel: the per-tensor grid is coarse
+    feeds = [{"x": (r.normal(0, 1, (1, 8, 16)) * scale).astype(np.float32)} for _ in range(8)]
+    res, _ = quantize_model(tmp_path, model, feeds=feeds, a_bits=4, no_bc=True)
+    said = [a["equalization"] for d in res.report["diagnosis"] if d["node"] == "mm1" for a in d["activations"]]
+    assert said and all("gain under 3 dB" not in s for s in said), said
+    assert any("smoothing does not apply" in s for s in said), said
