@@ -177,6 +177,9 @@ def load_graph(cfg: QuantConfig, plat=None) -> Graph:
              done["batchnorms_folded"], done["elementwise_folded"],
              f", {done['layernorms_fused']} decomposed LayerNorms fused" if done.get("layernorms_fused") else "",
              f", {done['hardswish_fused']} decomposed HardSwish fused" if done.get("hardswish_fused") else "")
+    if done.get("pool_counts_unpadded"):
+        log.info("%d AveragePool with ceil_mode=1 and no padding: count_include_pad=1 -> 0, the same function, in "
+                 "the form onnxruntime's integer kernel gets right", done["pool_counts_unpadded"])
     if done["float16_widened"]:
         log.warning("model %s is %s: calibrated and written in float32 (%d weights, types and Casts "
                     "widened; inputs %s now float32); the backends build float32 Q/DQ models and run "
@@ -1173,6 +1176,8 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
         _runs_batched_by_default(g, places, qmodel, data, indices)
         if plat.name == "ort" and len(indices):
             _runs_by_default(qmodel, data.sample(indices[0]), cfg.quant_format == "QOP")
+        if plat.name == "ort" or cfg.quant_format == "QOP":
+            _warn_padded_ceil_pools(qmodel)
 
     targets_prof = layer_errors.profile_targets(g, places, layers=not cfg.skip_prof_layer,
                                                 taps={n: t for r in shifted for n, t in r["taps"].items()})
@@ -1271,7 +1276,8 @@ def _write_staging(cfg, g, plan, places, plat, data, indices, qmodel, staging: P
     # side files (atlas, rk, rv, stpu) use: the graph that holds those names must ship
     if equalized or shifted or plan.values or renamed or g.prepared["float16_widened"] or g.prepared["nodes_named"] \
             or g.prepared["batchnorms_folded"] or g.prepared["elementwise_folded"] \
-            or g.prepared.get("layernorms_fused") or g.prepared.get("hardswish_fused"):
+            or g.prepared.get("layernorms_fused") or g.prepared.get("hardswish_fused") \
+            or g.prepared.get("pool_counts_unpadded"):
         files.append(_save_transformed(g, plan, staging / "transformed_model.onnx"))
     files += export_all(DeployContext(g, plan, places, plat, cfg), staging)
     meta = {"model": str(cfg.model), "platform": plat.name, "method": cfg.act_quant,
@@ -1849,6 +1855,25 @@ def _drop_default_pool_dilations(qmodel) -> None:
                 if a.name == "dilations" and all(v == 1 for v in a.ints):
                     del node.attribute[i]
                     break
+
+
+def _warn_padded_ceil_pools(qmodel) -> None:
+    """A quantized AveragePool with ceil_mode=1, padding and count_include_pad=1: a default
+    onnxruntime session fuses it into QLinearAveragePool, which divides the windows ceil mode adds
+    at the border by the whole kernel (float and the simulation divide by the cells inside the
+    padded input; 0.6 relative error on those outputs measured). QOP leaves it QDQ, which the
+    default session fuses all the same."""
+    from dipoorlet.prepare import padded_ceil_pool
+
+    made = {o: n for n in qmodel.graph.node for o in n.output}
+    pools = [n.name for n in qmodel.graph.node if padded_ceil_pool(n) and n.input
+             and getattr(made.get(n.input[0]), "op_type", "") == "DequantizeLinear"]
+    if pools:
+        log.warning("AveragePool %s (ceil_mode=1, padded, count_include_pad=1): onnxruntime's default session "
+                    "fuses its Q/DQ into QLinearAveragePool, which divides the border windows ceil mode adds by "
+                    "the whole kernel, so deployed numbers there differ from this run's; run the model at "
+                    "GraphOptimizationLevel.ORT_ENABLE_BASIC, or keep the pool float (--skip_layers)",
+                    ", ".join(pools[:4]) + (" ..." if len(pools) > 4 else ""))
 
 
 def _runs_by_default(qmodel, feed: dict, qop: bool) -> None:

@@ -862,6 +862,48 @@ def inline_functions(g: Graph) -> int:
     return calls
 
 
+def _set_attr(node, name: str, value: int) -> None:
+    for a in node.attribute:
+        if a.name == name:
+            a.i = value
+            return
+    node.attribute.append(helper.make_attribute(name, value))
+
+
+def padded_ceil_pool(node) -> bool:
+    """An AveragePool whose border windows onnxruntime's QLinearAveragePool divides wrongly and
+    :func:`unpadded_pool_counts` cannot rewrite: ceil mode, padding, and the padding counted."""
+    if node.op_type != "AveragePool" or node.domain not in ("", "ai.onnx"):
+        return False
+    if not node_attr(node, "ceil_mode", 0) or not node_attr(node, "count_include_pad", 0):
+        return False
+    auto_pad = node_attr(node, "auto_pad", b"NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else str(auto_pad)
+    return auto_pad.startswith("SAME") or (auto_pad == "NOTSET" and any(node_attr(node, "pads", None) or []))
+
+
+def unpadded_pool_counts(g: Graph) -> int:
+    """An AveragePool with ``ceil_mode=1`` and ``count_include_pad=1`` but no padding gets
+    ``count_include_pad=0``: the same function (with no pads, both divide a window by its cells
+    inside the input; onnxruntime, onnx.reference and torch agree), and the form onnxruntime's
+    integer kernel gets right. Its QLinearAveragePool, which a default session fuses a quantized
+    pool into and ``--quant_format QOP`` writes, divides the windows ceil mode adds at the border
+    by the whole kernel (``torch.nn.AvgPool2d(k, ceil_mode=True)`` exports this form; found by a
+    bug hunt: output cosine 0.976 deployed where the simulation read 0.99995)."""
+    changed = 0
+    for node in g.graph.node:
+        if node.op_type != "AveragePool" or node.domain not in ("", "ai.onnx"):
+            continue
+        if not node_attr(node, "ceil_mode", 0) or not node_attr(node, "count_include_pad", 0):
+            continue
+        auto_pad = node_attr(node, "auto_pad", b"NOTSET")
+        auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else str(auto_pad)
+        if auto_pad == "VALID" or (auto_pad == "NOTSET" and not any(node_attr(node, "pads", None) or [])):
+            _set_attr(node, "count_include_pad", 0)
+            changed += 1
+    return changed
+
+
 def prepare(g: Graph, hardswish: bool = False) -> dict:
     """Run every preparation pass; returns what each changed. ``hardswish``: fuse decomposed
     HardSwish (for backends that quantize a HardSwish op's input and output only)."""
@@ -888,6 +930,7 @@ def prepare(g: Graph, hardswish: bool = False) -> dict:
     done["elementwise_folded"] += fold_into_conv(g)
     done["layernorms_fused"] = fuse_layernorm(g)
     done["hardswish_fused"] = fuse_hardswish(g) if hardswish else 0
+    done["pool_counts_unpadded"] = unpadded_pool_counts(g)
     g.model = infer_shapes(g.model)
     g.refresh()
     return done

@@ -18,6 +18,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 from dipoorlet.graph import _subgraph_outer_refs, drop_unused_initializers
+from dipoorlet.prepare import padded_ceil_pool
 
 MS = "com.microsoft"
 _PLAIN = {"Add": "QLinearAdd", "Mul": "QLinearMul", "GlobalAveragePool": "QLinearGlobalAveragePool",
@@ -103,6 +104,8 @@ def convert(model: onnx.ModelProto, exclude=(), origin: dict | None = None) -> t
             continue
         if node.name in exclude or node.output[0] in outer:
             continue
+        if padded_ceil_pool(node):
+            continue     # QLinearAveragePool divides ceil mode's border windows by the whole kernel
         dqs = [v.dq(i) for i in node.input[:2 if node.op_type in ("Conv", "MatMul", "Gemm", "Add", "Mul") else 1]]
         if not dqs or any(d is None for d in dqs):
             continue

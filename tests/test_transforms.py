@@ -1632,3 +1632,31 @@ def test_layer_bits_of_a_folded_batchnorm_merge_with_the_convs_own(tmp_path, cap
     assert bool(warned) == clash
     if clash:
         assert "w3 for bn and w5 for conv" in warned[0] and "w5 is used" in warned[0]
+
+
+@pytest.mark.parametrize("h,k,s,pads,auto_pad,rewritten", [(15, 2, 2, None, None, True), (15, 3, 2, [0] * 4, None, True),
+                                                            (14, 3, 3, None, "VALID", True),
+                                                            (16, 3, 2, [1] * 4, None, False),
+                                                            (15, 3, 2, None, "SAME_UPPER", False)])
+def test_unpadded_ceil_mode_pool_counts_only_the_input(h, k, s, pads, auto_pad, rewritten):
+    """count_include_pad=1 -> 0 on a ceil-mode AveragePool without padding is the same function
+    (onnxruntime and onnx.reference, independent of the rewrite); with padding it is not, and stays."""
+    from onnx.reference import ReferenceEvaluator
+
+    attrs = {"kernel_shape": [k, k], "strides": [s, s], "ceil_mode": 1, "count_include_pad": 1}
+    if pads is not None:
+        attrs["pads"] = pads
+    if auto_pad is not None:
+        attrs["auto_pad"] = auto_pad
+    model = make_model([helper.make_node("AveragePool", ["x"], ["y"], name="ap", **attrs)],
+                       [vi("x", [1, 3, h, h])], [vi("y", [1, 3, "H", "W"])], {}, opset=17)
+    g = Graph(onnx.ModelProto.FromString(model.SerializeToString()))
+    assert prepare.unpadded_pool_counts(g) == int(rewritten)
+    node = g.graph.node[0]
+    assert dict((a.name, helper.get_attribute_value(a)) for a in node.attribute)["count_include_pad"] == int(not rewritten)
+    x = rand((1, 3, h, h), 7, 3.0)
+    want = ort_run(model, {"x": x})[0]
+    np.testing.assert_allclose(ort_run(g.model, {"x": x})[0], want, rtol=1e-5, atol=1e-6)
+    if auto_pad is None:        # (onnx.reference takes no ceil_mode with auto_pad)
+        np.testing.assert_allclose(ReferenceEvaluator(model).run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(ReferenceEvaluator(g.model).run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-6)
