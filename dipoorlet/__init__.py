@@ -44,6 +44,9 @@ def quantize(**kwargs):
     # of a run are process-wide (a second thread's call waits for the first); one run at a time
     # per output folder across processes (OutputLock)
     with _API_LOCK:
+        from dipoorlet.pipeline import PUBLISHED
+
+        PUBLISHED.clear()   # an earlier call's: an interrupt before this run publishes is said of this run
         if comm is not None and comm.world > 1:
             return _quantize_distributed(cfg, comm, out)
         ok = False
@@ -59,9 +62,10 @@ def quantize(**kwargs):
                     _log_to_file(f"dipoorlet: error: {exc}")
                     raise
                 except KeyboardInterrupt:
-                    from dipoorlet.cli import _log_to_file, _stop_note
+                    from dipoorlet.cli import _log_to_file, _published, _stop_note
 
                     _log_to_file(f"dipoorlet: interrupted; {_stop_note()}")
+                    ok = bool(_published())     # as from the CLI: the log describes the outputs -O now holds
                     raise
                 ok = True       # the outputs are written, a miss of fail_below included
                 _check_bar(result, cfg)
@@ -114,7 +118,12 @@ def _quantize_distributed(cfg, comm, out):
                 with _quiet_log():
                     result = _quantize(cfg, comm)
         except BaseException as exc:  # noqa: BLE001 - every failure must end every rank
-            what = str(exc) if isinstance(exc, DipoorletError) else f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, KeyboardInterrupt):
+                from dipoorlet.cli import _stop_note
+
+                what = f"interrupted; {_stop_note()}"
+            else:
+                what = str(exc) if isinstance(exc, DipoorletError) else f"{type(exc).__name__}: {exc}"
             if comm.rank == 0:
                 if lock is not None:     # (a run that found -O locked must not write into the other's log)
                     note_in_log(log_path, f"dipoorlet: error (rank 0): {what}")

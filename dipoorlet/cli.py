@@ -506,7 +506,9 @@ def _main(args, argv, state) -> int:
         from dipoorlet.config import QuantConfig
         from dipoorlet.data import parse_input_shapes
         from dipoorlet.graph import check_model_path
-        from dipoorlet.pipeline import check_output_dir, quantize
+        from dipoorlet.pipeline import PUBLISHED, check_output_dir, quantize
+
+        PUBLISHED.clear()   # what a run before this one in the process published (an interrupt is said of this run's)
 
         cfg = QuantConfig(model=args.model, input_dir=args.input_dir, data_num=args.data_num,
                           deploy=args.deploy, output_dir=args.output_dir, act_quant=args.act_quant,

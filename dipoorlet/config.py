@@ -307,7 +307,9 @@ class QuantConfig:
             raise ConfigError("--custom_op_lib is an empty path; give the path of the onnxruntime custom-op library "
                               "(.so/.dll/.dylib), or leave the flag out")
         # absolute: onnxruntime's loader searches the library path, not the working folder, for a bare name
-        object.__setattr__(self, "custom_op_libs", tuple(os.path.abspath(str(x)) for x in libs))
+        # once each: a library named twice (a wrapper's default plus the user's) registers its ops
+        # twice, which onnxruntime refuses ("Domain already set in registry")
+        object.__setattr__(self, "custom_op_libs", tuple(dict.fromkeys(os.path.abspath(str(x)) for x in libs)))
         for lib in self.custom_op_libs:
             if not os.path.isfile(lib):
                 raise ConfigError(f"--custom_op_lib {lib} is not a file; pass the path of the onnxruntime custom-op "

@@ -203,10 +203,11 @@ class DataSource:
                                 f"lower {self.n_flag} to {count} or add samples")
 
     def _own_name(self, spec: InputSpec) -> str:
-        """The folder name for an input: its name with / : \\ made _, unless that is another input's
-        own name (inputs `in:0` and `in_0` must not both read `in_0/`), then the name itself."""
+        """The folder name for an input: its name with / : \\ made _, unless another input has that
+        name or the same safe name (inputs `in:0` and `in_0`, or `a:0` and `a/0`, must not both read
+        one folder), then the name itself."""
         safe = _safe(spec.name)
-        return spec.name if any(s.name == safe for s in self.specs if s is not spec) else safe
+        return spec.name if any(s.name == safe or _safe(s.name) == safe for s in self.specs if s is not spec) else safe
 
     def _folder(self, spec: InputSpec) -> Path:
         for cand in (self.path / spec.name, self.path / self._own_name(spec)):

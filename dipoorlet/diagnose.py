@@ -267,7 +267,7 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
             elif matmul_input:
                 a["equalization"] = (
                     "MatMul input smoothing is off: this platform quantizes the Mul it inserts" if not smooth else
-                    "MatMul input smoothing estimated to gain under 3 dB" if t in smoothable else
+                    "MatMul input smoothing estimated to gain under 3 dB" if s.node in smoothable.get(t, ()) else
                     "MatMul input smoothing does not apply: the weight is not this MatMul's own (another layer "
                     "reads it) or not a float32 2-D initializer")
             elif kind == "reachable":

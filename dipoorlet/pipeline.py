@@ -1864,10 +1864,12 @@ def _warn_padded_ceil_pools(qmodel) -> None:
     padded input; 0.6 relative error on those outputs measured). QOP leaves it QDQ, which the
     default session fuses all the same."""
     from dipoorlet.prepare import padded_ceil_pool
+    from dipoorlet.qop import known_shape
 
     made = {o: n for n in qmodel.graph.node for o in n.output}
-    pools = [n.name for n in qmodel.graph.node if padded_ceil_pool(n) and n.input
-             and getattr(made.get(n.input[0]), "op_type", "") == "DequantizeLinear"]
+    pools = [n.name for n in qmodel.graph.node if n.op_type == "AveragePool" and n.input
+             and getattr(made.get(n.input[0]), "op_type", "") == "DequantizeLinear"
+             and padded_ceil_pool(n, known_shape(qmodel, n.input[0]))]
     if pools:
         log.warning("AveragePool %s (ceil_mode=1, padded, count_include_pad=1): onnxruntime's default session "
                     "fuses its Q/DQ into QLinearAveragePool, which divides the border windows ceil mode adds by "
@@ -2217,7 +2219,7 @@ def _move_all(moves, out_dir: Path, aside: Path, moved_aside: list, moved_in: li
 
         # the advice fits the cause: a permission error had been told to free space (found by a bug hunt)
         fix = ("make it writable (or remove it) or choose another -O"
-               if exc.errno in (errno.EACCES, errno.EPERM) else "free space there or choose another -O")
+               if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else "free space there or choose another -O")
         raise OutputError(f"could not write {exc.filename or out_dir} ({exc.strerror or exc}); "
                           f"the earlier files in {out_dir} are as they were; {fix}") from exc
 

@@ -870,16 +870,32 @@ def _set_attr(node, name: str, value: int) -> None:
     node.attribute.append(helper.make_attribute(name, value))
 
 
-def padded_ceil_pool(node) -> bool:
+def padded_ceil_pool(node, shape=None) -> bool:
     """An AveragePool whose border windows onnxruntime's QLinearAveragePool divides wrongly and
-    :func:`unpadded_pool_counts` cannot rewrite: ceil mode, padding, and the padding counted."""
+    :func:`unpadded_pool_counts` cannot rewrite: ceil mode, padding, and the padding counted, where
+    ceil mode adds a window past the padded input: on an input ``shape`` whose spatial sizes are
+    known, only where a stride does not divide what the kernel leaves (with no window added the
+    kernel is exact; a review found QOP and the warning had left such pools alone too)."""
     if node.op_type != "AveragePool" or node.domain not in ("", "ai.onnx"):
         return False
     if not node_attr(node, "ceil_mode", 0) or not node_attr(node, "count_include_pad", 0):
         return False
     auto_pad = node_attr(node, "auto_pad", b"NOTSET")
     auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else str(auto_pad)
-    return auto_pad.startswith("SAME") or (auto_pad == "NOTSET" and any(node_attr(node, "pads", None) or []))
+    pads = list(node_attr(node, "pads", None) or [])
+    if auto_pad.startswith("SAME"):
+        return True
+    if auto_pad != "NOTSET" or not any(pads):
+        return False
+    kernel = list(node_attr(node, "kernel_shape", []))
+    n = len(kernel)
+    spatial = list(shape)[-n:] if shape is not None and n and len(shape) >= n + 2 else None
+    if spatial is None or not all(isinstance(d, int) and d > 0 for d in spatial) or len(pads) != 2 * n:
+        return True               # sizes unknown: it may add one
+    strides = list(node_attr(node, "strides", None) or [1] * n)
+    dilations = list(node_attr(node, "dilations", None) or [1] * n)
+    return any((size + pads[i] + pads[i + n] - ((kernel[i] - 1) * dilations[i] + 1)) % strides[i] != 0
+               for i, size in enumerate(spatial))
 
 
 def unpadded_pool_counts(g: Graph) -> int:

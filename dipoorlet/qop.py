@@ -87,6 +87,24 @@ def unquantized_outputs(model: onnx.ModelProto) -> dict[str, int]:
     return readers
 
 
+def known_shape(model: onnx.ModelProto, name: str):
+    """The dims (ints, None where unknown) the model's value_info, inputs or outputs give ``name``,
+    or the tensor a Q/DQ chain carries into it; None when none does."""
+    infos = {v.name: v for v in [*model.graph.value_info, *model.graph.input, *model.graph.output]}
+    made = {o: n for n in model.graph.node for o in n.output}
+    for _ in range(4):
+        v = infos.get(name)
+        if v is not None:
+            if not v.type.tensor_type.HasField("shape"):
+                return None
+            return [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
+        node = made.get(name)
+        if node is None or node.op_type not in ("QuantizeLinear", "DequantizeLinear"):
+            return None
+        name = node.input[0]
+    return None
+
+
 def convert(model: onnx.ModelProto, exclude=(), origin: dict | None = None) -> tuple[onnx.ModelProto, int]:
     """A QOperator copy of a QDQ model and the number of ops converted (nodes named in
     ``exclude`` stay QDQ). ``origin``, if given, receives each new node's name -> the name of the
@@ -99,12 +117,15 @@ def convert(model: onnx.ModelProto, exclude=(), origin: dict | None = None) -> t
     taken = {n.name for n in g.node}
     # tensors If/Loop bodies read from this scope: a node whose float output one reads stays
     outer = {r for n in g.node for r in _subgraph_outer_refs(n)}
+    # (from the model as given: the conversion below replaces the Q/DQ chains they are read through)
+    pool_shapes = {n.name: known_shape(model, n.input[0]) for n in model.graph.node
+                   if n.op_type == "AveragePool" and n.input}
     for node in list(g.node):
         if node.op_type not in ("Conv", "MatMul", "Gemm", *_PLAIN) or node.domain not in ("", "ai.onnx"):
             continue
         if node.name in exclude or node.output[0] in outer:
             continue
-        if padded_ceil_pool(node):
+        if node.op_type == "AveragePool" and padded_ceil_pool(node, pool_shapes.get(node.name)):
             continue     # QLinearAveragePool divides ceil mode's border windows by the whole kernel
         dqs = [v.dq(i) for i in node.input[:2 if node.op_type in ("Conv", "MatMul", "Gemm", "Add", "Mul") else 1]]
         if not dqs or any(d is None for d in dqs):

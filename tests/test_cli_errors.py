@@ -1158,3 +1158,15 @@ def test_a_list_flag_given_twice_keeps_both_occurrences():
     with pytest.raises(DipoorletError, match="two w widths"):
         parse_layer_bits(build_parser().parse_args(base + ["--layer_bits", "fc=w4", "--layer_bits", "fc=w8"]).layer_bits)
     assert build_parser().parse_args(base).skip_layers == []     # the default is not shared between parses
+
+
+def test_a_custom_op_library_named_twice_is_loaded_once(tmp_path):
+    """--custom_op_lib L --custom_op_lib L (a wrapper's default plus the user's): registering L
+    twice made onnxruntime refuse the model, blamed on its ops (a review of the extend change)."""
+    from dipoorlet.config import QuantConfig
+
+    lib = tmp_path / "libops.so"
+    lib.write_bytes(b"")
+    cfg = QuantConfig(model=tmp_path / "m.onnx", input_dir=tmp_path, data_num=1, deploy="trt",
+                      custom_op_libs=[str(lib), str(lib), str(tmp_path / "." / "libops.so")])
+    assert cfg.custom_op_libs == (str(lib),)

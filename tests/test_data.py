@@ -110,6 +110,13 @@ def test_an_input_never_reads_the_folder_named_after_another_input(tmp_path):
     feed = DataSource(tmp_path, specs, 1).sample(0)
     np.testing.assert_array_equal(feed["in:0"], y)
     np.testing.assert_array_equal(feed["in_0"], x)
+    # two inputs with one safe name (a:0, a/0) and only a_0/: neither takes it (a review found
+    # the first version of this rule let both read it)
+    specs = [InputSpec("a:0", F32, (2, 3)), InputSpec("a/0", F32, (2, 3))]
+    (tmp_path / "a_0").mkdir()
+    np.save(tmp_path / "a_0" / "0.npy", x)
+    with pytest.raises(DataError, match=r"no folder for model input 'a:0' .*a:0/0\.bin"):
+        DataSource(tmp_path, specs, 1)
 
 
 def test_two_inputs_are_read_from_their_own_folders(tmp_path):

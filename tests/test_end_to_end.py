@@ -440,11 +440,27 @@ def test_python_api_log_says_the_run_was_interrupted(tmp_path, monkeypatch):
         logging.getLogger("dipoorlet").info("calibrating")
         raise KeyboardInterrupt
 
+    model = tiny_cnn()
+    model_path = save(model, tmp_path / "model.onnx")
+    data = write_samples(tmp_path / "data", input_feeds(model, N, seed=3))
+    dipoorlet.quantize(model=model_path, input_dir=data, data_num=N, output_dir=tmp_path / "earlier",
+                       skip_prof_layer=True)       # publishes: an interrupt below is not said to come after it
     monkeypatch.setattr(pipeline, "quantize", interrupted)
-    model_path = save(tiny_cnn(), tmp_path / "model.onnx")
     with pytest.raises(KeyboardInterrupt):
         dipoorlet.quantize(model=model_path, input_dir=tmp_path, data_num=1, deploy="trt", output_dir=tmp_path / "o")
     assert (tmp_path / "o" / "dipoorlet.log").read_text().splitlines()[-1] == "dipoorlet: interrupted; no output was written"
+
+    def after_publishing(cfg, comm=None):
+        pipeline.PUBLISHED.append(tmp_path / "earlier")
+        raise KeyboardInterrupt
+
+    # an interrupt held until the outputs were all in -O: the run's log is dipoorlet.log, as from the CLI
+    monkeypatch.setattr(pipeline, "quantize", after_publishing)
+    with pytest.raises(KeyboardInterrupt):
+        dipoorlet.quantize(model=model_path, input_dir=data, data_num=N, output_dir=tmp_path / "earlier")
+    assert not (tmp_path / "earlier" / "dipoorlet.failed.log").exists()
+    last = (tmp_path / "earlier" / "dipoorlet.log").read_text().splitlines()[-1]
+    assert last == f"dipoorlet: interrupted; after the outputs were written into {tmp_path / 'earlier'}"
 
 
 def test_python_api_log_file_gets_info_while_the_callers_handlers_get_what_they_did(tmp_path):

@@ -198,20 +198,25 @@ def test_a_node_already_named_like_the_converted_one_keeps_the_conversion(tmp_pa
     assert [n.name for n in qop.graph.node if n.op_type == "QLinearMatMul"] == ["mm_quant_1"]
 
 
-@pytest.mark.parametrize("pads", [0, 1])
-def test_ceil_mode_average_pool_deploys_as_simulated(tmp_path, caplog, pads):
+@pytest.mark.parametrize("case", ["unpadded", "padded", "padded_no_window_added"])
+def test_ceil_mode_average_pool_deploys_as_simulated(tmp_path, caplog, case):
     """AveragePool(ceil_mode=1, count_include_pad=1), as torch exports nn.AvgPool2d(k, ceil_mode=True):
     onnxruntime's QLinearAveragePool (which a default session fuses the Q/DQ model into, and which
     QOP writes) divides the border windows ceil mode adds by the whole kernel, so the deployed
     model read cosine 0.976 where the report said 0.99995 (found by a bug hunt). Without padding,
     count_include_pad=0 is the same function and the kernel gets it right: the pool is rewritten;
-    with padding it stays QDQ in QOP and the run warns that a default session fuses it."""
-    h = 16 if pads else 15
-    nodes = [helper.make_node("AveragePool", ["x"], ["p"], name="ap", kernel_shape=[3, 3] if pads else [2, 2],
+    with padding it stays QDQ in QOP and the run warns that a default session fuses it, unless
+    ceil mode adds no window on the input's known size (then the kernel is exact; a review found
+    the first version had left those QDQ and warned too)."""
+    pads = 0 if case == "unpadded" else 1
+    h = {"unpadded": 15, "padded": 16, "padded_no_window_added": 15}[case]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv"),
+             helper.make_node("AveragePool", ["c"], ["p"], name="ap", kernel_shape=[3, 3] if pads else [2, 2],
                               strides=[2, 2], pads=[pads] * 4, ceil_mode=1, count_include_pad=1),
              helper.make_node("Sigmoid", ["p"], ["y"], name="sig")]
-    model = make_model(nodes, [vi("x", [1, 4, h, h])], [vi("y", [1, 4, 8 if pads else 8, 8])], {}, opset=17)
-    feeds = [{"x": rand((1, 4, h, h), 30 + s, 2.0)} for s in range(4)]
+    model = make_model(nodes, [vi("x", [1, 1, h, h])], [vi("y", [1, 4, 8, 8])],
+                       {"w": np.abs(rand((4, 1, 1, 1), 1)) + 0.5, "b": rand((4,), 2, 0.1)}, opset=17)
+    feeds = [{"x": rand((1, 1, h, h), 30 + s, 2.0)} for s in range(4)]
     data = write_samples(tmp_path / "data", feeds)
     caplog.set_level("INFO", logger="dipoorlet")
     float_out = ort_run(model, feeds[0])[0]
@@ -224,16 +229,19 @@ def test_ceil_mode_average_pool_deploys_as_simulated(tmp_path, caplog, pads):
         assert _cos(simulated, float_out) > 0.9999
         warned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("AveragePool ap (ceil_mode=1")]
         written = onnx.load(str(out / "quant_model.onnx"))
-        if pads:
+        pool_ops = {n.op_type for n in written.graph.node}
+        if case == "padded":
             assert len(warned) == 1 and "ORT_ENABLE_BASIC" in warned[0], warned
-            assert "QLinearAveragePool" not in {n.op_type for n in written.graph.node}
+            assert "QLinearAveragePool" not in pool_ops
             assert _cos(ort_run(written, feeds[0])[0], float_out) > 0.9999
         else:
             assert not warned
             ap = next(n for n in qdq.graph.node if n.op_type == "AveragePool")
-            assert helper.get_attribute_value(next(a for a in ap.attribute if a.name == "count_include_pad")) == 0
+            cip = helper.get_attribute_value(next(a for a in ap.attribute if a.name == "count_include_pad"))
+            assert cip == (0 if case == "unpadded" else 1)
+            if fmt == "QOP":
+                assert "QLinearAveragePool" in pool_ops
+            # (one input channel: the Conv's integer kernel cannot saturate without VNNI)
             deployed = ort_session(written, optimize=True).run(None, feeds[0])[0]
             assert _cos(deployed, float_out) > 0.9999, _cos(deployed, float_out)
-            if fmt == "QOP":
-                assert "QLinearAveragePool" in {n.op_type for n in written.graph.node}
         caplog.clear()
