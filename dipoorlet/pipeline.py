@@ -1825,8 +1825,11 @@ def _readers_of_16bit(qmodel) -> list[str]:
                if n.op_type == "DequantizeLinear" and len(n.input) > 2 and n.input[2] in wide_zp}
     wide_out = {n.input[0] for n in qmodel.graph.node
                 if n.op_type == "QuantizeLinear" and len(n.input) > 2 and n.input[2] in wide_zp}
+    # a node that reads no Q/DQ at all (a layer --skip_layers keeps float) would not be converted
+    # anyway: not listed as kept QDQ by its 16-bit output (found by a hunt)
+    dq_out = {n.output[0] for n in qmodel.graph.node if n.op_type == "DequantizeLinear"}
     return [n.name for n in qmodel.graph.node
-            if n.op_type not in ("QuantizeLinear", "DequantizeLinear")
+            if n.op_type not in ("QuantizeLinear", "DequantizeLinear") and dq_out & set(n.input)
             and (wide_in & set(n.input) or wide_out & set(n.output))]
 
 

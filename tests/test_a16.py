@@ -560,3 +560,14 @@ def test_auto_a16_whose_target_the_8_bit_model_meets_reports_it_as_written(tmp_p
     assert rep["after_measured"] == rep["before"]
     assert ", as written" in (out / "report.md").read_text().split("## auto_a16")[1].split("\n## ")[0]
     assert "(as written)" in (out / "report.html").read_text()
+
+
+def test_qop_does_not_list_a_float_layer_among_the_16_bit_ones(tmp_path, caplog):
+    """--skip_layers keeps conv2 float; its output's 16-bit grid had put it among the ops that
+    "read or write 16-bit grids and stay QDQ", which it is not: it reads no Q/DQ, and no QLinear op
+    would replace it (nor relu1, which writes a grid but reads conv1's float output; found by a hunt)."""
+    with caplog.at_level("INFO", logger="dipoorlet"):
+        _run(tmp_path, tiny_cnn(), deploy="qnn", a_bits=16, quant_format="QOP", skip_layers=["conv2"])
+    said = [r.getMessage() for r in caplog.records if "read or write 16-bit grids and stay QDQ" in r.getMessage()]
+    assert len(said) == 1 and "conv1" in said[0], said
+    assert "conv2" not in said[0] and "relu1" not in said[0], said
