@@ -322,7 +322,7 @@ class Graph:
         return self.path.parent if self.path else Path(".")
 
     def byte_size(self) -> int:
-        return self.model.ByteSize()
+        return model_bytes(self.model)
 
 
 def constant_value(node: onnx.NodeProto) -> np.ndarray:
@@ -455,12 +455,28 @@ def _weight_bytes(model: onnx.ModelProto) -> int:
     return total + 1_000_000
 
 
+PROTO_LIMIT = 2**31 - 1
+
+
+def model_bytes(model: onnx.ModelProto) -> int:
+    """``model.ByteSize()``, or at least 2 GiB where a model is past protobuf's limit: protobuf's
+    upb backend (the default since 4.21) raises EncodeError from ``ByteSize()`` there instead of
+    answering, which had ended every run on a model over 2 GiB in a traceback (found by a hunt)."""
+    weights = _weight_bytes(model)
+    if weights > PROTO_LIMIT:
+        return weights
+    try:
+        return model.ByteSize()
+    except Exception:  # noqa: BLE001 - EncodeError (upb), ValueError: past the limit either way
+        return max(weights, PROTO_LIMIT + 1)
+
+
 def over_threshold(model: onnx.ModelProto) -> bool:
     """Whether the model is too big to serialize as one protobuf (EXTERNAL_THRESHOLD). Exact
     ``ByteSize()`` only when the weights alone come within 10% of it."""
     if _weight_bytes(model) < 0.9 * EXTERNAL_THRESHOLD:
         return False
-    return model.ByteSize() >= EXTERNAL_THRESHOLD
+    return model_bytes(model) >= EXTERNAL_THRESHOLD
 
 
 def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -646,3 +646,26 @@ def test_packed_sub_byte_initializers_are_not_called_damaged(tmp_path):
     path = tmp_path / "m.onnx"
     path.write_bytes(model.SerializeToString())
     load_model(path)
+
+
+def test_a_model_past_protobufs_limit_is_sized_without_serializing(monkeypatch):
+    """protobuf's upb backend raises EncodeError from ByteSize() past 2 GiB instead of answering:
+    the check that sends such a model through external data raised it, and every run on a model
+    over 2 GiB ended in a traceback (found by a hunt on a 2.15 GB MatMul stack)."""
+    from google.protobuf.message import EncodeError
+
+    from dipoorlet import graph as graph_mod
+
+    class PastTheLimit:          # a ModelProto as upb serves one over 2 GiB (too big to build in a test)
+        def __init__(self):
+            self.graph = onnx.GraphProto()
+
+        def ByteSize(self):
+            raise EncodeError("Failed to serialize proto")
+
+    big = PastTheLimit()
+    assert graph_mod.model_bytes(big) > 2**31 - 1
+    monkeypatch.setattr(graph_mod, "_weight_bytes", lambda model: int(1.9 * 2**30))
+    assert graph_mod.over_threshold(big)
+    monkeypatch.setattr(graph_mod, "_weight_bytes", lambda model: 2**31 + 5)
+    assert graph_mod.model_bytes(big) == 2**31 + 5      # the weights alone decide: ByteSize is not asked
