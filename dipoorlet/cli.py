@@ -575,6 +575,12 @@ def _main(args, argv, state) -> int:
             # all at once, so -O keeps what it held)
             return _fail(comm, state, f"{exc.strerror}{': ' + str(exc.filename) if exc.filename else ''}; free "
                                       f"space or choose another -O (or --savefp off); -O keeps what it held", 2)
+        if isinstance(exc, MemoryError):
+            # the machine, not the tool: one line (numpy's _ArrayMemoryError had ended the run in a
+            # traceback; found by a hunt on a 2 GB model)
+            return _fail(comm, state, f"out of memory ({exc or type(exc).__name__}); a run holds about 6-7x the "
+                                      "model's weights at its peak: run on a machine with more memory, or with "
+                                      "--skip_prof_layer; -O keeps what it held", 2)
         if comm is not None and comm.world > 1:
             import traceback
             traceback.print_exc()

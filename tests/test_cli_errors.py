@@ -1170,3 +1170,19 @@ def test_a_custom_op_library_named_twice_is_loaded_once(tmp_path):
     cfg = QuantConfig(model=tmp_path / "m.onnx", input_dir=tmp_path, data_num=1, deploy="trt",
                       custom_op_libs=[str(lib), str(lib), str(tmp_path / "." / "libops.so")])
     assert cfg.custom_op_libs == (str(lib),)
+
+
+def test_out_of_memory_is_one_line(tmp_path, capsys, monkeypatch):
+    """numpy's _ArrayMemoryError (a MemoryError) had ended the run in a traceback, exit 1 (found
+    by a hunt on a 2 GB model)."""
+    from dipoorlet import pipeline
+
+    def short(cfg, comm=None):
+        raise MemoryError("Unable to allocate 32.0 GiB for an array with shape (8192, 8192, 64) and data type float64")
+
+    monkeypatch.setattr(pipeline, "quantize", short)
+    case = Case(tmp_path)
+    rc, err = run_cli(case, capsys)
+    (line,) = error_lines(err)
+    assert rc == 2 and "out of memory" in line and "Traceback" not in err
+    assert_nothing_written(case)
