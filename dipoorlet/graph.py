@@ -455,20 +455,17 @@ def _weight_bytes(model: onnx.ModelProto) -> int:
     return total + 1_000_000
 
 
-PROTO_LIMIT = 2**31 - 1
-
-
 def model_bytes(model: onnx.ModelProto) -> int:
     """``model.ByteSize()``, or at least 2 GiB where a model is past protobuf's limit: protobuf's
     upb backend (the default since 4.21) raises EncodeError from ``ByteSize()`` there instead of
     answering, which had ended every run on a model over 2 GiB in a traceback (found by a hunt)."""
     weights = _weight_bytes(model)
-    if weights > PROTO_LIMIT:
+    if weights > PROTOBUF_LIMIT:
         return weights
     try:
         return model.ByteSize()
     except Exception:  # noqa: BLE001 - EncodeError (upb), ValueError: past the limit either way
-        return max(weights, PROTO_LIMIT + 1)
+        return max(weights, PROTOBUF_LIMIT + 1)
 
 
 def over_threshold(model: onnx.ModelProto) -> bool:

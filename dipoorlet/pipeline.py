@@ -32,8 +32,8 @@ from dipoorlet.data import VALIDATION, DataSource, input_specs, shard, spread
 from dipoorlet.deploy import DeployContext, export_all
 from dipoorlet.dist import SingleProcess
 from dipoorlet.errors import ConfigError, DataError, ModelError, OutputError
-from dipoorlet.graph import (INTEGER_TYPES, Graph, node_attr, check_float, model_bytes, model_files, opset_of,
-                             save_model)
+from dipoorlet.graph import (INTEGER_TYPES, PROTOBUF_LIMIT, Graph, node_attr, check_float, model_bytes, model_files,
+                             opset_of, save_model)
 from dipoorlet.qdq import insert_qdq
 from dipoorlet.qparams import MIN_SCALE, QuantPlan, bias_qparams, levels, make_qparams, share_scales
 from dipoorlet.ranges import NEEDS_HISTOGRAM, RANGE_METHODS, RangeParams, clip_range, power_of_two_clip
@@ -1664,7 +1664,7 @@ def _declare_input_ranks(g: Graph, data) -> None:
         for k in range(ranks[vi.name]):
             shape.dim.add().dim_param = f"{vi.name}_dim{k}"
         log.info("'%s' declares no shape; rank %d from the first sample", vi.name, ranks[vi.name])
-    if model_bytes(g.model) < 2**31 - 1:
+    if model_bytes(g.model) < PROTOBUF_LIMIT:
         # the intermediate tensors' ranks follow from the inputs' now
         try:
             inferred = onnx.shape_inference.infer_shapes(g.model)
@@ -1686,7 +1686,7 @@ def _drop_shapeless_value_info(model) -> None:
 
 def _check(qmodel) -> None:
     try:
-        if model_bytes(qmodel) < 2**31 - 1:
+        if model_bytes(qmodel) < PROTOBUF_LIMIT:
             onnx.checker.check_model(qmodel, full_check=False)
     except Exception as exc:
         msg = " ".join(str(exc).split())
@@ -1788,7 +1788,7 @@ def _loads_by_default(qmodel) -> None:
     Check that a default session loads such a model; lower it to opset 20 where that changes
     nothing (only types and attributes an 8-bit model does not use changed at 21), else say how to
     run it. Models below opset 21 are not checked (the bug needs 21)."""
-    if opset_of(qmodel) < 21 or model_bytes(qmodel) >= 2**31 - 1 or not any(
+    if opset_of(qmodel) < 21 or model_bytes(qmodel) >= PROTOBUF_LIMIT or not any(
             n.op_type == "QuantizeLinear" for n in qmodel.graph.node):
         return
     from dipoorlet.runtime import _ort
@@ -1887,7 +1887,7 @@ def _runs_by_default(qmodel, feed: dict, qop: bool) -> None:
     the QDQ model and runs it on one sample, at any opset. Its Q/DQ fusions fail on some graphs
     the model is right in (an opset-18 Resize with ``axes``, a dilated AveragePool); the tool's
     own sessions run with them off, so without this the run said nothing."""
-    if model_bytes(qmodel) >= 2**31 - 1 or not any(n.op_type == "QuantizeLinear" for n in qmodel.graph.node):
+    if model_bytes(qmodel) >= PROTOBUF_LIMIT or not any(n.op_type == "QuantizeLinear" for n in qmodel.graph.node):
         return
     why = _default_session_failure(qmodel, feed)
     if why:
@@ -1909,7 +1909,7 @@ def _runs_batched_by_default(g: Graph, places, qmodel, data, indices) -> None:
     matmuls = {n.name for n in g.graph.node if n.op_type == "MatMul"}
     batched = sorted({wp.node for wp in places.weights.values() if wp.axis is not None and wp.node in matmuls
                       and len(g.shape(wp.tensor) or []) > 2})
-    if not batched or not len(indices) or model_bytes(qmodel) >= 2**31 - 1:
+    if not batched or not len(indices) or model_bytes(qmodel) >= PROTOBUF_LIMIT:
         return
     why = _default_session_failure(qmodel, data.sample(indices[0]))
     if why:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
-from dipoorlet.graph import _subgraph_outer_refs, drop_unused_initializers, model_bytes
+from dipoorlet.graph import PROTOBUF_LIMIT, _subgraph_outer_refs, drop_unused_initializers, model_bytes
 from dipoorlet.prepare import padded_ceil_pool
 
 MS = "com.microsoft"
@@ -276,7 +276,7 @@ def convert_checked(model: onnx.ModelProto, feed: dict, max_tries: int = 50):
 
     from dipoorlet.runtime import ort_message, session_options
 
-    if model_bytes(model) >= 2**31 - 1:   # no in-memory session for a model over 2 GB
+    if model_bytes(model) >= PROTOBUF_LIMIT:   # no in-memory session for a model over 2 GB
         out, converted = convert(model)
         return out, converted, [], 1.0, None
     def run(m, optimize=False):

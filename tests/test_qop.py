@@ -7,7 +7,7 @@ from collections import Counter
 import numpy as np
 import onnx
 import pytest
-from onnx import helper, numpy_helper
+from onnx import helper
 
 import dipoorlet
 from conftest import make_model, ort_run, ort_session, rand, save, vi, write_samples
