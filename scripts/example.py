@@ -40,11 +40,15 @@ def main(argv=None) -> int:
     ap.add_argument("--n-calib", type=int, default=64, help="calibration samples (default 64)")
     ap.add_argument("-A", "--act-quant", default="mse", help="dipoorlet's -A (default mse)")
     ap.add_argument("--out", default=str(SCRIPTS / ".cache" / "example"), help="work and output folder")
+    ap.add_argument("--shared", default=None, metavar="DIR",
+                    help="the real-data folder (default: $DIPOORLET_SHARED_DATA, else shared/data beside the checkout)")
     ap.add_argument("--no-shared", action="store_true", help="render the inputs even if ../shared/data exists")
     args, extra = ap.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
 
-    shared = None if args.no_shared else default_shared(announce=False)
+    if args.shared is not None and not Path(args.shared).is_dir():
+        ap.error(f"--shared {args.shared} is not a folder; point it at the real-data folder (shared/data)")
+    shared = None if args.no_shared else Path(args.shared) if args.shared else default_shared(announce=False)
     prepare = resolve_task(args.task)
     out = Path(args.out) / args.task
     print(f"[1/3] preparing {args.task}: model and {args.n_calib} calibration samples "
@@ -78,6 +82,14 @@ def main(argv=None) -> int:
         size = Path(path).stat().st_size / 2**20
         print(f"| {name} | {size:.1f} | " + " | ".join(_fmt(m.get(k, '—')) for k in keys) + " |")
     print(f"\nquantized model: {qmodel}")
+    print(f"reports (where accuracy was lost, layer by layer): {qdir / 'report.md'}, {qdir / 'report.html'}")
+    if shared is None:
+        # a fresh checkout has no real data beside it: say that these figures are the rendered
+        # inputs', not the README's (a fresh-machine check found nothing said so)
+        why = ("--no-shared" if args.no_shared else "no real-data folder: shared/data beside the checkout is "
+               "missing and DIPOORLET_SHARED_DATA is unset")
+        print(f"note: the inputs were rendered here ({why}), so these figures are not the README's, which score "
+              "real inputs; pass --shared DIR to use real data")
     return 0
 
 

@@ -22,7 +22,7 @@ from dipoorlet import platform as platforms  # noqa: E402
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--tasks", default="ocr_cls,ocr_det,ocr_rec,vad,minilm")
     ap.add_argument("--platforms", default=",".join(platforms.available()))
     ap.add_argument("-N", type=int, default=32)
