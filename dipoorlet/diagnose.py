@@ -194,9 +194,9 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
     # rescaled; "already equalized" had been said there, found by a bug hunt)
     rescaled = {r["producer"] for r in equalized if r.get("producer")}
     from dipoorlet.equalize import matmul_targets
+    from dipoorlet.sensitivity import grid_copies, grid_partners
 
     smoothable = matmul_targets(g) if smooth else {}
-    from dipoorlet.sensitivity import grid_copies, grid_partners
 
     copies = grid_copies(g, places, plan)           # B -> (A, c): B's grid is A's times c
     copied = {}

@@ -1868,12 +1868,13 @@ def _warn_padded_ceil_pools(qmodel) -> None:
     padded input; 0.6 relative error on those outputs measured). QOP leaves it QDQ, which the
     default session fuses all the same."""
     from dipoorlet.prepare import padded_ceil_pool
-    from dipoorlet.qop import known_shape
+    from dipoorlet.qop import shape_reader
 
     made = {o: n for n in qmodel.graph.node for o in n.output}
+    shape = shape_reader(qmodel)
     pools = [n.name for n in qmodel.graph.node if n.op_type == "AveragePool" and n.input
              and getattr(made.get(n.input[0]), "op_type", "") == "DequantizeLinear"
-             and padded_ceil_pool(n, known_shape(qmodel, n.input[0]))]
+             and padded_ceil_pool(n, shape(n.input[0]))]
     if pools:
         log.warning("AveragePool %s (ceil_mode=1, padded, count_include_pad=1): onnxruntime's default session "
                     "fuses its Q/DQ into QLinearAveragePool, which divides the border windows ceil mode adds by "

@@ -862,12 +862,15 @@ def inline_functions(g: Graph) -> int:
     return calls
 
 
-def _set_attr(node, name: str, value: int) -> None:
-    for a in node.attribute:
-        if a.name == name:
-            a.i = value
-            return
-    node.attribute.append(helper.make_attribute(name, value))
+def _counted_ceil_pool(node):
+    """(auto_pad, pads) of an AveragePool with ``ceil_mode=1`` and ``count_include_pad=1``, else None."""
+    if node.op_type != "AveragePool" or node.domain not in ("", "ai.onnx"):
+        return None
+    if not node_attr(node, "ceil_mode", 0) or not node_attr(node, "count_include_pad", 0):
+        return None
+    auto_pad = node_attr(node, "auto_pad", b"NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else str(auto_pad)
+    return auto_pad, list(node_attr(node, "pads", None) or [])
 
 
 def padded_ceil_pool(node, shape=None) -> bool:
@@ -876,13 +879,10 @@ def padded_ceil_pool(node, shape=None) -> bool:
     ceil mode adds a window past the padded input: on an input ``shape`` whose spatial sizes are
     known, only where a stride does not divide what the kernel leaves (with no window added the
     kernel is exact; a review found QOP and the warning had left such pools alone too)."""
-    if node.op_type != "AveragePool" or node.domain not in ("", "ai.onnx"):
+    found = _counted_ceil_pool(node)
+    if found is None:
         return False
-    if not node_attr(node, "ceil_mode", 0) or not node_attr(node, "count_include_pad", 0):
-        return False
-    auto_pad = node_attr(node, "auto_pad", b"NOTSET")
-    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else str(auto_pad)
-    pads = list(node_attr(node, "pads", None) or [])
+    auto_pad, pads = found
     if auto_pad.startswith("SAME"):
         return True
     if auto_pad != "NOTSET" or not any(pads):
@@ -908,14 +908,9 @@ def unpadded_pool_counts(g: Graph) -> int:
     bug hunt: output cosine 0.976 deployed where the simulation read 0.99995)."""
     changed = 0
     for node in g.graph.node:
-        if node.op_type != "AveragePool" or node.domain not in ("", "ai.onnx"):
-            continue
-        if not node_attr(node, "ceil_mode", 0) or not node_attr(node, "count_include_pad", 0):
-            continue
-        auto_pad = node_attr(node, "auto_pad", b"NOTSET")
-        auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else str(auto_pad)
-        if auto_pad == "VALID" or (auto_pad == "NOTSET" and not any(node_attr(node, "pads", None) or [])):
-            _set_attr(node, "count_include_pad", 0)
+        found = _counted_ceil_pool(node)
+        if found is not None and (found[0] == "VALID" or (found[0] == "NOTSET" and not any(found[1]))):
+            next(a for a in node.attribute if a.name == "count_include_pad").i = 0    # (set: found says so)
             changed += 1
     return changed
 

@@ -87,22 +87,27 @@ def unquantized_outputs(model: onnx.ModelProto) -> dict[str, int]:
     return readers
 
 
-def known_shape(model: onnx.ModelProto, name: str):
-    """The dims (ints, None where unknown) the model's value_info, inputs or outputs give ``name``,
-    or the tensor a Q/DQ chain carries into it; None when none does."""
+def shape_reader(model: onnx.ModelProto):
+    """A function giving a tensor's dims (ints, None where unknown) as the model's value_info,
+    inputs or outputs state them, or those of the tensor a Q/DQ chain carries into it; None where
+    none does. The lookups are built once."""
     infos = {v.name: v for v in [*model.graph.value_info, *model.graph.input, *model.graph.output]}
     made = {o: n for n in model.graph.node for o in n.output}
-    for _ in range(4):
-        v = infos.get(name)
-        if v is not None:
-            if not v.type.tensor_type.HasField("shape"):
+
+    def shape(name: str):
+        for _ in range(4):
+            v = infos.get(name)
+            if v is not None:
+                if not v.type.tensor_type.HasField("shape"):
+                    return None
+                return [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
+            node = made.get(name)
+            if node is None or node.op_type not in ("QuantizeLinear", "DequantizeLinear"):
                 return None
-            return [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
-        node = made.get(name)
-        if node is None or node.op_type not in ("QuantizeLinear", "DequantizeLinear"):
-            return None
-        name = node.input[0]
-    return None
+            name = node.input[0]
+        return None
+
+    return shape
 
 
 def convert(model: onnx.ModelProto, exclude=(), origin: dict | None = None) -> tuple[onnx.ModelProto, int]:
@@ -118,8 +123,8 @@ def convert(model: onnx.ModelProto, exclude=(), origin: dict | None = None) -> t
     # tensors If/Loop bodies read from this scope: a node whose float output one reads stays
     outer = {r for n in g.node for r in _subgraph_outer_refs(n)}
     # (from the model as given: the conversion below replaces the Q/DQ chains they are read through)
-    pool_shapes = {n.name: known_shape(model, n.input[0]) for n in model.graph.node
-                   if n.op_type == "AveragePool" and n.input}
+    shape = shape_reader(model)
+    pool_shapes = {n.name: shape(n.input[0]) for n in model.graph.node if n.op_type == "AveragePool" and n.input}
     for node in list(g.node):
         if node.op_type not in ("Conv", "MatMul", "Gemm", *_PLAIN) or node.domain not in ("", "ai.onnx"):
             continue
