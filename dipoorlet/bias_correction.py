@@ -175,16 +175,19 @@ def _shift(sums_q: np.ndarray, sums: np.ndarray, mq: np.ndarray, m: np.ndarray, 
     return delta
 
 
-def _mean_pass(model, keys, types, data, indices, comm, device, what: str) -> tuple[dict, int]:
+def _mean_pass(model, keys, types, data, indices, comm, device, what: str,
+               initializers=None) -> tuple[dict, int]:
     """Per-channel means of each ``(tensor, channel axis)`` in ``keys`` over the samples
     ``indices`` (every process's together), and how many samples they came from; a sample on
-    which a quantized activation or a mean is NaN is left out and named."""
+    which a quantized activation or a mean is NaN is left out and named. ``initializers``: a
+    graph whose initializers ``model`` (a lean copy) runs with."""
     sizes = [n for _, n in keys]
     keys = [k for k, _ in keys]
     out, types = _append_channel_means(model, keys, sizes, types)
-    watch, types = append_watch(model, types)
+    watch, types = append_watch(model, types, () if initializers is None else
+                                {t.name for t in initializers.initializer})
     runner = Runner(model, [out] + ([watch] if watch else []), types=types, optimize=SIMULATE, device=device,
-                    spin=True)
+                    spin=True, initializers=initializers)
     # every rank allocates every sum, so the collective below lines up even on a rank with no
     # samples of its own
     acc = np.zeros(sum(sizes), dtype=np.int64)
@@ -241,6 +244,7 @@ def correct(g, places, plan, data, indices, comm, device="cpu", alone: bool = Fa
             keys[(t, s.channel_axis)] = _in_channels(g, s)
     means, total = _mean_pass(qmodel, sorted(keys.items()), g.types, data, indices, comm, device,
                               "bias correction")
+    del qmodel      # not held through the pass below
     if total == 0:
         return {"layers": 0}
     shifts = []
@@ -293,13 +297,15 @@ def isolated(g, plan, sites: list[Site], data, indices, comm, device="cpu") -> d
     the whole-model correction then shifts its output by the difference (on the PP-OCRv4
     recognizer, p2o.Conv.2 alone read 10.1 dB at the logits where a run quantizing it alone
     reads 17.4 dB)."""
-    from onnx import ModelProto, helper
+    from onnx import helper
 
+    from dipoorlet.graph import copy_model
     from dipoorlet.qdq import act_chain, qdq_domain
 
     sites = [s for s in sites if plan.value_owners.get(s.bias) == s.node]
-    model = ModelProto()
-    model.CopyFrom(g.model)
+    # the float model without its initializers, which the session takes from g.model's own: a
+    # whole copy had been the run's peak on a 302 MB MatMul stack (1.86 GB)
+    model = copy_model(g.model, {t.name for t in g.model.graph.initializer})
     produced = {o for n in model.graph.node for o in n.output} | {i.name for i in model.graph.input}
     keys, chain_of, read, chains = {}, {}, {}, []   # read: site node -> the key of its input as it reads it
     source = {}     # site node -> its input's name in the float model
@@ -330,7 +336,7 @@ def isolated(g, plan, sites: list[Site], data, indices, comm, device="cpu") -> d
     for d in domains:       # a Q/DQ domain the float model does not import (com.microsoft's 16-bit Q/DQ)
         model.opset_import.append(helper.make_opsetid(d, 1))
     means, total = _mean_pass(model, sorted(keys.items()), g.types, data, indices, comm, device,
-                              "bias correction: layers alone")
+                              "bias correction: layers alone", initializers=g.model.graph)
     out = {}
     if total == 0:
         return out

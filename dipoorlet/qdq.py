@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from dipoorlet.graph import Graph, drop_unused_initializers, opset_of, subgraphs
+from dipoorlet.graph import Graph, copy_model, drop_unused_initializers, opset_of, restore_initializers, subgraphs
 from dipoorlet.placement import Placement
 from dipoorlet.qparams import QParams, QuantPlan, dequantize_array, quantize_array
 
@@ -74,8 +74,8 @@ def _base(tensor: str, taken: set[str], suffixes) -> str:
 
 def insert_qdq(g: Graph, placement: Placement, plan: QuantPlan) -> onnx.ModelProto:
     """A new model with Q/DQ inserted; ``g`` is not modified."""
-    model = onnx.ModelProto()
-    model.CopyFrom(g.model)
+    replaced = {wp.tensor for wp in placement.weights.values() if wp.tensor in plan.weights}
+    model = copy_model(g.model, replaced)
     graph = model.graph
     nodes = {n.name: n for n in graph.node}
     new_nodes: dict[str, list] = {}   # producer tensor -> nodes to insert after its producer
@@ -120,6 +120,7 @@ def insert_qdq(g: Graph, placement: Placement, plan: QuantPlan) -> onnx.ModelPro
 
     _replace_values(graph, values, set(weight_names_used))
     _rebuild(graph, new_nodes)
+    restore_initializers(graph, g.model.graph, replaced)
     drop_unused_initializers(graph)
     return model
 
@@ -278,8 +279,8 @@ class Switchboard:
         (--auto_w8's 8-bit grids)."""
         self.g, self.plan, self.off_plan, self.placement = g, plan, off_plan, placement
         self._cache: dict = {}
-        model = onnx.ModelProto()
-        model.CopyFrom(g.model)
+        fed = {wp.tensor for wp in placement.weights.values() if wp.tensor in plan.weights} | set(plan.values)
+        model = copy_model(g.model, fed)
         graph = model.graph
         nodes = {n.name: n for n in graph.node}
         taken = _all_names(model)
@@ -360,6 +361,7 @@ class Switchboard:
             graph.input.append(helper.make_tensor_value_info(
                 name, helper.np_dtype_to_tensor_dtype(w.dtype), list(w.shape)))
         _rebuild(graph, new_nodes)
+        restore_initializers(graph, g.model.graph, fed)
         drop_unused_initializers(graph)
         self.model = model
 
@@ -489,7 +491,7 @@ class Switchboard:
         return feed
 
 
-def append_watch(model, types) -> tuple[str | None, dict]:
+def append_watch(model, types, consts=()) -> tuple[str | None, dict]:
     """Add to a Q/DQ model one float32 scalar output, > 0 where an activation its QuantizeLinear
     nodes read holds a NaN, else 0 (None: no such Q). A NaN of the float model (a fully padded
     sequence's softmax) becomes finite after a Q/DQ, so the inputs of the layers downstream do not
@@ -501,8 +503,9 @@ def append_watch(model, types) -> tuple[str | None, dict]:
     model). The Q then reads its scale as ``scale + 0 * IsNaN(s)``, exactly its scale: that
     dependency makes the check run before the Q, so ``t`` is freed when it would be without it.
     Checks that nothing depended on ran after the last layer in onnxruntime and held every Q input
-    for the whole run (peak RSS 129 -> 664 MB on a review's 30-Conv model)."""
-    consts = {t.name for t in model.graph.initializer}
+    for the whole run (peak RSS 129 -> 664 MB on a review's 30-Conv model). ``consts``: more
+    constant names (the initializers a lean model runs with)."""
+    consts = {t.name for t in model.graph.initializer} | set(consts)
     base = "__dipoorlet_watch"
     zero = base + "_zero"
     model.graph.initializer.append(numpy_helper.from_array(np.zeros((), np.float32), zero))

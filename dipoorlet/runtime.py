@@ -19,6 +19,7 @@ bias-correction pass as a whole 2x).
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import re
@@ -94,16 +95,42 @@ def choose_providers(device: str = "cpu") -> list[str]:
 NAN_GUARD = "__dpl_nan_guard"
 
 
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _with_initializers(serialized: bytes, source: onnx.GraphProto) -> bytes:
+    """``serialized`` (a ModelProto) with ``source``'s initializers added, without a protobuf copy
+    of them: protobuf merges a repeated embedded message field by concatenation, so the bytes of
+    ``ModelProto{graph: GraphProto{initializer: [...]}}`` appended are the model with those
+    initializers appended to its graph's."""
+    pieces = [serialized]
+    for t in source.initializer:
+        b = t.SerializeToString()
+        pieces += [b"\x2a", _varint(len(b)), b]           # GraphProto.initializer = 5, length-delimited
+    size = sum(len(p) for p in pieces[1:])
+    pieces[1:1] = [b"\x3a", _varint(size)]                 # ModelProto.graph = 7
+    return b"".join(pieces)
+
+
 def _exposed_model_bytes_or_path(model: onnx.ModelProto, outputs: list[str],
                                  reduce_minmax: list[str], types: dict, tmpdir: str, nan_safe: bool = False,
-                                 guard: bool = False):
+                                 guard: bool = False, initializers: onnx.GraphProto | None = None):
     """Serialize ``model`` with the requested outputs (and reductions) without copying it.
     ``guard``: plain reductions plus one scalar output :data:`NAN_GUARD`, the sum of every
     reduced tensor's sum: NaN where any of them holds a NaN (a NaN always propagates through a
-    sum), so the caller redoes only those samples NaN-safe."""
+    sum), so the caller redoes only those samples NaN-safe. ``initializers``: a graph whose
+    initializers the model takes as well (a model :func:`~dipoorlet.graph.copy_model` left
+    without them)."""
     g = model.graph
     saved_outputs = list(g.output)
     n_nodes = len(g.node)
+    n_inits = len(g.initializer)
     try:
         del g.output[:]
         by_name = {o.name: o for o in saved_outputs}
@@ -146,6 +173,10 @@ def _exposed_model_bytes_or_path(model: onnx.ModelProto, outputs: list[str],
             g.output.append(helper.make_tensor_value_info(NAN_GUARD, onnx.TensorProto.FLOAT, []))
         # ByteSize() costs as much as serializing; the weights' own bytes decide all but the
         # borderline cases
+        if initializers is not None:
+            if _graph.weight_bytes(g) + _graph.weight_bytes(initializers) < 0.9 * _graph.EXTERNAL_THRESHOLD:
+                return _with_initializers(model.SerializeToString(), initializers)
+            g.initializer.extend(initializers.initializer)    # a lean copy's: it grows by them for this session
         if not _graph.over_threshold(model):
             return model.SerializeToString()
         path = os.path.join(tmpdir, "model.onnx")
@@ -156,6 +187,8 @@ def _exposed_model_bytes_or_path(model: onnx.ModelProto, outputs: list[str],
         g.output.extend(saved_outputs)
         while len(g.node) > n_nodes:
             g.node.pop()
+        while len(g.initializer) > n_inits:
+            g.initializer.pop()
 
 
 # --custom_op_lib: libraries every session of the run registers (set for one run by
@@ -233,17 +266,57 @@ def resolve_types(model: onnx.ModelProto, names: list[str]) -> dict[str, int]:
         return {}
 
 
+_LIBC = None
+
+
+def return_freed_memory() -> None:
+    """Hand the heap memory freed since the last call back to the system (glibc ``malloc_trim``;
+    elsewhere nothing). A freed onnxruntime session leaves its weights' blocks in glibc's heap,
+    below its mmap threshold, where the next session's blocks of other sizes do not fit: each
+    pass of a large model then added to the peak (302 MB MatMul stack: three float sessions in a
+    row held 879, 943 and 960 MB; trimmed after each, 357 MB once freed)."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            import ctypes
+
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _LIBC = False       # not glibc (macOS, musl, Windows)
+    if _LIBC:
+        gc.collect()
+        _LIBC.malloc_trim(0)
+
+
+def release_model_bytes(session) -> None:
+    """Let go of the serialized model an onnxruntime session built from bytes keeps.
+
+    onnxruntime's Python ``InferenceSession`` holds the bytes it was built from for the session's
+    lifetime (``_model_bytes``, kept only to rebuild the session when a run on another provider
+    falls back to the CPU): one more copy of the whole model for every live session, next to the
+    weights onnxruntime itself holds. On a 302 MB MatMul stack the profile's two sessions held
+    0.4 GB of them. With the bytes gone that rebuild is impossible, so the fallback is turned off
+    too: a CUDA failure is reported, not rerun on the CPU behind the user's back."""
+    if getattr(session, "_model_bytes", None) is not None:
+        session._model_bytes = None
+        if hasattr(session, "disable_fallback"):
+            session.disable_fallback()
+
+
 class Runner:
     """One onnxruntime session for one pass, exposing ``outputs`` and per-tensor min/max."""
 
     def __init__(self, model: onnx.ModelProto, outputs: list[str], *, reduce_minmax=(),
                  types: dict | None = None, optimize: bool | str = True, device: str = "cpu",
-                 threads: int = 0, spin: bool = False, nan_safe: bool | str = False):
+                 threads: int = 0, spin: bool = False, nan_safe: bool | str = False,
+                 initializers: onnx.GraphProto | None = None):
         """``nan_safe``: the min/max reductions leave NaN out. ``True``: plain reductions plus a
         guard that flags a sample holding NaN, which a NaN-safe session (built on first need)
         measures again; ``"where"``: that NaN-safe session itself (IsNaN and two Where per tensor,
         full-size copies that cost as much as the reductions). A pass that fetches the tensors
-        themselves finds NaN in them for less, see calibrate.histogram_pass."""
+        themselves finds NaN in them for less, see calibrate.histogram_pass. ``initializers``: a
+        graph whose initializers the session takes as well (see _exposed_model_bytes_or_path)."""
         ort = _ort()
         self.outputs = list(outputs)
         self.reduced = list(reduce_minmax)
@@ -252,7 +325,7 @@ class Runner:
         self._guard = bool(nan_safe and self.reduced and nan_safe != "where")
         self._safe = None
         if self._guard:
-            self._safe_args = (model, dict(types or {}), optimize, device, threads, spin)
+            self._safe_args = (model, dict(types or {}), optimize, device, threads, spin, initializers)
         so = session_options()
         disabled = []
         if optimize == SIMULATE:
@@ -277,11 +350,14 @@ class Runner:
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         providers = choose_providers(device)
         built = time.perf_counter()
+        return_freed_memory()       # the previous pass's session, before this one takes its share
         with tempfile.TemporaryDirectory(prefix="dipoorlet-") as tmp:
             src = _exposed_model_bytes_or_path(model, self.outputs, self.reduced, types or {}, tmp,
-                                               bool(nan_safe) and not self._guard, guard=self._guard)
+                                               bool(nan_safe) and not self._guard, guard=self._guard,
+                                               initializers=initializers)
             try:
                 self.session = ort.InferenceSession(src, so, providers=providers, disabled_optimizers=disabled)
+                release_model_bytes(self.session)
             except Exception as exc:
                 msg = ort_message(exc)
                 custom = _custom_ops(model)
@@ -330,7 +406,8 @@ class Runner:
 
     def _safe_ranges(self, feed) -> dict:
         if self._safe is None:
-            model, types, optimize, device, threads, spin = self._safe_args
+            model, types, optimize, device, threads, spin, initializers = self._safe_args
             self._safe = Runner(model, [], reduce_minmax=self.reduced, types=types, optimize=optimize,
-                                device=device, threads=threads, spin=spin, nan_safe="where")
+                                device=device, threads=threads, spin=spin, nan_safe="where",
+                                initializers=initializers)
         return self._safe.run(feed, tensors=False)[1]
