@@ -139,6 +139,41 @@ def _softmax_axes(graph, tensor: str) -> list[int] | None:
     return list(found.pop()) if len(found) == 1 else None
 
 
+# ops that pass a tensor's values on unchanged (a probability stays one)
+_SAME_VALUES = ("Cast", "Identity", "Dropout", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten")
+
+
+def open_length_probabilities(graph) -> list[str]:
+    """Softmax outputs (and what Cast, Reshape, Transpose... pass on of them) whose rows have no
+    fixed length: the normalized axis (opset < 13: one of the axes from ``axis`` on) is a dynamic
+    or unknown dimension. A row's largest probability grows as the row gets shorter, up to 1 for a
+    row of one (a KV-cache decoder's first token attends to itself alone), so a grid sized on the
+    calibration lengths clips a shorter row's; their grids reach 1 (plan_grids). Rows of a fixed
+    length (a CNN's spatial attention, a ViT's patches) keep their calibrated grids."""
+    from dipoorlet.graph import node_attr, opset_of
+
+    opset = opset_of(graph.model)
+    found: list[str] = []
+    for n in graph.graph.node:
+        if n.op_type != "Softmax" or n.domain not in ("", "ai.onnx") or not n.output or not graph.is_float(n.output[0]):
+            continue
+        shape = graph.shape(n.input[0])
+        if shape:
+            axis = int(node_attr(n, "axis", -1 if opset >= 13 else 1)) % len(shape)
+            axes = [axis] if opset >= 13 else range(axis, len(shape))
+            if all(shape[a] is not None for a in axes):
+                continue
+        todo = [n.output[0]]
+        while todo:
+            t = todo.pop()
+            if t in found:
+                continue
+            found.append(t)
+            todo += [r.output[0] for r in graph.consumers.get(t, []) if r.op_type in _SAME_VALUES and r.input
+                     and r.input[0] == t and r.output and graph.is_float(r.output[0])]
+    return found
+
+
 # ops a mask term passes on its way from the model's attention_mask input to the scores it is
 # added to (Cast, Unsqueeze, (1 - m) * -1e4, a boolean Where ...): no op that mixes in weights
 MASK_OPS = {"Cast", "CastLike", "Unsqueeze", "Squeeze", "Reshape", "Expand", "Tile", "Slice", "Identity",

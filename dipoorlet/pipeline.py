@@ -440,7 +440,14 @@ def plan_grids(g: Graph, stats, cfg: QuantConfig, plat, places, quiet: bool = Fa
     calibration sample and belong to no such group: a grid sized on 0 is the narrowest there is
     (+-MIN_SCALE), so they stay float (warn_degenerate says so). One that shares a group's grid
     keeps it (a Concat input that is 0 next to ones that are not)."""
-    plan = plan_activations(stats, cfg, plat, places)
+    probabilities = calibrate.open_length_probabilities(g)
+    plan = plan_activations(stats, cfg, plat, places, reach_one=probabilities)
+    widened = [t for t in probabilities if t in plan.activations and t in stats and stats[t].minmax.hi < 1]
+    if widened and not quiet:
+        log.info("%d Softmax outputs over rows of no fixed length get grids up to 1, where calibration reached "
+                 "%.3g: a shorter row's largest probability is higher, 1 for a row of one: %s", len(widened),
+                 min(stats[t].minmax.hi for t in widened),
+                 ", ".join(widened[:4]) + (f" and {len(widened) - 4} more" if len(widened) > 4 else ""))
     if plat.share_scale:
         share_scales(g, plan, plat.share_scale)
     for t in [t for t, qp in plan.activations.items() if t in stats and _zero(stats[t])
@@ -464,8 +471,10 @@ def plan_grids(g: Graph, stats, cfg: QuantConfig, plat, places, quiet: bool = Fa
 MAX_AMAX = 1e30    # beyond it an activation stays float (see plan_activations)
 
 
-def plan_activations(stats, cfg: QuantConfig, plat, places=None) -> QuantPlan:
+def plan_activations(stats, cfg: QuantConfig, plat, places=None, reach_one=()) -> QuantPlan:
+    """``reach_one``: tensors whose grids reach at least 1 (calibrate.open_length_probabilities)."""
     method = RANGE_METHODS[cfg.act_quant]
+    reach_one = set(reach_one)
     plan = QuantPlan()
     for t, st in stats.items():
         if st.minmax.count == 0 or st.minmax.lo > st.minmax.hi:
@@ -523,6 +532,8 @@ def plan_activations(stats, cfg: QuantConfig, plat, places=None) -> QuantPlan:
             # a Softmax input: below it a value weighs nothing; where a mask is added, the grid
             # reaches it so that padded positions stay hidden (calibrate.softmax_floors)
             lo = st.floor
+        if t in reach_one and hi < 1.0 and st.minmax.lo >= 0:
+            hi = 1.0
         plan.activations[t] = make_qparams(lo, hi, rule)
         plan.rules[t] = rule
         if bits:

@@ -1340,3 +1340,37 @@ def test_a_shared_name_of_which_preparation_removed_one_node_still_skips_the_oth
     convs = {c.name: c for c in qm.graph.node if c.op_type == "Conv"}
     dq = {o for c in qm.graph.node if c.op_type == "DequantizeLinear" for o in c.output}
     assert not any(i in dq for i in convs["n"].input) and convs["other"].input[1] in dq
+
+
+def _attention(seq):
+    """x [1, S, 8] -> scores x W x^T -> Softmax over the keys -> probabilities . x; S is ``seq``
+    (a number, or a name: a dynamic length)."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="proj"),
+             helper.make_node("Transpose", ["x"], ["xt"], name="t", perm=[0, 2, 1]),
+             helper.make_node("MatMul", ["h", "xt"], ["s"], name="qk"),
+             helper.make_node("Softmax", ["s"], ["p"], name="softmax", axis=-1),
+             helper.make_node("MatMul", ["p", "x"], ["y"], name="pv")]
+    return make_model(nodes, [vi("x", [1, seq, 8])], [vi("y", [1, seq, 8])], {"w": rand((8, 8), 3, 0.15)})
+
+
+@pytest.mark.parametrize("seq", ["S", 16])
+def test_softmax_output_over_rows_of_no_fixed_length_reaches_one(tmp_path, seq):
+    """A row's largest probability grows as the row gets shorter, to 1 for a row of one (a KV-cache
+    decoder's first token): calibrated on 16-long rows, the grid of p ended near their largest
+    probability and a shorter row's was clipped (a hunt's Llama decoder: prefill cosine 0.73).
+    Rows of a fixed length keep the calibrated grid. Oracle: the float model on a row of one."""
+    import json
+
+    model = _attention(seq)
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.standard_normal((1, 16, 8)).astype(np.float32)} for _ in range(4)]
+    quantize_model(tmp_path, model, feeds=feeds, skip_prof_layer=True)
+    amax = max(abs(v) for v in json.loads((tmp_path / "out" / "act_clip_val.json").read_text())["p"])
+    if seq == 16:
+        assert amax < 0.95
+        return
+    assert amax >= 1.0
+    qm = onnx.load(str(tmp_path / "out" / "quant_model.onnx"))
+    one = {"x": rng.standard_normal((1, 1, 8)).astype(np.float32)}
+    ref, got = ort_run(model, one)[0], ort_run(qm, one)[0]
+    assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
