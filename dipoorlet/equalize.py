@@ -53,6 +53,8 @@ import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
 from dipoorlet.graph import add_initializer, drop_unused_initializers, fresh_name, insert_before, node_attr
+from dipoorlet.data import sample_name
+from dipoorlet.layer_errors import warn_left_out
 from dipoorlet.progress import progress
 from dipoorlet.runtime import Runner
 
@@ -365,24 +367,36 @@ def channel_stats(g, items: list[tuple[str, list[int] | None, int]], data, indic
                 continue
             runner = build(full)
             for i in group:
-                yield i, runner.run(data.sample(i), tensors=bool(items), ranges=bool(per_tensor))
+                feed = data.sample(i)
+                yield i, sample_name(feed, i), runner.run(feed, tensors=bool(items), ranges=bool(per_tensor))
             del runner
 
     passes = run_all()
+    bad = []
     for _ in progress(indices, label, comm):
-        i, (got, ranges) = next(passes)
+        i, name, (got, ranges) = next(passes)
         for t, (lo, hi) in ranges.items():
             per_tensor[t].minmax.update(lo, hi)
         if not items:
             continue
         hi, lo = (np.asarray(got[outs[k]], np.float64).reshape(-1) for k in ("hi", "lo"))
-        if subset is None or i in subset:
-            ss = np.asarray(got[outs["ss"]], np.float64).reshape(-1)
+        full = subset is None or i in subset
+        ss = np.asarray(got[outs["ss"]], np.float64).reshape(-1) if full else hi
+        if np.isnan(hi).any() or np.isnan(lo).any() or np.isnan(ss).any():
+            # a NaN (a fully masked softmax row, Sqrt of a negative) made a channel's statistics
+            # NaN, and every later sample's with it: equalization and smoothing then passed the
+            # layer over without a word, and under MPI only where rank 0 held the sample (MPI's
+            # MAX drops another rank's NaN). The sample is left out wherever it is read
+            bad.append((i, name))
+            continue
+        if full:
             size = np.asarray(got[outs["size"]], np.float64).reshape(-1)
             per_channel = np.maximum(np.repeat(size / ns, ns), 1.0)
             r_acc = np.maximum(r_acc, np.maximum(hi, -lo))
             ms_acc = np.maximum(ms_acc, ss / per_channel)
         hi_acc, nlo_acc = np.maximum(hi_acc, hi), np.maximum(nlo_acc, -lo)
+    if items:
+        warn_left_out(comm, bad, label, "an activation is NaN on them")
     signed = [hi_acc, nlo_acc] if extra is not None else []
     flat = comm.allreduce_max(np.concatenate([r_acc, ms_acc] + signed)) if items else np.zeros(0)
     result, offset = {}, 0
