@@ -306,7 +306,7 @@ def summary(result, cfg) -> str:
         w = c["worst"][0]
         g = lambda v: "inf" if v is None else f"{v:.3g}"    # None: infinite (JSON has no inf)
         lines.append(f"{c['tensors_clipped']} of {c['tensors']} quantized activations saturate on these samples; worst "
-                     f"{w['tensor']}: {w['fraction']:.3g} of its values, up to {g(w['peak_over_range'])}x its range, "
+                     f"{w['tensor']}: {100 * w['fraction']:.3g}% of its values, up to {g(w['peak_over_range'])}x its range, "
                      f"{g(w['saturation_over_rounding_noise'])}x its rounding noise (report.md lists them)")
     layers = {l["node"]: l for l in rep["layers"]}
     if rep["worst_layers"]:
@@ -578,7 +578,7 @@ def _main(args, argv, state) -> int:
         if isinstance(exc, MemoryError):
             # the machine, not the tool: one line (numpy's _ArrayMemoryError had ended the run in a
             # traceback; found by a hunt on a 2 GB model)
-            return _fail(comm, state, f"out of memory ({exc or type(exc).__name__}); a run holds about 6-7x the "
+            return _fail(comm, state, f"out of memory ({str(exc) or type(exc).__name__}); a run holds about 5x the "
                                       "model's weights at its peak: run on a machine with more memory, or with "
                                       "--skip_prof_layer; -O keeps what it held", 2)
         if comm is not None and comm.world > 1:

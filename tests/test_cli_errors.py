@@ -1172,17 +1172,20 @@ def test_a_custom_op_library_named_twice_is_loaded_once(tmp_path):
     assert cfg.custom_op_libs == (str(lib),)
 
 
-def test_out_of_memory_is_one_line(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("message", ["Unable to allocate 32.0 GiB for an array with shape (8192, 8192, 64) and "
+                                     "data type float64", ""])
+def test_out_of_memory_is_one_line(tmp_path, capsys, monkeypatch, message):
     """numpy's _ArrayMemoryError (a MemoryError) had ended the run in a traceback, exit 1 (found
-    by a hunt on a 2 GB model)."""
+    by a hunt on a 2 GB model). Python's own MemoryError has no message: it printed "()"."""
     from dipoorlet import pipeline
 
     def short(cfg, comm=None):
-        raise MemoryError("Unable to allocate 32.0 GiB for an array with shape (8192, 8192, 64) and data type float64")
+        raise MemoryError(message)
 
     monkeypatch.setattr(pipeline, "quantize", short)
     case = Case(tmp_path)
     rc, err = run_cli(case, capsys)
     (line,) = error_lines(err)
     assert rc == 2 and "out of memory" in line and "Traceback" not in err
+    assert f"({message or 'MemoryError'})" in line
     assert_nothing_written(case)

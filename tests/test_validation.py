@@ -75,6 +75,9 @@ def test_the_profile_reads_the_held_out_samples_and_counts_what_saturates(case):
     md = (tmp / "out" / "report.md").read_text()
     assert "5 held-out samples from --val_dir" in md and "Values beyond the calibrated ranges" in md
     assert "saturate on these samples" in res.stderr + res.stdout
+    # the share as a percentage ("1 of its values" read as one value where all 152 were; a hunt)
+    w = rep["clipped"]["worst"][0]
+    assert f"{w['tensor']}: {100 * w['fraction']:.3g}% of its values" in res.stderr + res.stdout
 
 
 def test_without_val_dir_the_profile_reads_calibration_samples_and_counts_nothing(case):
