@@ -329,7 +329,7 @@ def calibration_seconds(log: Path, only: str | None = None) -> float:
         if only == "calibration" and "ranges from the equalization pass" in log.read_text():
             return float("nan")   # one pass (-A minmax): no separate calibration pass to time
         for line in reversed(log.read_text().splitlines()):
-            found = dict(re.findall(r"\b(equalization|bias correction|gptq|adaround|sparse|calibration) ([0-9.]+) s\b", line))
+            found = dict(re.findall(r"\b(equalization|bias correction|gptq|adaround|brecq|qdrop|sparse|calibration) ([0-9.]+) s\b", line))
             if "calibration" in found:
                 if only:
                     return float(found.get(only, "nan"))
@@ -414,10 +414,19 @@ def main(argv=None) -> int:
 
     shared = None if args.no_shared else shared_folder(args.shared)
     prepare = resolve_task(args.task)
-    out = Path(args.out) / args.task
-    out.mkdir(parents=True, exist_ok=True)
+    # absolute: the runs start in the checkout (cwd=ROOT), and a relative --out had named a
+    # folder there that the data was not in
+    out = Path(args.out).resolve() / args.task
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        ap.error(f"--out {args.out}: cannot create {out} ({exc.strerror}); name a writable folder")
     t0 = time.perf_counter()
-    task = prepare(out / "work", args.n_calib, shared)
+    try:
+        task = prepare(out / "work", args.n_calib, shared)
+    except RuntimeError as exc:       # a download or an export that failed: its one line
+        print(f"benchmark.py: {exc}", file=sys.stderr)
+        return 2
     print(f"task {task.name}: model {task.model}, {task.n_calib} calibration samples in {task.calib_dir} "
           f"(prepared in {time.perf_counter() - t0:.1f} s)", flush=True)
 

@@ -50,10 +50,18 @@ def main(argv=None) -> int:
         ap.error(f"--shared {args.shared} is not a folder; point it at the real-data folder (shared/data)")
     shared = None if args.no_shared else Path(args.shared) if args.shared else default_shared(announce=False)
     prepare = resolve_task(args.task)
-    out = Path(args.out) / args.task
+    out = Path(args.out).resolve() / args.task    # absolute: dipoorlet runs in the checkout (cwd=ROOT)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        ap.error(f"--out {args.out}: cannot create {out} ({exc.strerror}); name a writable folder")
     print(f"[1/3] preparing {args.task}: model and {args.n_calib} calibration samples "
           f"({'real data from ' + str(shared) if shared else 'rendered data'}) ...", flush=True)
-    task = prepare(out / "work", args.n_calib, shared)
+    try:
+        task = prepare(out / "work", args.n_calib, shared)
+    except RuntimeError as exc:       # a download or an export that failed: its one line
+        print(f"example.py: {exc}", file=sys.stderr)
+        return 2
 
     qdir = out / f"dipoorlet_{args.act_quant}"
     cmd = [sys.executable, "-m", "dipoorlet", "-M", str(task.model), "-I", str(task.calib_dir),

