@@ -235,6 +235,13 @@ def load_graph(cfg: QuantConfig, plat=None) -> Graph:
                     "--fail_below and the --auto_* searches then judge (class ids that differ at a few pixels read "
                     "as a cosine, not as an agreement); make the float tensor before them (an ArgMax's input) an "
                     "output too to judge that instead", ", ".join(ints[:6]))
+    elif any(o in ints for o in cfg.score_outputs):
+        # asked for by name: scored, and said how (class ids at cosine 0.982 passed a 0.95 gate
+        # and stopped --auto_skip where the agreement was 93.75%; found by a hunt)
+        named = [o for o in cfg.score_outputs if o in ints]
+        log.warning("--score_outputs %s: integer output(s), scored by cosine as they are, which --fail_below and the "
+                    "--auto_* searches then judge (class ids that differ read as a cosine, not as an agreement); "
+                    "name the float tensor before them (an ArgMax's input) to judge that instead", ", ".join(named))
     missing = (set(cfg.skip_layers) | set(cfg.layer_bits)) - set(g.node_by_name)
     inside = _nested_node_names(g) & missing
     if inside:
@@ -1097,15 +1104,21 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
                         "(sensitivity samples beyond the calibrated ranges, or tails the range method clips): "
                         "calibrate on data like them, try -A minmax, or keep the clipped layers float (--auto_skip, "
                         "--skip_layers); report.md lists the saturated tensors with --val_dir")
+            # inputs --layer_bits keeps on 8 bits stay there: part of what is left, which the advice
+            # had put down to clipping only (found by a hunt)
+            pinned = sorted(f"{n}=a{b[1]}" for n, b in cfg.layer_bits.items() if b[1] and b[1] <= 8)
+            acts_left = (f"the inputs --layer_bits keeps on 8 bits ({', '.join(pinned[:4])}"
+                         f"{' ...' if len(pinned) > 4 else ''}), which the search leaves as asked, or {clipping}"
+                         if pinned else clipping)
             if weights_only >= a16.target:
-                left = (f"what is left is the activations' clipping, not the weights (weights alone read "
-                        f"{weights_only:.6f}): {clipping}")
+                what = "the activations" if pinned else "the activations' clipping"
+                left = f"what is left is {what}, not the weights (weights alone read {weights_only:.6f}): {acts_left}"
             elif share >= 0.5:
                 left = (f"what is left is mostly the weights' rounding (weights alone, every activation float, read "
                         f"{weights_only:.6f}, {100 * share:.0f}% of the error): --gptq, or --skip_layers")
             else:
                 left = (f"the activations make most of what is left (weights alone, every activation float, read "
-                        f"{weights_only:.6f}, {100 * share:.0f}% of the error): {clipping}")
+                        f"{weights_only:.6f}, {100 * share:.0f}% of the error): {acts_left}")
         else:
             left = "what is left is the weights' rounding: --gptq, or --skip_layers"
     analysis.pop("_scorer", None)
@@ -1440,8 +1453,9 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, pl
                     "--max_float_layers may meet it")
         elif len(a.steps) >= a.candidates:
             # every layer tried: advice to allow more float layers cannot help (it said so)
-            more = ("every quantized layer was tried, and keeping the others float does not reach it: the loss is "
-                    "spread over layers too small to move it one at a time (report.md's worst layers show where it goes)")
+            more = ("every quantized layer was tried (one without a gain once more, beside the layers kept float "
+                    "after it), and no layer kept float moves it closer: layers that help only together, or a loss "
+                    "spread over many small ones (report.md's worst layers show where it goes)")
         else:
             more = "the search stops after 3 trials per allowed float layer: a larger --max_float_layers tries more"
         log.warning("auto_skip: target %s %s not met (%s %.6f with %d layers float over the %d sensitivity "

@@ -1142,6 +1142,22 @@ def test_a_model_whose_every_output_is_integer_says_how_it_is_scored(tmp_path, c
     assert any("every output of the model is integer (cls)" in r.getMessage() for r in caplog.records)
 
 
+def test_an_integer_output_named_by_score_outputs_is_said(tmp_path, caplog):
+    """--score_outputs naming the class ids beside a float output: scored by cosine without a
+    word (0.982 passed a 0.95 gate where 93.75% of the ids agreed; found by a hunt)."""
+    import logging
+
+    from conftest import quantize_model
+
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1] * 4),
+             helper.make_node("ArgMax", ["c"], ["cls"], name="argmax", axis=1, keepdims=0)]
+    model = make_model(nodes, [vi("x", [1, 3, 8, 8])], [vi("c", [1, 4, 8, 8]), vi("cls", [1, 8, 8], TensorProto.INT64)],
+                       {"w": rand((4, 3, 3, 3), 0, 0.3)})
+    with caplog.at_level(logging.WARNING):
+        quantize_model(tmp_path, model, n=4, skip_prof_layer=True, score_outputs=("cls",))
+    assert any("--score_outputs cls: integer output(s)" in r.getMessage() for r in caplog.records)
+
+
 def test_outputs_left_out_of_the_judging_are_labelled_in_the_tables(tmp_path):
     """Integer outputs beside float ones are not judged (not scored by cosine for --fail_below or
     the searches), yet the tables showed their cosines unlabelled."""
@@ -1274,3 +1290,81 @@ def test_diagnosis_of_a_matmul_whose_weight_is_shared_says_smoothing_does_not_ap
     said = [a["equalization"] for d in res.report["diagnosis"] if d["node"] == "mm1" for a in d["activations"]]
     assert said and all("gain under 3 dB" not in s for s in said), said
     assert any("smoothing does not apply" in s for s in said), said
+
+
+def _outlier_pair_mlp():
+    """Six MatMul+Add(+Relu) layers; L2 writes a huge channel 0 (x400) that L3 barely reads. On a
+    per-tensor backend either L2 or add2 float alone gains nothing (the other still rounds the
+    outlier), both together do (a hunt's model)."""
+    rng = np.random.default_rng(0)
+    d, layers, nodes, inits, prev = 32, 6, [], {}, "x"
+    dims = [d] * layers + [10]
+    for i in range(layers):
+        w = rng.normal(0, 1 / np.sqrt(d), (d, dims[i + 1])).astype(np.float32)
+        b = rng.normal(0, 0.1, dims[i + 1]).astype(np.float32)
+        if i == 2:
+            w[:, 0] *= 400
+            b[0] = 50
+        if i == 3:
+            w[0, :] /= 400
+        if i == 1:
+            w[0, :] = np.abs(w[0, :]).max() * np.sign(w[0, :] + 1e-9)
+            w[1:, :] /= 30
+        inits[f"W{i}"], inits[f"b{i}"] = w, b
+        nodes.append(helper.make_node("MatMul", [prev, f"W{i}"], [f"mm{i}"], name=f"L{i}"))
+        nodes.append(helper.make_node("Add", [f"mm{i}", f"b{i}"], [f"a{i}"], name=f"add{i}"))
+        if i < layers - 1:
+            nodes.append(helper.make_node("Relu", [f"a{i}"], [f"r{i}"], name=f"relu{i}"))
+            prev = f"r{i}"
+        else:
+            prev = f"a{i}"
+    nodes.append(helper.make_node("Identity", [prev], ["logits"], name="id_out"))
+    return make_model(nodes, [vi("x", [1, d])], [vi("logits", [1, 10])], inits)
+
+
+def test_auto_skip_finds_two_layers_that_help_only_together(tmp_path):
+    """--auto_skip tried each layer alone: L2 and add2 each gained nothing, and the search ended
+    at 7.9 dB saying the loss was spread over small layers, where both float give 34 dB (found by
+    a hunt on -D ti). The layers without a gain are tried again, and the three most sensitive
+    two by two. Oracle: the written model's SQNR on the sensitivity samples, in onnxruntime."""
+    model = _outlier_pair_mlp()
+    rng = np.random.default_rng(1)
+    feeds = [{"x": rng.normal(0, 1, (1, 32)).astype(np.float32)} for _ in range(16)]
+    result, qm = quantize_model(tmp_path, model, feeds=feeds, deploy="ti", act_quant="mse",
+                                auto_skip="sqnr:30", max_float_layers=20, sens_samples=8)
+    a = result.report["auto_skip"]
+    assert a["met"] and {"L2", "add2"} <= set(a["float_layers"]), a
+    idx = [i * 16 // 8 for i in range(8)]
+    ref = np.concatenate([ort_run(model, feeds[i])[0].ravel() for i in idx]).astype(np.float64)
+    got = np.concatenate([ort_run(qm, feeds[i])[0].ravel() for i in idx]).astype(np.float64)
+    assert 10 * np.log10(np.sum(ref ** 2) / np.sum((got - ref) ** 2)) >= 30
+
+
+def test_auto_a16_names_the_inputs_layer_bits_keeps_on_8_bits(tmp_path, caplog):
+    """With --layer_bits L3=a8 the target was missed because of L3's 8-bit input, and the
+    verdict put it down to clipping ("calibrate on data like them, try -A minmax" on a -A minmax
+    run; found by a hunt)."""
+    import logging
+
+    model = _outlier_pair_mlp()
+    rng = np.random.default_rng(1)
+    feeds = [{"x": rng.normal(0, 1, (1, 32)).astype(np.float32)} for _ in range(16)]
+    with caplog.at_level(logging.WARNING, logger="dipoorlet"):
+        result, _ = quantize_model(tmp_path, model, feeds=feeds, deploy="qnn", act_quant="minmax", equalize=False,
+                                   auto_a16="0.999", layer_bits={"L3": (None, 8)})
+    assert not result.report["auto_a16"]["met"]
+    line = next(r.getMessage() for r in caplog.records if "auto_a16: target" in r.getMessage())
+    assert "the inputs --layer_bits keeps on 8 bits (L3=a8)" in line, line
+
+
+@pytest.mark.parametrize("flag, deploy, words", [("auto_skip", "trt", "met with every layer quantized"),
+                                                 ("auto_a16", "qnn", "met with no layer promoted")])
+def test_a_target_met_before_any_search_is_said(tmp_path, caplog, flag, deploy, words):
+    """Only report.json had said so: no auto_* line at all in the log (found by a hunt)."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="dipoorlet"):
+        result, _ = quantize_model(tmp_path, tiny_cnn(), n=4, deploy=deploy, **{flag: "cosine:0.5"})
+    rep = result.report[flag]
+    assert rep["met"] and not rep.get("float_layers", rep.get("a16_layers"))
+    assert f"{flag}: target cosine 0.5 {words}" in caplog.text
