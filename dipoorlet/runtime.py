@@ -32,7 +32,7 @@ from onnx import helper
 
 from dipoorlet.errors import ModelError
 from dipoorlet import graph as _graph
-from dipoorlet.graph import opset_of, save_external
+from dipoorlet.graph import opset_of, write_external
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,6 @@ def _exposed_model_bytes_or_path(model: onnx.ModelProto, outputs: list[str],
     g = model.graph
     saved_outputs = list(g.output)
     n_nodes = len(g.node)
-    n_inits = len(g.initializer)
     try:
         del g.output[:]
         by_name = {o.name: o for o in saved_outputs}
@@ -176,19 +175,16 @@ def _exposed_model_bytes_or_path(model: onnx.ModelProto, outputs: list[str],
         if initializers is not None:
             if _graph.weight_bytes(g) + _graph.weight_bytes(initializers) < 0.9 * _graph.EXTERNAL_THRESHOLD:
                 return _with_initializers(model.SerializeToString(), initializers)
-            g.initializer.extend(initializers.initializer)    # a lean copy's: it grows by them for this session
-        if not _graph.over_threshold(model):
+        elif not _graph.over_threshold(model):
             return model.SerializeToString()
         path = os.path.join(tmpdir, "model.onnx")
-        save_external(model, path)
+        write_external(model, path, initializers)
         return path
     finally:
         del g.output[:]
         g.output.extend(saved_outputs)
         while len(g.node) > n_nodes:
             g.node.pop()
-        while len(g.initializer) > n_inits:
-            g.initializer.pop()
 
 
 # --custom_op_lib: libraries every session of the run registers (set for one run by
