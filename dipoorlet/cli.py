@@ -598,7 +598,10 @@ def _remove_other_rank_logs(out_dir: Path, world: int) -> None:
     """After a run that wrote its outputs: the per-rank logs (--log_all_ranks) an earlier run left
     in -O that this run did not write."""
     ours = {f"dipoorlet.rank{r}.log" for r in range(1, world)}
-    for path in Path(out_dir).glob("dipoorlet.rank*.log"):
+    # and the temporary names a failed run's ranks left (.dipoorlet-run.rank<N>.log; a hunt found
+    # them kept through later runs), but not this run's: its ranks may still be renaming theirs
+    ours |= {_rank_run_log(Path(out_dir), r).name for r in range(1, world)}
+    for path in [*Path(out_dir).glob("dipoorlet.rank*.log"), *Path(out_dir).glob(".dipoorlet-run.rank*.log")]:
         if path.name not in ours and path.is_file() and not path.is_symlink():
             try:
                 path.unlink()

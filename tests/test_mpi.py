@@ -152,6 +152,12 @@ def test_a_failed_run_keeps_the_earlier_runs_rank_logs(case):
     assert (out / "dipoorlet.rank1.log").read_text() == before          # the failed run's is kept aside
     assert _run(case, out, "minmax --log_all_ranks", 2).returncode == 0
     assert (out / "dipoorlet.rank1.log").read_text() != before
+    # the failed run's rank log, kept aside under a temporary name, goes with a later run that
+    # writes its outputs (it had stayed through every later run; found by a hunt)
+    assert _run(case, out, "minmax --log_all_ranks --skip_layers nope", 2).returncode == 2
+    assert (out / ".dipoorlet-run.rank1.log").is_file()
+    assert _run(case, out, "minmax", 2).returncode == 0
+    assert not list(out.glob(".dipoorlet-run.rank*.log")) and not list(out.glob("dipoorlet.rank*.log"))
 
 
 def test_more_ranks_than_samples_with_bias_correction(case):
