@@ -12,6 +12,16 @@ except KeyboardInterrupt:
 
     if launcher_rank() == 0:
         print("dipoorlet: interrupted; no output was written", file=sys.stderr, flush=True)
+    else:
+        # another rank: where mpirun passed Ctrl-C to every rank, rank 0's abort ends this wait;
+        # a signal to this rank alone had ended the job on mpich's Abort line without a word
+        import time
+
+        try:
+            time.sleep(2.0)
+        except BaseException:  # noqa: BLE001 - a second Ctrl-C: said all the same
+            pass
+        print(f"dipoorlet: rank {launcher_rank()}: interrupted; no output was written", file=sys.stderr, flush=True)
     abort_launch(130)
     code = 130
 raise SystemExit(code)

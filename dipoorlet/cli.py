@@ -674,6 +674,15 @@ def _stop(comm, state, what: str, code: int) -> int:
 
     if comm is not None or launcher_rank() == 0:     # before MPI started: the launcher's rank 0
         print(f"dipoorlet: {what}; {done}", file=sys.stderr, flush=True)
+    else:
+        # before MPI started, another rank: where mpirun passed the signal to every rank, rank 0
+        # says it and its abort ends this wait; a signal to this rank alone had ended the job
+        # on mpich's "Abort(130)" line without a word of ours (found by a hunt)
+        try:
+            time.sleep(RANK_ERROR_DELAY_S)
+        except BaseException:  # noqa: BLE001 - a second Ctrl-C: said all the same
+            pass
+        print(f"dipoorlet: rank {launcher_rank()}: {what}; {done}", file=sys.stderr, flush=True)
     # the log says so too: a run a CI step's time limit or slurm ended had left a log that stopped
     # on an ordinary line, which reads like a hang or a crash (found by a bug hunt)
     _log_to_file(f"dipoorlet: {what}; {done}")
