@@ -753,8 +753,24 @@ def quantize(cfg: QuantConfig, comm=None) -> Result:
         return _quantize(cfg, comm)
 
 
+def _same_settings(cfg: QuantConfig, comm) -> None:
+    """Under MPI every process must run the same settings: through the API a rank given another
+    -N or -A finished without a word, with outputs no process count would give, and another
+    --no_bc ended in an MPI "Message truncated" error (found by a hunt)."""
+    if comm.world <= 1:
+        return
+    import hashlib
+
+    mine = hashlib.sha1(repr(cfg).encode()).hexdigest()
+    differ = int(comm.allreduce_sum(np.array([int(comm.bcast(mine) != mine)], np.int64))[0])
+    if differ:
+        raise ConfigError(f"the {comm.world} MPI processes were given different settings ({differ} differ from rank "
+                          "0's): every rank must make the same dipoorlet.quantize() call (or run the same command)")
+
+
 def _quantize(cfg: QuantConfig, comm=None) -> Result:
     comm = comm or SingleProcess()
+    _same_settings(cfg, comm)
     t0 = time.perf_counter()
     timings = {}
     out_dir = Path(cfg.output_dir)

@@ -484,3 +484,31 @@ def test_a_signal_to_one_rank_while_rank_0_publishes_leaves_one_runs_outputs(cas
     assert {"trt_calib.cache", "quant_model.onnx", "dipoorlet.log"} <= {p.name for p in out.iterdir()}
     assert not (out / "qnn_encodings.json").exists()
     assert not list(out.glob(".dipoorlet-staging-*"))
+
+
+def test_ranks_given_different_settings_are_refused():
+    """Through the API a rank given another -N or -A had finished without a word (outputs no
+    process count gives), another --no_bc in an MPI "Message truncated" error (found by a hunt).
+    A stand-in communicator: rank 1 of 2, rank 0's settings differ."""
+    from dipoorlet.config import QuantConfig
+    from dipoorlet.errors import ConfigError
+    from dipoorlet.pipeline import _same_settings
+
+    cfg = QuantConfig(model="m.onnx", input_dir="d", data_num=6, deploy="trt")
+
+    class Comm:
+        world, rank = 2, 1
+
+        def __init__(self, rank0):
+            self.rank0 = rank0
+
+        def bcast(self, obj):
+            import hashlib
+            return hashlib.sha1(repr(self.rank0).encode()).hexdigest()
+
+        def allreduce_sum(self, a):
+            return a * 2 if a.any() else a
+
+    _same_settings(cfg, Comm(cfg))
+    with pytest.raises(ConfigError, match="different settings"):
+        _same_settings(cfg, Comm(QuantConfig(model="m.onnx", input_dir="d", data_num=7, deploy="trt")))
