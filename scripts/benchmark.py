@@ -399,7 +399,9 @@ def main(argv=None) -> int:
         ap.error(f"--n-calib {args.n_calib} / --ort-n-calib {args.ort_n_calib}: expected a positive number of samples")
     if not args._child:     # before the task is prepared and the float pass run
         for spec in [m.strip() for m in args.methods.split(",") if m.strip()]:
-            if spec.partition(":")[0] not in ("dipoorlet", "ort") or not spec.partition(":")[2]:
+            tool, _, method = spec.partition(":")
+            if tool not in ("dipoorlet", "ort") or not method or (
+                    tool == "ort" and method not in ("MinMax", "Entropy", "Percentile")):
                 ap.error(f"unknown method {spec!r} (use dipoorlet:<method> or ort:<MinMax|Entropy|Percentile>)")
 
     if args._child:

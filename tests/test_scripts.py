@@ -15,6 +15,7 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
     ("benchmark.py", ["--n-calib", "0"], ["--n-calib 0", "positive"]),
     ("benchmark.py", ["--methods", "dipoorlet:mse,foo:bar"], ["unknown method 'foo:bar'"]),
     ("benchmark.py", ["--repeat", "0"], ["--repeat 0"]),
+    ("benchmark.py", ["--methods", "ort:Nosuch"], ["unknown method 'ort:Nosuch'"]),
     ("memory_vs_n.py", ["--small", "16", "--large", "8"], ["small < large", "16 and 8"]),
     ("platforms.py", ["--platforms", "trt,nosuch"], ["unknown nosuch"]),
     ("platforms.py", ["-N", "0"], ["-N 0", "positive"]),
