@@ -1467,7 +1467,7 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, pl
             more = (f"{len(a.over_cap)} group(s) of layers that share one rounding (e.g. {a.over_cap[0]}) go float "
                     f"together and would pass --max_float_layers {cfg.max_float_layers}: a larger "
                     "--max_float_layers may meet it")
-        elif len(a.steps) >= a.candidates:
+        elif sum(1 for st in a.steps if not st.get("again")) >= a.candidates:    # first tries only
             # every layer tried: advice to allow more float layers cannot help (it said so)
             more = ("every quantized layer was tried (one without a gain once more, beside the layers kept float "
                     "after it), and no layer kept float moves it closer: layers that help only together, or a loss "

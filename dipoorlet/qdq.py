@@ -15,7 +15,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from dipoorlet.graph import Graph, copy_model, drop_unused_initializers, opset_of, restore_initializers, subgraphs
+from dipoorlet.graph import (Graph, _subgraph_outer_refs, copy_model, drop_unused_initializers, opset_of,
+                             restore_initializers, subgraphs)
 from dipoorlet.placement import Placement
 from dipoorlet.qparams import QParams, QuantPlan, dequantize_array, quantize_array
 
@@ -72,9 +73,30 @@ def _base(tensor: str, taken: set[str], suffixes) -> str:
     return base
 
 
+def _read_only_at(g: Graph, tensor: str, slots) -> bool:
+    """Whether every read of ``tensor`` is one of ``slots`` ((node, input index) pairs): no other
+    input, no graph output, no If/Loop body reading it."""
+    if tensor in g.output_names:
+        return False
+    for node in g.consumers.get(tensor, []):
+        if tensor not in node.input or tensor in _subgraph_outer_refs(node):
+            return False
+        if any(x == tensor and (node.name, i) not in slots for i, x in enumerate(node.input)):
+            return False
+    return True
+
+
+def _replaced_weights(g: Graph, placement: Placement, plan: QuantPlan) -> set[str]:
+    """The quantized weights no float reader keeps: a copy of the model leaves them out (a weight
+    another layer reads float stays where it was, and the written model as it always was)."""
+    slots = {use for use, wp in placement.weights.items() if wp.tensor in plan.weights}
+    return {wp.tensor for wp in placement.weights.values()
+            if wp.tensor in plan.weights and _read_only_at(g, wp.tensor, slots)}
+
+
 def insert_qdq(g: Graph, placement: Placement, plan: QuantPlan) -> onnx.ModelProto:
     """A new model with Q/DQ inserted; ``g`` is not modified."""
-    replaced = {wp.tensor for wp in placement.weights.values() if wp.tensor in plan.weights}
+    replaced = _replaced_weights(g, placement, plan)
     model = copy_model(g.model, replaced)
     graph = model.graph
     nodes = {n.name: n for n in graph.node}
@@ -279,7 +301,11 @@ class Switchboard:
         (--auto_w8's 8-bit grids)."""
         self.g, self.plan, self.off_plan, self.placement = g, plan, off_plan, placement
         self._cache: dict = {}
-        fed = {wp.tensor for wp in placement.weights.values() if wp.tensor in plan.weights} | set(plan.values)
+        # the weights fed as inputs that nothing else reads (a transformed constant's every read
+        # in the main graph is fed)
+        fed = _replaced_weights(g, placement, plan) | {
+            t for t in plan.values if _read_only_at(g, t, {(n.name, i) for n in g.consumers.get(t, [])
+                                                          for i, x in enumerate(n.input) if x == t})}
         model = copy_model(g.model, fed)
         graph = model.graph
         nodes = {n.name: n for n in graph.node}

@@ -408,13 +408,16 @@ def auto_skip(graph, places, plan, scorer: Scorer, sens: list[LayerSensitivity],
         if not group:
             return
         if len(res.float_layers) + len(group) > max_layers:
-            res.over_cap.append(" + ".join(group))     # a group that would pass --max_float_layers
-            log.info("auto_skip: %s not tried: these layers share one rounding and go float together, past "
-                     "--max_float_layers %d", " + ".join(group), max_layers)
+            if not again:       # a second try past the cap is simply not made
+                res.over_cap.append(" + ".join(group))     # a group that would pass --max_float_layers
+                log.info("auto_skip: %s not tried: these layers share one rounding and go float together, past "
+                         "--max_float_layers %d", " + ".join(group), max_layers)
             return
         name = " + ".join(group)
         keep = [n for n in quantized if n not in res.float_layers and n not in group]
         left = places.restrict(keep)
+        if not left.activations and not left.weights and again:
+            return              # a second try that would leave no grid is not made
         if not left.activations and not left.weights:
             # the last layer with a grid: keeping it float too would leave a float model (written
             # with no Q/DQ, its target "met"), which --skip_layers of the same layers refuses

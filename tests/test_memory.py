@@ -105,6 +105,7 @@ def test_quantized_model_built_without_replaced_weights_keeps_a_shared_one(tmp_p
     _, qm = quantize_model(tmp_path, model, n=3, skip_layers=["mm2"], skip_prof_layer=True)
     inits = {t.name for t in qm.graph.initializer}
     assert "w" in inits and "w2" not in inits
+    assert qm.graph.initializer[0].name == "w"       # where it was: the written model as before
     assert next(n for n in qm.graph.node if n.name == "mm2").input[1] == "w"
     assert {i.name for i in qm.graph.input} - inits == {"x"}
     onnx.checker.check_model(qm)

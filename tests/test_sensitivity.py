@@ -1368,3 +1368,41 @@ def test_a_target_met_before_any_search_is_said(tmp_path, caplog, flag, deploy, 
     rep = result.report[flag]
     assert rep["met"] and not rep.get("float_layers", rep.get("a16_layers"))
     assert f"{flag}: target cosine 0.5 {words}" in caplog.text
+
+
+@pytest.mark.parametrize("n_layers, cap", [(8, 1), (8, 2), (2, 2)])
+def test_auto_skip_second_tries_claim_nothing_of_their_own(n_layers, cap):
+    """The retries and pair trials added after the first pass: one past --max_float_layers is not
+    made (it had been reported as layers sharing one rounding), one leaving no grid is not made
+    (it had claimed every other layer float with none float), and they do not count as first
+    tries (untried layers had read as 'every quantized layer was tried'; found by a review).
+    A stand-in scorer under which no variant gains."""
+    from types import SimpleNamespace
+
+    from dipoorlet.sensitivity import LayerSensitivity, OutputScore, auto_skip
+
+    nodes = [f"L{i}" for i in range(n_layers)]
+    places = SimpleNamespace(activations={}, quantized_nodes=nodes,
+                             restrict=lambda keep: SimpleNamespace(activations=[1] if keep else [], weights=[]))
+    plan = SimpleNamespace(activations={})
+
+    class Scorer:
+        def board(self, places, plan):
+            return SimpleNamespace(owners=set(nodes)), None
+
+        def score_variant(self, places, plan, acts, weights):
+            return OutputScore(0.95, 13.0, 0.0)
+
+    sens = [LayerSensitivity(n, "MatMul", OutputScore(0.9 + 0.001 * i, 10.0 + i, 0.0)) for i, n in enumerate(nodes)]
+    g = SimpleNamespace(producer={}, consumers={}, node_by_name={})
+    import dipoorlet.sensitivity as sensitivity
+    orig = sensitivity.grid_partners
+    sensitivity.grid_partners = lambda *a: {}
+    try:
+        res = auto_skip(g, places, plan, Scorer(), sens, "cosine", 0.999, cap)
+    finally:
+        sensitivity.grid_partners = orig
+    assert res.over_cap == [] and res.last_kept is None and not res.float_layers
+    first = [st for st in res.steps if not st.get("again")]
+    assert len(first) == min(n_layers, 3 * cap)
+    assert all(" + " not in st["float_layer"] or st.get("again") == "together" for st in res.steps)
