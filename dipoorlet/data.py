@@ -37,6 +37,7 @@ class InputSpec:
     dtype: np.dtype
     shape: tuple  # ints, None for dynamic dims; () when unknown rank
     file_dtype: np.dtype | None = None   # raw .bin files hold this dtype (default: dtype)
+    mask: bool = False     # an additive attention mask: -inf marks a position left out (mask_inputs)
 
     @property
     def raw_dtype(self) -> np.dtype:
@@ -45,13 +46,42 @@ class InputSpec:
 
 def input_specs(graph) -> list[InputSpec]:
     specs = []
+    masks = mask_inputs(graph)
     for vi in graph.graph_inputs:
         tt = vi.type.tensor_type
         dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type)) if tt.elem_type else np.dtype(np.float32)
         shape = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
                       for d in tt.shape.dim) if tt.HasField("shape") else None
-        specs.append(InputSpec(vi.name, dtype, shape, graph.file_dtypes.get(vi.name)))
+        specs.append(InputSpec(vi.name, dtype, shape, graph.file_dtypes.get(vi.name), mask=vi.name in masks))
     return specs
+
+
+def mask_inputs(graph) -> set[str]:
+    """Float inputs that only ever reach Softmax inputs, through the ops an attention mask passes
+    (calibrate.MASK_OPS): additive masks, in which -inf marks a position left out (transformers'
+    exports with a float mask input take it as such; -inf had been refused as bad data)."""
+    from dipoorlet.calibrate import MASK_OPS
+
+    found = set()
+    if not hasattr(graph, "consumers"):
+        return found
+    for vi in graph.graph_inputs:
+        if not graph.is_float(vi.name):
+            continue
+        seen, todo, softmax, other = {vi.name}, [vi.name], False, False
+        while todo and not other:
+            t = todo.pop()
+            for n in graph.consumers.get(t, []):
+                if n.op_type == "Softmax" and n.input and n.input[0] == t:
+                    softmax = True
+                elif n.op_type in MASK_OPS:
+                    todo += [o for o in n.output if o and o not in seen and not seen.add(o)]
+                else:
+                    other = True
+                    break
+        if softmax and not other and not (seen & set(graph.output_names)):
+            found.add(vi.name)
+    return found
 
 
 def shard(n: int, rank: int, world: int) -> range:
@@ -427,7 +457,11 @@ class DataSource:
             src = arr
             with np.errstate(over="ignore"):     # values beyond float32 are reported below
                 arr = arr.astype(spec.dtype, copy=False)
-            if not np.isfinite(arr).all():
+            if spec.mask and not np.isfinite(arr).all() and not (np.isnan(arr) | (arr == np.inf)).any():
+                self._note(("mask", spec.name), logging.INFO,
+                           f"{where} holds -inf in {spec.name!r}, an additive attention mask: taken as positions "
+                           "left out (said once per input)")
+            elif not np.isfinite(arr).all():
                 bad = int((~np.isfinite(arr)).sum())
                 if np.issubdtype(src.dtype, np.floating) and np.isfinite(src).all():
                     raise DataError(f"{where} holds {bad} values beyond {spec.dtype}'s range (largest |x| "
