@@ -722,3 +722,61 @@ def test_atlas_record_of_a_matmul_of_two_activations_warns(tmp_path, caplog):
     assert "scores" in rec and "q" in flat and ("kt" in flat or "k" in flat)
     assert any(r.getMessage().startswith("atlas_record: 1 layers read two activations (scores)")
                for r in caplog.records)
+
+
+def _shared_bias_convs():
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["ya"], name="conv_a", pads=[1] * 4),
+             helper.make_node("Conv", ["ya", "w", "b"], ["yb"], name="conv_b", pads=[1] * 4)]
+    return make_model(nodes, [vi("x", [1, 4, 8, 8])], [vi("yb", [1, 4, 8, 8])],
+                      {"w": rng.normal(0, .3, (4, 4, 3, 3)).astype(np.float32),
+                       "b": rng.normal(0, .5, 4).astype(np.float32)}, opset=17)
+
+
+def _dq_scale(qm, tensor_prefix: str) -> np.ndarray:
+    """The scale of the DequantizeLinear whose output is ``<tensor_prefix>_dq``."""
+    dq = next(n for n in qm.graph.node if n.op_type == "DequantizeLinear" and n.output[0] == f"{tensor_prefix}_dq")
+    return np.asarray(initializer(qm, dq.input[1]))
+
+
+def test_a_bias_two_layers_share_gets_each_layers_own_scale(tmp_path, caplog):
+    """conv_a and conv_b share weight and bias; conv_b reads the bias float in quant_model.onnx.
+    rv_quantized_param had given @conv_b:bias conv_a's scale (a hunt: 6.3x too small on a CNN);
+    each is its layer's s_in * s_w (numpy, from the model's own Q/DQ). The AIMET encodings hold
+    one grid per tensor: said."""
+    import logging
+
+    model = _shared_bias_convs()
+    path = save(model, tmp_path / "m.onnx")
+    data = write_samples(tmp_path / "d", input_feeds(model, 8))
+    dipoorlet.quantize(model=path, input_dir=data, data_num=8, deploy="rv", output_dir=tmp_path / "rv",
+                       skip_prof_layer=True)
+    qm = onnx.load(str(tmp_path / "rv" / "quant_model.onnx"))
+    params = json.loads((tmp_path / "rv" / "rv_quantized_param.json").read_text())["quantize_parameters"]
+    sw = _dq_scale(qm, "w").reshape(-1)
+    for node, act in (("conv_a", "x"), ("conv_b", "ya")):
+        want = (np.float32(_dq_scale(qm, act).reshape(-1)[0]) * sw).astype(np.float32)
+        np.testing.assert_allclose(params[f"@{node}:bias"]["scale"], want, rtol=1e-6)
+    with caplog.at_level(logging.WARNING):
+        dipoorlet.quantize(model=path, input_dir=data, data_num=8, deploy="qnn", output_dir=tmp_path / "qnn",
+                           skip_prof_layer=True)
+    assert "qnn: bias b is read by conv_a, conv_b" in caplog.text
+
+
+def test_rv_says_that_toolkit_1_takes_8_bit_grids_only(tmp_path, caplog):
+    """--w_bits 4 on -D rv wrote qtype u4 without a word; RKNN-Toolkit 1's asymmetric_affine
+    quantization is u8 only (found by a hunt)."""
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        _, _ = quantize_rv(tmp_path, w_bits=4)
+    assert "RKNN-Toolkit 1's asymmetric_affine quantization takes u8 only" in caplog.text
+
+
+def quantize_rv(tmp_path, **kw):
+    model = tiny_cnn()
+    path = save(model, tmp_path / "m.onnx")
+    data = write_samples(tmp_path / "d", input_feeds(model, 4))
+    res = dipoorlet.quantize(model=path, input_dir=data, data_num=4, deploy="rv", output_dir=tmp_path / "o",
+                             skip_prof_layer=True, **kw)
+    return res, onnx.load(str(tmp_path / "o" / "quant_model.onnx"))

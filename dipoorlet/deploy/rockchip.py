@@ -127,6 +127,12 @@ def export_rv(ctx, folder):
             params[f"@{name}:bias"] = {"dtype": "asymmetric_affine", "method": "layer",
                                        "max_value": [], "min_value": [], "zero_point": [0],
                                        "scale": floats(layer.bqp.scale), "qtype": "i32"}
+    narrow = sorted(k for k, v in params.items() if v.get("qtype", "u8") not in ("u8", "i32"))
+    if narrow:
+        # RKNN-Toolkit 1's asymmetric_affine quantization is uint8 only (found by a hunt)
+        log.warning("rockchip_rv: %d entries have grids other than 8 bits (e.g. %s: %s); RKNN-Toolkit 1's "
+                    "asymmetric_affine quantization takes u8 only: quantize for RV1126 with 8-bit weights and "
+                    "activations", len(narrow), narrow[0], params[narrow[0]]["qtype"])
     return _write_both(folder, "rv_quantized_param",
                        {"customized_quantize_layers": {}, "quantize_parameters": params})
 

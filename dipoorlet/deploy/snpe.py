@@ -39,12 +39,15 @@ This module also holds the small grid helpers the other exporters of this packag
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 
 from dipoorlet.deploy import register
 from dipoorlet.util import write_json
+
+log = logging.getLogger(__name__)
 
 AIMET_VERSION = "0.6.1"
 BIAS_OPS = ("Conv", "ConvTranspose", "Gemm")
@@ -159,7 +162,12 @@ def weighted_layers(ctx) -> list[Layer]:
         bias = node.input[2] if node.op_type in BIAS_OPS and len(node.input) > 2 else ""
         if bias and g.is_constant(bias):
             layer.bias = bias
-            layer.bqp = plan.weights.get(layer.bias)
+            # the plan's grid of the bias where this layer reads it quantized; a bias another
+            # layer's grid quantizes (two layers sharing it; this one reads it float) gets this
+            # layer's own s_in * s_w: it had been written with the other layer's scale (found by
+            # a hunt: 6.3x too small on one Conv)
+            own = ctx.placement.weights.get((node.name, 2))
+            layer.bqp = plan.weights.get(bias) if own is not None and own.tensor == bias else None
             if layer.bqp is None and layer.dqp is not None:
                 s = (np.float32(np.asarray(layer.dqp.scale, dtype=np.float32).reshape(-1)[0])
                      * np.asarray(wqp.scale, dtype=np.float32)).astype(np.float32)
@@ -234,9 +242,19 @@ def encodings(ctx) -> dict:
     if getattr(ctx.platform, "quantize_bias", False):
         # only biases the model holds as int32; one left float (a grouped ConvTranspose's, a
         # broadcast Gemm bias) gets no encoding that would claim otherwise
+        readers: dict[str, list[str]] = {}
         for layer in weighted_layers(ctx):
+            if layer.bias:
+                readers.setdefault(layer.bias, []).append(layer.node.name)
             if layer.bias and layer.bias in plan.weights and layer.bias not in params:
                 params[layer.bias] = aimet_encodings(plan.weights[layer.bias])
+        for bias, nodes in readers.items():
+            if len(nodes) > 1 and bias in params:
+                # one encoding per tensor name: the converter applies it to every reader
+                log.warning("%s: bias %s is read by %s; the encodings hold one 32-bit grid for it (scale = input "
+                            "scale x weight scale of the layer quant_model.onnx quantizes it for), which the "
+                            "converter applies to every reader: give each layer a bias tensor of its own",
+                            ctx.platform.name, bias, ", ".join(nodes))
     weights = [plan.weights[t] for t in params if t in plan.weights and plan.weights[t].bits < 32]
     return {
         "version": AIMET_VERSION,
