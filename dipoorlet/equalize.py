@@ -54,7 +54,6 @@ from onnx import TensorProto, helper, numpy_helper
 
 from dipoorlet.graph import add_initializer, drop_unused_initializers, fresh_name, insert_before, node_attr
 from dipoorlet.data import sample_name
-from dipoorlet.layer_errors import warn_left_out
 from dipoorlet.progress import progress
 from dipoorlet.runtime import Runner
 
@@ -380,23 +379,27 @@ def channel_stats(g, items: list[tuple[str, list[int] | None, int]], data, indic
         if not items:
             continue
         hi, lo = (np.asarray(got[outs[k]], np.float64).reshape(-1) for k in ("hi", "lo"))
-        full = subset is None or i in subset
-        ss = np.asarray(got[outs["ss"]], np.float64).reshape(-1) if full else hi
-        if np.isnan(hi).any() or np.isnan(lo).any() or np.isnan(ss).any():
-            # a NaN (a fully masked softmax row, Sqrt of a negative) made a channel's statistics
-            # NaN, and every later sample's with it: equalization and smoothing then passed the
-            # layer over without a word, and under MPI only where rank 0 held the sample (MPI's
-            # MAX drops another rank's NaN). The sample is left out wherever it is read
-            bad.append((i, name))
-            continue
-        if full:
+        # np.fmax: a channel a NaN (a fully masked softmax row, Sqrt of a negative) made NaN on
+        # this sample is left out of its statistics for this sample. np.maximum had made it NaN
+        # for good: equalization and smoothing then passed the layer over without a word, and
+        # under MPI only where rank 0 held the sample (MPI's MAX drops another rank's NaN)
+        nan = np.isnan(hi).any() or np.isnan(lo).any()
+        if subset is None or i in subset:
+            ss = np.asarray(got[outs["ss"]], np.float64).reshape(-1)
             size = np.asarray(got[outs["size"]], np.float64).reshape(-1)
             per_channel = np.maximum(np.repeat(size / ns, ns), 1.0)
-            r_acc = np.maximum(r_acc, np.maximum(hi, -lo))
-            ms_acc = np.maximum(ms_acc, ss / per_channel)
-        hi_acc, nlo_acc = np.maximum(hi_acc, hi), np.maximum(nlo_acc, -lo)
+            r_acc = np.fmax(r_acc, np.fmax(hi, -lo))
+            ms_acc = np.fmax(ms_acc, ss / per_channel)
+            nan = nan or np.isnan(ss).any()
+        hi_acc, nlo_acc = np.fmax(hi_acc, hi), np.fmax(nlo_acc, -lo)
+        if nan:
+            bad.append((i, name))
     if items:
-        warn_left_out(comm, bad, label, "an activation is NaN on them")
+        bad = sorted(comm.gather_samples({"_": bad})["_"])
+        if comm.rank == 0 and bad:
+            log.warning("%s: %d sample(s) hold NaN in measured activations; those channels' NaN are left out of "
+                        "the statistics: %s%s; check those inputs (a fully padded sequence, an empty image)",
+                        label, len(bad), "; ".join(w for _, w in bad[:3]), " ..." if len(bad) > 3 else "")
     signed = [hi_acc, nlo_acc] if extra is not None else []
     flat = comm.allreduce_max(np.concatenate([r_acc, ms_acc] + signed)) if items else np.zeros(0)
     result, offset = {}, 0

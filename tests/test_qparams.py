@@ -364,5 +364,7 @@ def test_an_activation_nan_in_every_sample_is_not_called_only_empty(tmp_path, ca
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="dipoorlet"):
         quantize_model(tmp_path / "minmax", model, n=3, skip_prof_layer=True, act_quant="minmax")
-    assert [r for r in caplog.records if r.getMessage().startswith("tensor n reaches")
-            and "NaN throughout" in r.getMessage()]
+    # -A minmax's one pass says the same since its per-channel ranges leave NaN out (session 38);
+    # the input x, measured in the same pass, keeps its grid
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith(("n ", "tensor n ")))
+    assert "NaN throughout" in line and "x," not in line
