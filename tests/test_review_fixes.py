@@ -1376,7 +1376,7 @@ def test_softmax_output_over_rows_of_no_fixed_length_reaches_one(tmp_path, seq):
     assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
 
 
-def _masked_attention():
+def _float_mask_attention():
     """x [1, S, 8], an additive float mask [1, 1, S]: Softmax(x W x^T + mask) . x."""
     nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="proj"),
              helper.make_node("Transpose", ["x"], ["xt"], name="t", perm=[0, 2, 1]),
@@ -1396,7 +1396,7 @@ def test_minus_inf_in_an_additive_mask_input_is_data_not_an_error(tmp_path):
     from conftest import write_samples
     from dipoorlet.errors import DataError
 
-    model = _masked_attention()
+    model = _float_mask_attention()
     rng = np.random.default_rng(0)
     feeds = []
     for i in range(6):
