@@ -568,6 +568,11 @@ def _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop
                   "qdrop" if drop else "brecq", "a block's float output or quantized input is NaN/Inf on them")
     total -= comm.allreduce_sum(np.array([len(bad)], np.float64))[0]
     changed, old_w, new_w = [], {}, {}
+    # the dequantized weights before and after, kept only for the layers reading a shifted input
+    # (whose biases are rebased below), in float32: float64 copies of every layer's had been the
+    # run's peak (+1.6 GB on a 302 MB MatMul stack; found by a hunt)
+    rebased = {g.node_by_name[n].input[1] for r in shifted or () for n in r["consumers"]
+               if n in g.node_by_name and len(g.node_by_name[n].input) > 1}
     for out, (name, tensor, qp) in learn.items():
         sft = softs[out]
         if sft.mode != "hard":
@@ -577,8 +582,11 @@ def _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop
         if np.array_equal(ints, near):
             continue
         z, s = sft.z.numpy().astype(np.float64), sft.s.numpy().astype(np.float64)
-        old_w[tensor], new_w[tensor] = (near - z) * s, (ints - z) * s
-        plan.values[tensor] = new_w[tensor].astype(g.weight(tensor).dtype)
+        value = (ints - z) * s
+        if tensor in rebased:
+            old_w[tensor], new_w[tensor] = ((near - z) * s).astype(np.float32), value.astype(np.float32)
+        plan.values[tensor] = value.astype(g.weight(tensor).dtype)
+        del value
         plan.value_owners[tensor] = name
         changed.append(name)
     for out, bname in bias_of.items():

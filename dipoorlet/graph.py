@@ -485,7 +485,39 @@ def _subgraph_outer_refs(node: onnx.NodeProto) -> list[str]:
     return refs
 
 
-def write_external(model: onnx.ModelProto, path: str, initializers: onnx.GraphProto | None = None) -> None:
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _replaced(t: onnx.TensorProto, replace: dict | None) -> onnx.TensorProto:
+    """``t``, or a new tensor of its name and type holding ``replace[t.name]``."""
+    if not replace or t.name not in replace:
+        return t
+    dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
+    return numpy_helper.from_array(np.asarray(replace[t.name]).astype(dtype), t.name)
+
+
+def serialized_with(serialized: bytes, tensors) -> bytes:
+    """``serialized`` (a ModelProto) with ``tensors`` appended to its graph's initializers,
+    without a protobuf copy of them: protobuf merges an embedded message field that occurs
+    twice, and concatenates its repeated fields, so the bytes of ``ModelProto{graph:
+    GraphProto{initializer: [...]}}`` appended are the model with those initializers added."""
+    pieces = [serialized]
+    for t in tensors:
+        b = t.SerializeToString()
+        pieces += [b"\x2a", _varint(len(b)), b]           # GraphProto.initializer = 5, length-delimited
+    size = sum(len(p) for p in pieces[1:])
+    pieces[1:1] = [b"\x3a", _varint(size)]                 # ModelProto.graph = 7
+    return b"".join(pieces)
+
+
+def write_external(model: onnx.ModelProto, path: str, initializers: onnx.GraphProto | None = None,
+                   replace: dict | None = None) -> None:
     """Write ``model`` (with ``initializers``' initializers too, see :func:`copy_model`) to
     ``path``, its initializers of 1 KB and more in ``<path>.data`` beside it, for a session or
     shape inference to read; the model in memory is not touched.
@@ -493,7 +525,8 @@ def write_external(model: onnx.ModelProto, path: str, initializers: onnx.GraphPr
     ``onnx.save_model(..., save_as_external_data=True)`` rewrites the model's tensors into
     references and reading the data back restores them: the tensors come back as new copies, and
     protobuf's upb backend keeps the old ones' memory until the model is freed, so every session
-    of a model over 1.8 GB grew the run by the model's size (a 2.15 GB model: 18.9 GB)."""
+    of a model over 1.8 GB grew the run by the model's size (a 2.15 GB model: 18.9 GB).
+    ``replace``: initializer name -> the value written for it (its type kept)."""
     folder, base = os.path.split(str(path))
     data_name = base + ".data"
     stub = copy_model(model, {t.name for t in model.graph.initializer})
@@ -501,6 +534,7 @@ def write_external(model: onnx.ModelProto, path: str, initializers: onnx.GraphPr
     offset = 0
     with open(os.path.join(folder, data_name), "wb") as fh:
         for t in sources:
+            t = _replaced(t, replace)
             if t.data_location == onnx.TensorProto.EXTERNAL or t.ByteSize() < 1024:
                 stub.graph.initializer.append(t)
                 continue
@@ -529,6 +563,9 @@ def write_external(model: onnx.ModelProto, path: str, initializers: onnx.GraphPr
         m.CopyFrom(model)
         if initializers is not None:
             m.graph.initializer.extend(initializers.initializer)
+        for t in m.graph.initializer:
+            if replace and t.name in replace:
+                t.CopyFrom(_replaced(t, replace))
         onnx.save_model(m, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=data_name, size_threshold=1024, convert_attribute=True)
         return
@@ -589,7 +626,14 @@ def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     model.graph.value_info.extend(v for v in saved if v.name not in standard)
     try:
         if not over_threshold(model):
-            inferred = shape_inference.infer_shapes(model, data_prop=True)
+            try:
+                # on the model without its float weights' data (their types and dims kept): the
+                # whole model through onnx's inference (serialized, parsed, inferred, serialized
+                # and parsed back) cost 3.8x the weights at load, the peak of a -D qnn run on a
+                # 302 MB model (found by a hunt)
+                inferred = _with_value_info(model, shape_inference.infer_shapes(_shape_stub(model), data_prop=True))
+            except Exception:  # noqa: BLE001 - a model the stub does not serve: the whole model
+                inferred = shape_inference.infer_shapes(model, data_prop=True)
         else:
             with tempfile.TemporaryDirectory() as tmp:
                 src, dst = os.path.join(tmp, "in.onnx"), os.path.join(tmp, "out.onnx")
@@ -610,21 +654,50 @@ def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     return inferred
 
 
+_FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE)
+
+
+def _shape_stub(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` whose float initializers of 1 KB and more hold no data (references to
+    external data nothing reads; type and dims kept), for shape inference: the integer constants
+    data propagation reads (shapes, axes) stay."""
+    big = {t.name for t in model.graph.initializer if t.data_type in _FLOATS and t.ByteSize() >= 1024}
+    stub = copy_model(model, big)
+    for t in model.graph.initializer:
+        if t.name in big:
+            ref = stub.graph.initializer.add()
+            ref.name, ref.data_type = t.name, t.data_type
+            ref.dims.extend(t.dims)
+            ref.data_location = onnx.TensorProto.EXTERNAL
+            entry = ref.external_data.add()
+            entry.key, entry.value = "location", "__dipoorlet_not_read__"
+    return stub
+
+
 def _with_value_info(model: onnx.ModelProto, inferred: onnx.ModelProto) -> onnx.ModelProto:
     del model.graph.value_info[:]
     model.graph.value_info.extend(inferred.graph.value_info)
     return model
 
 
-def save_model(model: onnx.ModelProto, path: str | os.PathLike, external: bool | None = None) -> Path:
-    """Save atomically; models over ~1.8 GB (or when asked) go out with external data."""
+def save_model(model: onnx.ModelProto, path: str | os.PathLike, external: bool | None = None,
+               replace: dict | None = None) -> Path:
+    """Save atomically; models over ~1.8 GB (or when asked) go out with external data.
+    ``replace``: initializer name -> the value written for it (the model in memory keeps its own;
+    writing them into it had kept both copies in protobuf's arena for the rest of the run)."""
     path = Path(path)
     if external is None:
         external = over_threshold(model)
     if not external:
+        if replace:
+            stub = copy_model(model, {t.name for t in model.graph.initializer})
+            data = serialized_with(stub.SerializeToString(), (_replaced(t, replace) for t in model.graph.initializer))
+            del stub
+        else:
+            data = model.SerializeToString()
         with atomic_path(path) as tmp:
             with open(tmp, "wb") as f:
-                f.write(model.SerializeToString())
+                f.write(data)
         return path
     data_name = path.name + ".data"
     with atomic_path(path.parent / data_name) as tmp_data, atomic_path(path) as tmp_model:
@@ -635,7 +708,7 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike, external: bool |
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             # not onnx's save with external data, which rewrites the tensors it is given (a
             # copy of the model had been made for it: 2 GB more at the end of a 2.15 GB run)
-            write_external(model, os.path.join(tmp, path.name))
+            write_external(model, os.path.join(tmp, path.name), replace=replace)
             os.replace(os.path.join(tmp, path.name), tmp_model)
             if os.path.exists(os.path.join(tmp, data_name)):
                 os.replace(os.path.join(tmp, data_name), tmp_data)

@@ -1657,21 +1657,10 @@ def _save_transformed(g: Graph, plan, path: Path) -> Path:
     describe, for the flows that take a float model plus ranges (TensorRT's setDynamicRange or
     calibration cache, SNPE/QNN encodings, RKNN and Atlas parameter files). The input model
     would not match them: its weights differ and the smoothed tensors are not in it."""
-    from onnx import numpy_helper
-
-    inits = {t.name: t for t in g.graph.initializer}
-    saved = {}
-    try:
-        for name, value in plan.values.items():
-            if name in inits:
-                saved[name] = onnx.TensorProto()
-                saved[name].CopyFrom(inits[name])
-                dtype = onnx.helper.tensor_dtype_to_np_dtype(inits[name].data_type)
-                inits[name].CopyFrom(numpy_helper.from_array(np.asarray(value).astype(dtype), name))
-        return save_model(g.model, path)
-    finally:
-        for name, t in saved.items():
-            inits[name].CopyFrom(t)
+    # the values are written in the model's place, not put into it and taken back: protobuf kept
+    # both copies of every changed weight in the model for the rest of the run (found by a hunt)
+    inits = {t.name for t in g.graph.initializer}
+    return save_model(g.model, path, replace={k: v for k, v in plan.values.items() if k in inits})
 
 
 def _shapeless(vi) -> bool:

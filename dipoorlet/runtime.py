@@ -94,29 +94,6 @@ def choose_providers(device: str = "cpu") -> list[str]:
 NAN_GUARD = "__dpl_nan_guard"
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _with_initializers(serialized: bytes, source: onnx.GraphProto) -> bytes:
-    """``serialized`` (a ModelProto) with ``source``'s initializers added, without a protobuf copy
-    of them: protobuf merges a repeated embedded message field by concatenation, so the bytes of
-    ``ModelProto{graph: GraphProto{initializer: [...]}}`` appended are the model with those
-    initializers appended to its graph's."""
-    pieces = [serialized]
-    for t in source.initializer:
-        b = t.SerializeToString()
-        pieces += [b"\x2a", _varint(len(b)), b]           # GraphProto.initializer = 5, length-delimited
-    size = sum(len(p) for p in pieces[1:])
-    pieces[1:1] = [b"\x3a", _varint(size)]                 # ModelProto.graph = 7
-    return b"".join(pieces)
-
-
 def _exposed_model_bytes_or_path(model: onnx.ModelProto, outputs: list[str],
                                  reduce_minmax: list[str], types: dict, tmpdir: str, nan_safe: bool = False,
                                  guard: bool = False, initializers: onnx.GraphProto | None = None):
@@ -173,7 +150,7 @@ def _exposed_model_bytes_or_path(model: onnx.ModelProto, outputs: list[str],
         # borderline cases
         if initializers is not None:
             if _graph.weight_bytes(g) + _graph.weight_bytes(initializers) < 0.9 * _graph.EXTERNAL_THRESHOLD:
-                return _with_initializers(model.SerializeToString(), initializers)
+                return _graph.serialized_with(model.SerializeToString(), initializers.initializer)
         elif not _graph.over_threshold(model):
             return model.SerializeToString()
         path = os.path.join(tmpdir, "model.onnx")
