@@ -416,8 +416,11 @@ def _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop
                 # sample through the fit, 3x the tensors crossing the cut; found by a memory hunt)
                 for t in inner:
                     env.pop(t, None)
-                if not all(bool(torch.isfinite(v).all()) for v in targets[j].values()) or not all(
-                        bool(torch.isfinite(qs[j][t]).all()) for t in ins if t in qs[j] and _is_float(qs[j][t])):
+                # a block input may hold -inf: an additive attention mask's positions left out (every
+                # such sample had been dropped, and with all of them masked nothing was fitted;
+                # found by a review); NaN in an input, or anything not finite in a target, is not data
+                if not all(bool(torch.isfinite(v).all()) for v in targets[j].values()) or any(
+                        bool(torch.isnan(qs[j][t]).any()) for t in ins if t in qs[j] and _is_float(qs[j][t])):
                     bad.append(j)
                     qs[j] = fs[j] = targets[j] = None
         live = [j for j in live if qs[j] is not None]

@@ -159,7 +159,10 @@ class QuantConfig:
         object.__setattr__(self, "output_dir", out)
         for name in ("skip_layers", "score_outputs", "custom_op_libs"):   # a single name is one name
             value = getattr(self, name) or ()
-            object.__setattr__(self, name, (value,) if isinstance(value, (str, Path)) else tuple(value))
+            # a set in name order: its iteration order follows each process's hash seed, and MPI
+            # ranks given the same set had been refused as given different settings (a review)
+            object.__setattr__(self, name, (value,) if isinstance(value, (str, Path)) else
+                               tuple(sorted(value, key=str)) if isinstance(value, (set, frozenset)) else tuple(value))
         if self.layer_bits is None:                                 # the API's "none given"
             object.__setattr__(self, "layer_bits", {})
         if isinstance(self.layer_bits, (str, list, tuple)):        # the CLI's form: "conv1=w4a8", ...

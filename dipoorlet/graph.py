@@ -631,7 +631,7 @@ def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
                 # whole model through onnx's inference (serialized, parsed, inferred, serialized
                 # and parsed back) cost 3.8x the weights at load, the peak of a -D qnn run on a
                 # 302 MB model (found by a hunt)
-                inferred = _with_value_info(model, shape_inference.infer_shapes(_shape_stub(model), data_prop=True))
+                inferred = _with_weights(shape_inference.infer_shapes(_shape_stub(model), data_prop=True), model)
             except Exception:  # noqa: BLE001 - a model the stub does not serve: the whole model
                 inferred = shape_inference.infer_shapes(model, data_prop=True)
         else:
@@ -657,21 +657,41 @@ def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
 _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE)
 
 
+_NOT_READ = "__dipoorlet_not_read__"
+
+
 def _shape_stub(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of ``model`` whose float initializers of 1 KB and more hold no data (references to
-    external data nothing reads; type and dims kept), for shape inference: the integer constants
-    data propagation reads (shapes, axes) stay."""
-    big = {t.name for t in model.graph.initializer if t.data_type in _FLOATS and t.ByteSize() >= 1024}
-    stub = copy_model(model, big)
+    external data nothing reads; type and dims kept; in their places), for shape inference: the
+    integer constants data propagation reads (shapes, axes) stay."""
+    stub = copy_model(model, {t.name for t in model.graph.initializer})
     for t in model.graph.initializer:
-        if t.name in big:
+        if t.data_type in _FLOATS and t.ByteSize() >= 1024:
             ref = stub.graph.initializer.add()
             ref.name, ref.data_type = t.name, t.data_type
             ref.dims.extend(t.dims)
             ref.data_location = onnx.TensorProto.EXTERNAL
             entry = ref.external_data.add()
-            entry.key, entry.value = "location", "__dipoorlet_not_read__"
+            entry.key, entry.value = "location", _NOT_READ
+        else:
+            stub.graph.initializer.append(t)
     return stub
+
+
+def _with_weights(inferred: onnx.ModelProto, model: onnx.ModelProto) -> onnx.ModelProto:
+    """The inferred stub (:func:`_shape_stub`) with ``model``'s weights in their places: the model
+    onnx's inference of the whole model gives (its outputs' and If/Loop bodies' types too), for a
+    copy of the weights instead of four."""
+    stubs = inferred.graph.initializer
+    if len(stubs) != len(model.graph.initializer):
+        raise ValueError("the inferred model's initializers do not line up with the model's")
+    for k, t in enumerate(model.graph.initializer):
+        s = stubs[k]
+        if s.name != t.name:
+            raise ValueError(f"initializer {k}: {s.name} where {t.name} was")
+        if s.data_location == onnx.TensorProto.EXTERNAL and any(e.value == _NOT_READ for e in s.external_data):
+            s.CopyFrom(t)
+    return inferred
 
 
 def _with_value_info(model: onnx.ModelProto, inferred: onnx.ModelProto) -> onnx.ModelProto:

@@ -1417,3 +1417,30 @@ def test_minus_inf_in_an_additive_mask_input_is_data_not_an_error(tmp_path):
         with pytest.raises(DataError, match="NaN/Inf"):
             dipoorlet.quantize(model=path, input_dir=data, data_num=6, deploy="trt",
                                output_dir=tmp_path / f"o_{name}_{value}", skip_prof_layer=True)
+
+
+def test_brecq_fits_samples_whose_mask_input_holds_minus_inf(tmp_path):
+    """-inf in an additive mask input is data; --brecq had dropped every such sample as not
+    finite (with all of them masked it fitted nothing, without a word but "check those inputs";
+    found by a review)."""
+    pytest.importorskip("torch")
+    model = _float_mask_attention()
+    rng = np.random.default_rng(0)
+    feeds = []
+    for i in range(6):
+        mask = np.zeros((1, 1, 8), np.float32)
+        mask[0, 0, 6:] = -np.inf
+        feeds.append({"x": rng.standard_normal((1, 8, 8)).astype(np.float32), "mask": mask})
+    res, _ = quantize_model(tmp_path, model, feeds=feeds, skip_prof_layer=True, brecq=True, ada_iters=20)
+    assert res.report["brecq"]["samples"] == 6
+
+
+def test_a_set_of_names_is_the_same_settings_in_every_process():
+    """skip_layers given as a set kept the set's order, which follows each process's hash seed:
+    MPI ranks given the same set were refused as given different settings (a review)."""
+    from dipoorlet.config import QuantConfig
+
+    names = [f"layer_{c}" for c in "qwertyuiopas"]      # 12: a set's order is all but never sorted
+    cfg = QuantConfig(model="m.onnx", input_dir="d", data_num=4, deploy="trt",
+                      skip_layers=set(names), score_outputs=frozenset(names))
+    assert cfg.skip_layers == tuple(sorted(names)) and cfg.score_outputs == tuple(sorted(names))
