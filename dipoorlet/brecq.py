@@ -526,6 +526,12 @@ def _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop
                     p.grad = torch.from_numpy(grads[off:off + p.numel()].astype(np.float32).reshape(p.shape))
                     off += p.numel()
             opt.step()
+        # the block is fitted: its gradients and Adam's two moments per parameter (3x the
+        # block's weights) go now, not with the next block's optimizer (they had stayed: +180 MB
+        # per block on a 302 MB MatMul stack; found by a memory hunt)
+        for p in params:
+            p.grad = None
+        del opt
         if comm.world > 1:       # every process continues from rank 0's rounding, whatever the sums did
             learned = blk_softs + blk_steps
             for sft, v in zip(learned, comm.bcast([sft.V.detach().numpy() for sft in learned])):
