@@ -670,19 +670,12 @@ def _stop(comm, state, what: str, code: int) -> int:
             time.sleep(RANK_ERROR_DELAY_S)
         except BaseException:  # noqa: BLE001 - a second Ctrl-C: this rank aborts all the same
             pass
-    from dipoorlet.threads import abort_launch, launcher_rank
+    from dipoorlet.threads import abort_launch, say_stopped
 
-    if comm is not None or launcher_rank() == 0:     # before MPI started: the launcher's rank 0
+    if comm is not None:
         print(f"dipoorlet: {what}; {done}", file=sys.stderr, flush=True)
-    else:
-        # before MPI started, another rank: where mpirun passed the signal to every rank, rank 0
-        # says it and its abort ends this wait; a signal to this rank alone had ended the job
-        # on mpich's "Abort(130)" line without a word of ours (found by a hunt)
-        try:
-            time.sleep(RANK_ERROR_DELAY_S)
-        except BaseException:  # noqa: BLE001 - a second Ctrl-C: said all the same
-            pass
-        print(f"dipoorlet: rank {launcher_rank()}: {what}; {done}", file=sys.stderr, flush=True)
+    else:                       # before MPI started
+        say_stopped(f"dipoorlet: {what}; {done}", RANK_ERROR_DELAY_S)
     # the log says so too: a run a CI step's time limit or slurm ended had left a log that stopped
     # on an ordinary line, which reads like a hang or a crash (found by a bug hunt)
     _log_to_file(f"dipoorlet: {what}; {done}")

@@ -54,6 +54,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from dipoorlet.graph import add_initializer, drop_unused_initializers, fresh_name, insert_before, node_attr
 from dipoorlet.data import sample_name
+from dipoorlet.layer_errors import warn_left_out
 from dipoorlet.progress import progress
 from dipoorlet.runtime import Runner
 
@@ -395,11 +396,8 @@ def channel_stats(g, items: list[tuple[str, list[int] | None, int]], data, indic
         if nan:
             bad.append((i, name))
     if items:
-        bad = sorted(comm.gather_samples({"_": bad})["_"])
-        if comm.rank == 0 and bad:
-            log.warning("%s: %d sample(s) hold NaN in measured activations; those channels' NaN are left out of "
-                        "the statistics: %s%s; check those inputs (a fully padded sequence, an empty image)",
-                        label, len(bad), "; ".join(w for _, w in bad[:3]), " ..." if len(bad) > 3 else "")
+        warn_left_out(comm, bad, label, "", left="sample(s) hold NaN in measured activations; those channels' NaN "
+                                               "are left out of the statistics")
     signed = [hi_acc, nlo_acc] if extra is not None else []
     flat = comm.allreduce_max(np.concatenate([r_acc, ms_acc] + signed)) if items else np.zeros(0)
     result, offset = {}, 0

@@ -516,6 +516,18 @@ def serialized_with(serialized: bytes, tensors) -> bytes:
     return b"".join(pieces)
 
 
+def _add_external_ref(graph: onnx.GraphProto, t: onnx.TensorProto, **entries: str) -> None:
+    """Append to ``graph`` an initializer of ``t``'s name, type and dims whose data lies in an
+    external file (``entries``: location, offset, length)."""
+    ref = graph.initializer.add()
+    ref.name, ref.data_type = t.name, t.data_type
+    ref.dims.extend(t.dims)
+    ref.data_location = onnx.TensorProto.EXTERNAL
+    for key, value in entries.items():
+        entry = ref.external_data.add()
+        entry.key, entry.value = key, value
+
+
 def write_external(model: onnx.ModelProto, path: str, initializers: onnx.GraphProto | None = None,
                    replace: dict | None = None) -> None:
     """Write ``model`` (with ``initializers``' initializers too, see :func:`copy_model`) to
@@ -543,13 +555,7 @@ def write_external(model: onnx.ModelProto, path: str, initializers: onnx.GraphPr
             fh.write(b"\0" * pad)
             offset += pad
             fh.write(data)
-            ref = stub.graph.initializer.add()
-            ref.name, ref.data_type = t.name, t.data_type
-            ref.dims.extend(t.dims)
-            ref.data_location = onnx.TensorProto.EXTERNAL
-            for key, value in (("location", data_name), ("offset", str(offset)), ("length", str(len(data)))):
-                entry = ref.external_data.add()
-                entry.key, entry.value = key, value
+            _add_external_ref(stub.graph, t, location=data_name, offset=str(offset), length=str(len(data)))
             offset += len(data)
             del data
     try:
@@ -667,12 +673,7 @@ def _shape_stub(model: onnx.ModelProto) -> onnx.ModelProto:
     stub = copy_model(model, {t.name for t in model.graph.initializer})
     for t in model.graph.initializer:
         if t.data_type in _FLOATS and t.ByteSize() >= 1024:
-            ref = stub.graph.initializer.add()
-            ref.name, ref.data_type = t.name, t.data_type
-            ref.dims.extend(t.dims)
-            ref.data_location = onnx.TensorProto.EXTERNAL
-            entry = ref.external_data.add()
-            entry.key, entry.value = "location", _NOT_READ
+            _add_external_ref(stub.graph, t, location=_NOT_READ)
         else:
             stub.graph.initializer.append(t)
     return stub

@@ -109,13 +109,13 @@ def nonfinite(outs: dict, names) -> list[str]:
             and not np.isfinite(outs[t]).all()]
 
 
-def warn_left_out(comm, bad: list, what: str, why: str) -> None:
+def warn_left_out(comm, bad: list, what: str, why: str, left: str = "sample(s) left out, {why}") -> None:
     """Say once (rank 0) which samples ``what`` left out and ``why``; ``bad``: this rank's
-    (sample index, its files) pairs. Every process calls it (a gather)."""
+    (sample index, its files) pairs; ``left``: what befell them. Every process calls it (a gather)."""
     bad = sorted(comm.gather_samples({"_": list(bad)})["_"])
     if comm.rank == 0 and bad:
-        log.warning("%s: %d sample(s) left out, %s: %s%s; check those inputs (a fully padded sequence, an "
-                    "empty image) or leave them out of the data", what, len(bad), why,
+        log.warning("%s: %d %s: %s%s; check those inputs (a fully padded sequence, an empty image) or leave them "
+                    "out of the data", what, len(bad), left.format(why=why),
                     "; ".join(w for _, w in bad[:3]), " ..." if len(bad) > 3 else "")
 
 

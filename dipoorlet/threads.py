@@ -54,6 +54,24 @@ def launcher_rank() -> int:
     return 0
 
 
+def say_stopped(line: str, wait_s: float = 2.0) -> None:
+    """Print ``line`` for a Ctrl-C/SIGTERM met before MPI started: by the launcher's rank 0; by
+    another rank after ``wait_s``, with its number (where mpirun passed the signal to every rank,
+    rank 0 says it and its abort ends this wait; a signal to that rank alone had ended the job on
+    mpich's Abort line without a word; found by a hunt)."""
+    import sys
+    import time
+
+    rank = launcher_rank()
+    if rank:
+        try:
+            time.sleep(wait_s)
+        except BaseException:  # noqa: BLE001 - a second Ctrl-C: said all the same
+            pass
+        line = line.replace("dipoorlet: ", f"dipoorlet: rank {rank}: ", 1)
+    print(line, file=sys.stderr, flush=True)
+
+
 def local_processes() -> int:
     """How many processes of this MPI/srun job share this node (1 outside one)."""
     for var in _LOCAL_SIZE_VARS:
