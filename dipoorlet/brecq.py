@@ -111,12 +111,17 @@ class Soft:
         self.nearest = torch.from_numpy(((rtn - base) * (~fixed)).astype(np.float32))
         self.mode = "soft"       # soft | hard | nearest
         self.n_free = int((~fixed).sum())
+        self.qrange = (qp.qmin, qp.qmax)
+        self.ints = self.near = None    # set by finish()
+        self.differs = False
 
     def h(self):
         torch = self.torch
         return torch.clamp(torch.sigmoid(self.V) * (ZETA - GAMMA) + GAMMA, 0.0, 1.0)
 
     def __call__(self, hard: bool):
+        if self.ints is not None:
+            return (self.torch.from_numpy(self.ints.astype(np.float32)) - self.z) * self.s
         if self.mode == "nearest":
             h = self.nearest
         elif self.mode == "hard" or hard:
@@ -132,6 +137,21 @@ class Soft:
     def integers(self) -> np.ndarray:
         h = (self.V.detach() >= 0).float() if self.mode != "nearest" else self.nearest
         return (self.base + h * self.free).numpy()
+
+    def finish(self, keep_near: bool) -> None:
+        """Its block is fitted: keep the integers chosen (and, with ``keep_near``, the nearest
+        ones where they differ) in the grid's integer type, and free the relaxed state (base, V,
+        nearest and the free mask: 3.25x the weight in float32, which every fitted layer had held
+        to the end of the run)."""
+        ints = self.integers()
+        near = (self.base + self.nearest * self.free).numpy()
+        self.differs = self.mode == "hard" and not np.array_equal(ints, near)
+        lo, hi = self.qrange
+        dt = next(t for t in (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.int64)
+                  if np.iinfo(t).min <= lo and hi <= np.iinfo(t).max)
+        self.ints = ints.astype(dt)
+        self.near = near.astype(dt) if keep_near and self.differs else None
+        self.base = self.V = self.nearest = self.free = None
 
 
 class Bias:
@@ -310,12 +330,10 @@ def _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop
                 alpha = float(next((a.f for a in node.attribute if a.name == "alpha"), 1.0))
                 tg.shift_corr[name] = (node.input[1], float(r["shift"]), alpha)
     torch.manual_seed(SEED)
+    # each layer's rounding is made when its block starts and shrunk to its integers when the
+    # block is done (all of them made up front had held 3.25x the weights for the whole run)
     softs = {}
-    for out, (name, tensor, qp) in learn.items():
-        W = np.asarray(float_values[out], np.float64)
-        softs[out] = Soft(torch, W, qp, _pins(W, qp))
-        softs[out].mode = "nearest"
-        tg.soft[out] = softs[out]
+    no_soft = set()      # weights a reader outside torch keeps at their nearest rounding
     # biases of Conv/ConvTranspose/Gemm layers whose input has a grid: learned with the rounding
     biases, bias_of = {}, {}
     reads = Counter(i for m in qmodel.graph.node for i in m.input)
@@ -352,7 +370,7 @@ def _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop
             if i in learn:
                 if tg.opaque[k]:       # runs outside torch (e.g. an auto_pad SAME Conv): no gradient
                     skipped[n.name] = f"{n.op_type} runs outside torch here (no gradient)"
-                    tg.soft.pop(i, None)
+                    no_soft.add(i)
                     bname = bias_of.pop(i, None)
                     if bname:
                         tg.bias.pop(bname, None)
@@ -362,6 +380,16 @@ def _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop
     if not learn_pos:
         return {"blocks": 0, "layers": 0, "candidates": 0, "skipped": skipped}
     blocks, last = _layout(tg, learn_pos)
+    # the last position reading each constant: past it, its torch copies (float, dequantized)
+    # and arrays go (every block's had stayed to the end of the run)
+    const_last: dict[str, int] = {}
+    for k, n in enumerate(tg.nodes):
+        for t in tg.reads(n):
+            if t in tg.consts or t in tg.wdq:
+                const_last[t] = k
+    by_last, done_consts = sorted((k, t) for t, k in const_last.items()), 0
+    rebased = {g.node_by_name[n].input[1] for r in shifted or () for n in r["consumers"]
+               if n in g.node_by_name and len(g.node_by_name[n].input) > 1}
     # --lsq: one learned scale per activation grid (the tensors a backend ties share one), learned
     # in the block that holds every chain reading it; power-of-two grids keep theirs
     groups_lsq: dict[int, dict] = {}
@@ -427,6 +455,13 @@ def _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop
         outs = [t for t in outs if live and t in targets[live[0]]]
         names = [tg.nodes[k].name for k in layer_pos]
         mine = [o for k in layer_pos for o in readers[k]]
+        for o in mine:
+            if o not in softs:
+                W = np.asarray(float_values[o], np.float64)
+                softs[o] = Soft(torch, W, learn[o][2], _pins(W, learn[o][2]))
+                del W
+                if o not in no_soft:
+                    tg.soft[o] = softs[o]
         blk_softs = [softs[o] for o in mine] + [biases[bias_of[o]] for o in mine if o in bias_of]
         blk_steps = [grp["step"] for grp in groups_lsq.values() if all(start <= k < end for k in grp["pos"])]
 
@@ -575,6 +610,12 @@ def _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop
                 tg.run(qs[j], start, end, "q")
                 _forget(qs[j], last, end)
                 _forget(fs[j], last, end)
+        for o, sft in softs.items():
+            if sft.ints is None and const_last.get(o, -1) < end:
+                sft.finish(learn[o][1] in rebased)
+        while done_consts < len(by_last) and by_last[done_consts][0] < end:
+            tg.forget_const(by_last[done_consts][1])
+            done_consts += 1
         pos = end
     warn_left_out(comm, [(indices[j], sample_name(data.sample(indices[j]), indices[j])) for j in sorted(bad)],
                   "qdrop" if drop else "brecq", "a block's float output or quantized input is NaN/Inf on them")
@@ -583,20 +624,15 @@ def _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop
     # the dequantized weights before and after, kept only for the layers reading a shifted input
     # (whose biases are rebased below), in float32: float64 copies of every layer's had been the
     # run's peak (+1.6 GB on a 302 MB MatMul stack; found by a hunt)
-    rebased = {g.node_by_name[n].input[1] for r in shifted or () for n in r["consumers"]
-               if n in g.node_by_name and len(g.node_by_name[n].input) > 1}
     for out, (name, tensor, qp) in learn.items():
-        sft = softs[out]
-        if sft.mode != "hard":
-            continue
-        ints = sft.integers()
-        near = (sft.base + sft.nearest * sft.free).numpy()
-        if np.array_equal(ints, near):
+        sft = softs.get(out)
+        if sft is None or not sft.differs:
             continue
         z, s = sft.z.numpy().astype(np.float64), sft.s.numpy().astype(np.float64)
-        value = (ints - z) * s
+        value = (sft.ints.astype(np.float64) - z) * s
         if tensor in rebased:
-            old_w[tensor], new_w[tensor] = ((near - z) * s).astype(np.float32), value.astype(np.float32)
+            old_w[tensor] = ((sft.near.astype(np.float64) - z) * s).astype(np.float32)
+            new_w[tensor] = value.astype(np.float32)
         plan.values[tensor] = value.astype(g.weight(tensor).dtype)
         del value
         plan.value_owners[tensor] = name

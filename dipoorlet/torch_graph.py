@@ -139,6 +139,22 @@ class TorchGraph:
             self._torch_consts[name] = t
         return t
 
+    def forget_const(self, name) -> None:
+        """Drop a constant no step still to run reads: its torch copies and arrays (a weight
+        DequantizeLinear's: its integers too, where no other weight's DequantizeLinear reads
+        them)."""
+        for key in (name, ("f", name), ("dq", name)):
+            self._torch_consts.pop(key, None)
+        self.float_values.pop(name, None)
+        self.float_consts.pop(name, None)
+        n = self.wdq.get(name)
+        if n is not None:
+            if sum(m.input[0] == n.input[0] for m in self.wdq.values()) == 1:
+                self.consts.pop(n.input[0], None)
+                self._torch_consts.pop(n.input[0], None)
+        elif name not in self.bias:
+            self.consts.pop(name, None)
+
     def _supported(self, n) -> bool:
         """Whether the node runs through a torch mapping (with a gradient); otherwise it runs in
         onnxruntime (or onnx.reference) and is opaque to block reconstruction."""

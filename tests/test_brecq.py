@@ -592,3 +592,44 @@ def test_fake_quant_of_a_float32_lowest_mask_value_is_the_grids_end():
     np.testing.assert_allclose(y.detach().numpy(), expect, rtol=1e-6)
     y.sum().backward()
     assert np.isfinite(x.grad.numpy()).all()
+
+
+def test_a_blocks_roundings_and_constants_live_only_while_they_are_needed(tmp_path, monkeypatch):
+    """Each layer's relaxed rounding is made when its block starts and shrunk to its integers (in
+    the grid's integer type) when the block is done, and every constant's torch copies and arrays
+    go once no later step reads them."""
+    import dipoorlet.brecq as brecq_mod
+
+    model = _shifted_net()
+    path = save(model, tmp_path / "m.onnx")
+    feeds = input_feeds(model, 8, seed=1)
+    data = write_samples(tmp_path / "data", feeds)
+    kw = dict(model=path, input_dir=data, data_num=len(feeds), deploy="trt", act_quant="minmax", equalize=False,
+              w_bits=3, skip_prof_layer=True, brecq=True, ada_iters=20, bias_correction=False)
+    made, live_at_make, forgotten, graphs = [], [], [], []
+    init = brecq_mod.Soft.__init__
+
+    def spy_init(self, *a, **k):
+        init(self, *a, **k)
+        live_at_make.append(sum(s.ints is None for s in made))
+        made.append(self)
+
+    forget = TorchGraph.forget_const
+
+    def spy_forget(self, name):
+        graphs.append(self)
+        forgotten.append(name)
+        forget(self, name)
+
+    monkeypatch.setattr(brecq_mod.Soft, "__init__", spy_init)
+    monkeypatch.setattr(TorchGraph, "forget_const", spy_forget)
+    dipoorlet.quantize(output_dir=tmp_path / "spied", **kw)
+    assert len(made) == 4 and max(live_at_make) < 4          # never all four at once
+    for s in made:
+        assert s.V is None and s.base is None and s.ints.dtype == np.int8
+        np.testing.assert_array_equal(s(True).numpy(), (s.ints.astype(np.float32) - s.z.numpy()) * s.s.numpy())
+    tg = graphs[0]
+    weights = [k for k in tg.wdq if k in forgotten]
+    assert len(weights) >= 4 and not any(("f", k) in tg._torch_consts or ("dq", k) in tg._torch_consts or
+                                         k in tg.float_values for k in weights)
+    assert all(tg.wdq[k].input[0] not in tg.consts for k in weights)
