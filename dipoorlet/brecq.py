@@ -83,6 +83,67 @@ def _is_float(t) -> bool:
     return t.is_floating_point()
 
 
+_FUSED = {}
+
+
+def _fused(torch):
+    """The relaxed rounding and its regularizer as two autograd functions that keep only V (and
+    tensors the Soft holds anyway) for the backward pass and recompute the rest there. Built
+    from torch's own ops in autograd's order, so the gradients are the same numbers; the chain
+    of small ops had kept about 9 full-size tensors per layer and step (the sigmoid's output,
+    the clamp's input, h, the masked h, |2h - 1|...) until the backward pass."""
+    if "soft" in _FUSED:
+        return _FUSED["soft"], _FUSED["reg"]
+
+    def h_of(V):
+        sig = torch.sigmoid(V)
+        u = sig * (ZETA - GAMMA) + GAMMA
+        return sig, u, torch.clamp(u, 0.0, 1.0)
+
+    def into_v(g, sig, u):
+        g = torch.where((u >= 0.0) & (u <= 1.0), g, torch.zeros((), dtype=g.dtype))
+        g = g * (ZETA - GAMMA)
+        return g * (1 - sig) * sig
+
+    class SoftWeight(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, V, base, free, z, s):
+            ctx.save_for_backward(V, free, s)
+            _, _, h = h_of(V)
+            return (base + h * free - z) * s
+
+        @staticmethod
+        def backward(ctx, grad):
+            V, free, s = ctx.saved_tensors
+            sig, u, _ = h_of(V)
+            return into_v(grad * s * free, sig, u), None, None, None, None
+
+    class SoftReg(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, V, free, beta):
+            ctx.save_for_backward(V, free)
+            ctx.beta = beta
+            _, _, h = h_of(V)
+            return (1.0 - (2.0 * h[free] - 1.0).abs().pow(beta)).sum()
+
+        @staticmethod
+        def backward(ctx, grad):
+            V, free = ctx.saved_tensors
+            beta = ctx.beta
+            sig, u, h = h_of(V)
+            x = 2.0 * h[free] - 1.0
+            g = -grad.expand(x.shape)
+            g = g * (beta * x.abs().pow(beta - 1))
+            g = g * x.sgn()
+            g = g * 2.0
+            full = torch.zeros_like(V)
+            full[free] = g
+            return into_v(full, sig, u), None, None
+
+    _FUSED["soft"], _FUSED["reg"] = SoftWeight.apply, SoftReg.apply
+    return _FUSED["soft"], _FUSED["reg"]
+
+
 class Soft:
     """One weight's rounding: integers base + h(V), h relaxed in [0, 1] or hard."""
 
@@ -115,10 +176,6 @@ class Soft:
         self.ints = self.near = None    # set by finish()
         self.differs = False
 
-    def h(self):
-        torch = self.torch
-        return torch.clamp(torch.sigmoid(self.V) * (ZETA - GAMMA) + GAMMA, 0.0, 1.0)
-
     def __call__(self, hard: bool):
         if self.ints is not None:
             return (self.torch.from_numpy(self.ints.astype(np.float32)) - self.z) * self.s
@@ -127,12 +184,11 @@ class Soft:
         elif self.mode == "hard" or hard:
             h = (self.V.detach() >= 0).float()      # h(V) >= 0.5
         else:
-            h = self.h()
+            return _fused(self.torch)[0](self.V, self.base, self.free, self.z, self.s)
         return (self.base + h * self.free - self.z) * self.s
 
     def reg(self, beta):
-        h = self.h()[self.free]
-        return (1.0 - (2.0 * h - 1.0).abs().pow(beta)).sum()
+        return _fused(self.torch)[1](self.V, self.free, beta)
 
     def integers(self) -> np.ndarray:
         h = (self.V.detach() >= 0).float() if self.mode != "nearest" else self.nearest
