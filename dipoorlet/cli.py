@@ -402,18 +402,57 @@ def main(argv=None) -> int:
     try:
         return _main(args, argv, state)
     finally:
-        finish_log(state["out_dir"], state["ok"])
-        if state.get("lock") is not None:
-            state["lock"].release()
-        if state.get("helper_rank") and state["ok"]:
-            # an MPI rank other than 0 whose run is done (rank 0 has published): a signal while it
-            # finalizes would make mpirun kill rank 0 as it closes its log, and report the
-            # signal as the run's exit code; there is nothing left to stop
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, signal.SIG_IGN)
-        elif installed:
-            # None: the handler before was not set from Python; the default is the closest
-            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        # Ctrl-C and SIGTERM wait until the log is renamed and the lock is gone: one landing here,
+        # just after the outputs were written, had left the earlier run's log as dipoorlet.log and
+        # the lock in place, and was reported as "no output was written", exit 130 (found by a
+        # hunt). A signal noted here is raised again after, with the handlers the process had.
+        held = _hold_signals()
+        try:
+            finish_log(state["out_dir"], state["ok"])
+            if state.get("lock") is not None:
+                state["lock"].release()
+        finally:
+            _restore_signals(state, installed, previous, held)
+
+
+def _hold_signals():
+    """Note Ctrl-C and SIGTERM instead of acting on them; (noted, handlers before). Python-level
+    handlers, not a blocked mask: onnxruntime's and numpy's threads do not block them, and a
+    signal sent to the process reaches whichever thread does not."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    noted, before = [], {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            before[sig] = signal.signal(sig, lambda signum, frame: noted.append(signum))
+        except (ValueError, OSError):
+            pass
+    return noted, before
+
+
+def _restore_signals(state, installed: bool, previous, held) -> None:
+    noted, before = held if held is not None else ([], {})
+    # None: the handler before was not set from Python; the default is the closest
+    for sig, handler in before.items():
+        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+    ignored = bool(state.get("helper_rank") and state["ok"])
+    if ignored:
+        # an MPI rank other than 0 whose run is done (rank 0 has published): a signal while it
+        # finalizes would make mpirun kill rank 0 as it closes its log, and report the
+        # signal as the run's exit code; there is nothing left to stop
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+    elif installed:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+    if noted and not ignored:
+        if signal.SIGTERM in noted:
+            # the handler before the run's (the default ends the process, exit 143): said first
+            # (a Ctrl-C is said by __main__, or reaches the API's caller as KeyboardInterrupt)
+            print(f"dipoorlet: terminated (SIGTERM); {_stop_note()}", file=sys.stderr, flush=True)
+        for sig in dict.fromkeys(noted):
+            signal.raise_signal(sig)
 
 
 class Terminated(KeyboardInterrupt):

@@ -872,6 +872,59 @@ def test_sigterm_during_the_renames_waits_for_them_and_says_the_outputs_are_writ
         assert (case.out / name).is_file()
 
 
+def test_a_signal_as_the_run_closes_its_log_waits_for_the_log_and_the_lock(tmp_path, capsys, monkeypatch):
+    """SIGTERM landing while a finished run renames its log and drops its lock: both are done
+    first (the earlier run's log had stayed dipoorlet.log, the lock stayed, and the line said "no
+    output was written", exit 130); the signal then reaches the handler the caller had."""
+    import os as _os
+    import signal
+
+    from dipoorlet import cli
+
+    case = Case(tmp_path)
+    assert run_cli(case, capsys)[0] == 0
+    real, got = cli.finish_log, []
+
+    def finish(out_dir, ok):
+        _os.kill(_os.getpid(), signal.SIGTERM)
+        real(out_dir, ok)
+
+    monkeypatch.setattr(cli, "finish_log", finish)
+    before = signal.signal(signal.SIGTERM, lambda *a: got.append(a[0]))
+    try:
+        case.args["-A"] = "hist"
+        rc, err = run_cli(case, capsys)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert rc == 0 and got == [signal.SIGTERM]
+    assert "terminated (SIGTERM); after the outputs were written" in err
+    assert "-A hist" in (case.out / "dipoorlet.log").read_text()
+    assert not (case.out / ".dipoorlet.lock").exists() and not (case.out / ".dipoorlet-run.log").exists()
+
+
+@pytest.mark.parametrize("kind", ["int", "term"])
+def test_a_signal_met_outside_the_runs_handler_says_what_o_holds(tmp_path, capsys, monkeypatch, kind):
+    """`python -m dipoorlet`: a Ctrl-C or SIGTERM that reaches the module's own handler after the
+    outputs were written says so, with the signal's exit code (it had said "interrupted; no
+    output was written", exit 130, in both cases)."""
+    import runpy
+
+    from dipoorlet import cli, pipeline
+
+    def stopped(argv=None):
+        pipeline.PUBLISHED.append(str(tmp_path / "out"))
+        raise cli.Terminated() if kind == "term" else KeyboardInterrupt()
+
+    monkeypatch.setattr(cli, "main", stopped)
+    monkeypatch.setattr(pipeline, "PUBLISHED", [])
+    with pytest.raises(SystemExit) as ex:
+        runpy.run_module("dipoorlet", run_name="__main__")
+    err = capsys.readouterr().err
+    assert ex.value.code == (143 if kind == "term" else 130)
+    what = "terminated (SIGTERM)" if kind == "term" else "interrupted"
+    assert f"dipoorlet: {what}; after the outputs were written into {tmp_path / 'out'}" in err
+
+
 def test_interrupt_while_publishing_puts_every_earlier_output_back(tmp_path, capsys, monkeypatch):
     """Ctrl-C (or SIGTERM) between two renames into -O: the earlier run's files are all there
     afterwards, none of the new ones."""
