@@ -231,6 +231,11 @@ class DataSource:
             if count < self.n:
                 raise DataError(f"{path}[{s.name!r}] holds {count} samples but {self.n_flag} is {self.n}; "
                                 f"lower {self.n_flag} to {count} or add samples")
+        other = sorted(keys - {s.name for s in self.specs})
+        if other:
+            log.info("%s: %s not read (no model input has %s name; inputs: %s)", path,
+                     ", ".join(repr(k) for k in other[:5]) + (f" and {len(other) - 5} more" if len(other) > 5 else ""),
+                     "its" if len(other) == 1 else "their", ", ".join(s.name for s in self.specs))
 
     def _own_name(self, spec: InputSpec) -> str:
         """The folder name for an input: its name with / : \\ made _, unless another input has that
@@ -361,6 +366,12 @@ class DataSource:
     def _read_file(self, spec: InputSpec, path: Path) -> np.ndarray:
         try:
             if path.suffix == ".npy":
+                with open(path, "rb") as f:
+                    magic = f.read(6)
+                if magic != b"\x93NUMPY":
+                    # numpy's own error reads "contains pickled (object) data" for any such file
+                    raise DataError(f"{path} is not a .npy file (it does not begin with numpy's header); "
+                                    f"write each sample with numpy.save, or as raw {spec.raw_dtype} in a .bin file")
                 return np.load(path, allow_pickle=False)
             size = path.stat().st_size
             dtype = spec.raw_dtype
@@ -599,8 +610,8 @@ class _TempRows:
         self.fd = fd
         log.info("%s: a %s array %s is copied to a temporary file %s, to be read a sample at a time "
                  "(numpy.savez of numpy.ascontiguousarray(arr) saves that step)", self.path, self._kind(),
-                 list(self.shape), f"of {self.shape[0] * self.row_bytes / 2 ** 20:.0f} MB" if self.fortran else
-                 f"as far as the rows read reach (at most {self.shape[0] * self.row_bytes / 2 ** 20:.0f} MB)")
+                 list(self.shape), f"of {self.shape[0] * self.row_bytes / 2 ** 20:.3g} MB" if self.fortran else
+                 f"as far as the rows read reach (at most {self.shape[0] * self.row_bytes / 2 ** 20:.3g} MB)")
 
     def _copy_to(self, row: int):
         """Copy the member onto the temporary file up to and including ``row``."""

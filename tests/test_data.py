@@ -791,3 +791,25 @@ def test_no_room_for_the_npz_copy_is_a_data_error(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "mkstemp", lambda **k: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
     with pytest.raises(DataError, match=r"c\.npz: no temporary file for its compressed array .*set TMPDIR"):
         src.sample(0)
+
+
+def test_a_npy_file_that_is_not_one_is_named_as_such(tmp_path):
+    """A .npy that is not numpy's format (text, a renamed .bin): numpy's own message said the file
+    held pickled data, which it does not."""
+    (tmp_path / "x").mkdir()
+    np.save(tmp_path / "x" / "0.npy", rand((1, 3, 4, 4), 0))
+    (tmp_path / "x" / "1.npy").write_text("hello world")
+    src = DataSource(tmp_path, [InputSpec("x", F32, (1, 3, 4, 4))], 2)
+    with pytest.raises(DataError, match=r"1\.npy is not a \.npy file .*numpy\.save") as ex:
+        src.sample(1)
+    assert "pickled" not in str(ex.value)
+
+
+def test_npz_arrays_no_input_reads_are_named_in_the_log(tmp_path, caplog):
+    import logging
+
+    np.savez(tmp_path / "calib.npz", x=rand((2, 3, 4, 4)), labels=np.arange(2), z=np.zeros(2))
+    with caplog.at_level(logging.INFO, logger="dipoorlet.data"):
+        DataSource(tmp_path / "calib.npz", [InputSpec("x", F32, (1, 3, 4, 4))], 2)
+    said = [r.getMessage() for r in caplog.records if "not read" in r.getMessage()]
+    assert len(said) == 1 and "'labels', 'z' not read" in said[0] and "inputs: x" in said[0]
