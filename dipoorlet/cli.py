@@ -331,8 +331,15 @@ def summary(result, cfg) -> str:
                  + f"calibration {t.get('calibration_s', 0):.2f} s, "
                  + (f"sensitivity {t['sensitivity_s']:.2f} s, " if t.get("sensitivity_s", 0) >= 0.005 else "")
                  + f"profile {t.get('profile_s', 0):.2f} s, total {t.get('total_s', 0):.2f} s")
-    lines.append("wrote: " + ", ".join(sorted(str(p.relative_to(result.output_dir)) for p in result.files
-                                             if p.parent == result.output_dir)))
+    # files in sub-folders (--savefp's output/, one per sample and tensor) as one entry per folder
+    folders: dict[str, int] = {}
+    for p in result.files:
+        if p.parent != result.output_dir:
+            top = p.relative_to(result.output_dir).parts[0]
+            folders[top] = folders.get(top, 0) + 1
+    lines.append("wrote: " + ", ".join(sorted([str(p.relative_to(result.output_dir)) for p in result.files
+                                               if p.parent == result.output_dir]
+                                              + [f"{d}/ ({k} file{'s' if k != 1 else ''})" for d, k in folders.items()])))
     return "\n".join(lines)
 
 

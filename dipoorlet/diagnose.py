@@ -393,6 +393,11 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | 
         w = row.get("weight_sqnr_db")
         at = (f" (its weights are at {w:.1f} dB on their grid, rounded to nearest)"
               if w is not None and math.isfinite(w) else "")
+        # after a fitted rounding the figure is still the nearest one's, said as such (it read
+        # "(... rounded to nearest), after --brecq chose its rounding"; found by a hunt)
+        at_fit = (f", after {rounding} chose its rounding (its grid holds its weights at {w:.1f} dB when "
+                  "rounded to nearest)" if w is not None and math.isfinite(w) else
+                  f", after {rounding} chose its rounding")
         spread = row.get("weight_channel_spread")
         bits = row.get("weight_bits")
         wider = (f", 8-bit weights for it (--layer_bits {node}=w8; they are {bits}-bit now)"
@@ -408,13 +413,13 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | 
                     + (f"; {rounding} {'left' if ran else 'would leave'} this layer alone: {unfit}" if unfit else "")
                     + f"{wider.replace(', ', '; ', 1)}; or {keep}")
         if gptq and wider:
-            return (f"weight rounding dominates{at}, after {rounding} chose its rounding: its weights need more "
+            return (f"weight rounding dominates{at_fit}: its weights need more "
                     f"bits (--layer_bits {node}=w8; they are {bits}-bit now), or {keep}")
         if gptq:
             # 8-bit weights fitted to a rounded input: measured alone they carry part of that input's
             # error (a 6-bit input read as an 8-bit weight loss; w8 changed nothing, a8 helped)
             narrow_in = [a for a in row.get("activations", []) if a.get("bits", 8) < 8]
-            return (f"weight rounding dominates{at}, after {rounding} chose its rounding"
+            return (f"weight rounding dominates{at_fit}"
                     + (f" to fit its {narrow_in[0]['bits']}-bit input: the fit carries that input's error, so an "
                        f"8-bit input grid (--layer_bits {node}=a8) is the first thing to try" if narrow_in else
                        " (its weights are on the backend's own width already)")

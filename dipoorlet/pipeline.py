@@ -790,6 +790,20 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
                     "or a fitted rounding without --bc); ignored")
     if cfg.ada_iters != 1000 and not (cfg.adaround or cfg.brecq):
         log.warning("--ada_iters applies with --adaround or --brecq/--drop only; ignored")
+    if type(comm).__name__ == "MPIComm" and comm.world == 1:
+        # --mpirun/--slurm (or mpirun=True) without a launcher of several processes: one process,
+        # which had gone without a word (found by a hunt)
+        log.info("--mpirun/--slurm: MPI runs this as one process; start it with mpirun -n K (or srun -n K) to "
+                 "share the samples over K processes")
+    fitting = [f for f, on in (("--gptq", cfg.gptq), ("--adaround", cfg.adaround),
+                               ("--drop" if cfg.drop else "--lsq" if cfg.lsq else "--brecq", cfg.brecq),
+                               ("--sparse", cfg.sparse is not None)) if on]
+    if bc_by_default and fitting and not cfg.bias_correction:
+        # said: off by default there, and it can matter either way (a hunt's 3-bit CNN lost 6 dB
+        # to the default run with --adaround, and --bc gained them back and more, without a word)
+        log.info("bias correction is off with %s by default (it lowered the real models measured with a fitted "
+                 "rounding, but helped a 3-bit test network: README, Weight transforms); --bc keeps it: compare "
+                 "both on your model", " ".join(fitting))
     # a sample count above the samples there are reads them all: said once (it was silent, while
     # --val_num beyond --val_dir's samples is refused; found by a README walkthrough)
     fitted = cfg.gptq or cfg.adaround or cfg.brecq or cfg.sparse is not None

@@ -137,7 +137,10 @@ def test_adaround_from_the_cli(tmp_path):
     assert res.returncode == 0, res.stderr
     # the reference tool's flags: mini-batch settings ignored with a word, --we is our default
     assert "--ada_epoch ignored" in res.stderr
-    assert "equalization is on by default" in (out / "dipoorlet.log").read_text()
+    log = (out / "dipoorlet.log").read_text()
+    assert "equalization is on by default" in log
+    # bias correction, off by default with a fitted rounding, is said so, with --bc (found by a hunt)
+    assert "bias correction is off with --adaround by default" in log and "--bc keeps it" in log
     rep = json.loads((out / "report.json").read_text())
     assert rep["adaround"]["candidates"] >= 1
     assert {r["node"] for r in rep["adaround"]["gain_db"]} <= {"conv1", "fc"}
@@ -154,3 +157,8 @@ def test_weight_advice_names_the_rounding_that_ran():
     assert "after --adaround chose its rounding" in _advice(row, "trt", gptq=True, rounding="--adaround")
     assert "after --gptq chose its rounding" in _advice(row, "trt", gptq=True)
     assert "--gptq chooses the rounding" in _advice(row, "trt", gptq=False)
+    # the SQNR figure is the nearest rounding's: said as such after a fit (it read "(its weights are
+    # at 30.0 dB on their grid, rounded to nearest), after --brecq chose its rounding")
+    fitted = _advice(row, "trt", gptq=True, rounding="--brecq")
+    assert "after --brecq chose its rounding (its grid holds its weights at 30.0 dB when rounded to nearest)" in fitted
+    assert "rounded to nearest)," not in fitted

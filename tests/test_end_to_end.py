@@ -174,6 +174,9 @@ def test_trt_version_flag_sets_cache_header(tmp_path):
 
 def test_savefp_writes_float_outputs_per_sample(tmp_path):
     model, feeds, out = run_cli(tmp_path, "minmax", ["--savefp"])
+    # the closing "wrote:" line counts them (it named the top-level files only; found by a hunt)
+    wrote = [ln for ln in (out / "dipoorlet.log").read_text().splitlines() if ln.startswith("wrote: ")]
+    assert wrote and f"output/ ({N} files)" in wrote[-1] and "quant_model.onnx" in wrote[-1]
     for i in (0, N - 1):
         saved = np.fromfile(out / "output" / "logits" / f"onnx-output-{i}.bin", dtype=np.float32)
         (ref,) = ort_run(model, feeds[i])

@@ -512,3 +512,15 @@ def test_ranks_given_different_settings_are_refused():
     _same_settings(cfg, Comm(cfg))
     with pytest.raises(ConfigError, match="different settings"):
         _same_settings(cfg, Comm(QuantConfig(model="m.onnx", input_dir="d", data_num=7, deploy="trt")))
+
+
+def test_mpirun_flag_without_a_launcher_says_it_runs_one_process(case, tmp_path):
+    """--mpirun given to a process no launcher started: one process, said so (it had run without a
+    word, as if the samples were shared)."""
+    cmd = [sys.executable, "-m", "dipoorlet", "-M", str(case / "m.onnx"), "-I", str(case / "calib"), "-N", "11",
+           "-D", "trt", "-A", "minmax", "-O", str(tmp_path / "o"), "--mpirun", "--skip_prof_layer"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "--mpirun/--slurm: MPI runs this as one process; start it with mpirun -n K" in res.stderr
+    two = _run(case, tmp_path / "two", "minmax", 2)
+    assert two.returncode == 0 and "runs this as one process" not in two.stderr
