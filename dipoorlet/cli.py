@@ -454,11 +454,14 @@ def _restore_signals(state, installed: bool, previous, held) -> None:
     elif installed:
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
     if noted and not ignored:
-        if signal.SIGTERM in noted:
-            # the handler before the run's (the default ends the process, exit 143): said first
-            # (a Ctrl-C is said by __main__, or reaches the API's caller as KeyboardInterrupt)
-            print(f"dipoorlet: terminated (SIGTERM); {_stop_note()}", file=sys.stderr, flush=True)
+        term = signal.getsignal(signal.SIGTERM)
+        if signal.SIGTERM in noted and term in (signal.SIG_DFL, None):
+            # as a SIGTERM during the run: Terminated, which python -m dipoorlet says (what -O holds)
+            # and ends with 143, under mpirun through MPI's abort (re-raised with the default
+            # action, the process died by the signal: mpich reported exit code 15 with its banner)
+            raise Terminated()
         for sig in dict.fromkeys(noted):
+            # a caller's own handler (or Ctrl-C's KeyboardInterrupt, said by __main__) gets it now
             signal.raise_signal(sig)
 
 

@@ -422,7 +422,7 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | 
             return (f"weight rounding dominates{at_fit}"
                     + (f" to fit its {narrow_in[0]['bits']}-bit input: the fit carries that input's error, so an "
                        f"8-bit input grid (--layer_bits {node}=a8) is the first thing to try" if narrow_in else
-                       " (its weights are on the backend's own width already)")
+                       "; its weights are on the backend's own width already")
                     + f"; or {keep}")
         if unfit:
             return (f"weight rounding dominates{at}: {rounding} {'left' if ran else 'would leave'} this layer "

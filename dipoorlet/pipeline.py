@@ -798,7 +798,7 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
     fitting = [f for f, on in (("--gptq", cfg.gptq), ("--adaround", cfg.adaround),
                                ("--drop" if cfg.drop else "--lsq" if cfg.lsq else "--brecq", cfg.brecq),
                                ("--sparse", cfg.sparse is not None)) if on]
-    if bc_by_default and fitting and not cfg.bias_correction:
+    if bc_by_default and fitting and not cfg.bias_correction and not (cfg.auto_a16 or cfg.auto_w8):
         # said: off by default there, and it can matter either way (a hunt's 3-bit CNN lost 6 dB
         # to the default run with --adaround, and --bc gained them back and more, without a word)
         log.info("bias correction is off with %s by default (it lowered the real models measured with a fitted "
