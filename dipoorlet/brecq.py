@@ -95,47 +95,51 @@ def _fused(torch):
     if "soft" in _FUSED:
         return _FUSED["soft"], _FUSED["reg"]
 
-    def h_of(V):
+    # in place where the value is the same (a + b is b + a, 1 - x is -x + 1 in IEEE arithmetic):
+    # each allocation of a full-size temporary had been one more block for glibc's heap to keep
+    def sig_u(V):
         sig = torch.sigmoid(V)
-        u = sig * (ZETA - GAMMA) + GAMMA
-        return sig, u, torch.clamp(u, 0.0, 1.0)
+        return sig, torch.mul(sig, ZETA - GAMMA).add_(GAMMA)
+
+    def h_of(V):
+        return torch.sigmoid(V).mul_(ZETA - GAMMA).add_(GAMMA).clamp_(0.0, 1.0)
 
     def into_v(g, sig, u):
-        g = torch.where((u >= 0.0) & (u <= 1.0), g, torch.zeros((), dtype=g.dtype))
-        g = g * (ZETA - GAMMA)
-        return g * (1 - sig) * sig
+        """g (a fresh tensor, changed in place) through the clamp, the affine map and the sigmoid."""
+        g.masked_fill_(((u >= 0.0) & (u <= 1.0)).logical_not_(), 0.0)      # NaN: 0, as clamp's gradient
+        g.mul_(ZETA - GAMMA)
+        return g.mul_(u.fill_(1.0).sub_(sig)).mul_(sig)
 
     class SoftWeight(torch.autograd.Function):
         @staticmethod
         def forward(ctx, V, base, free, z, s):
             ctx.save_for_backward(V, free, s)
-            _, _, h = h_of(V)
-            return (base + h * free - z) * s
+            return h_of(V).mul_(free).add_(base).sub_(z).mul_(s)
 
         @staticmethod
         def backward(ctx, grad):
             V, free, s = ctx.saved_tensors
-            sig, u, _ = h_of(V)
-            return into_v(grad * s * free, sig, u), None, None, None, None
+            sig, u = sig_u(V)
+            return into_v(torch.mul(grad, s).mul_(free), sig, u), None, None, None, None
 
     class SoftReg(torch.autograd.Function):
         @staticmethod
         def forward(ctx, V, free, beta):
             ctx.save_for_backward(V, free)
             ctx.beta = beta
-            _, _, h = h_of(V)
-            return (1.0 - (2.0 * h[free] - 1.0).abs().pow(beta)).sum()
+            x = h_of(V)[free].mul_(2.0).sub_(1.0).abs_().pow_(beta)
+            return x.neg_().add_(1.0).sum()
 
         @staticmethod
         def backward(ctx, grad):
             V, free = ctx.saved_tensors
             beta = ctx.beta
-            sig, u, h = h_of(V)
-            x = 2.0 * h[free] - 1.0
-            g = -grad.expand(x.shape)
-            g = g * (beta * x.abs().pow(beta - 1))
-            g = g * x.sgn()
-            g = g * 2.0
+            sig, u = sig_u(V)
+            x = torch.clamp(u, 0.0, 1.0)[free].mul_(2.0).sub_(1.0)
+            g = torch.neg(grad.expand(x.shape))
+            g.mul_(torch.abs(x).pow_(beta - 1).mul_(beta))
+            g.mul_(x.sgn_())
+            g.mul_(2.0)
             full = torch.zeros_like(V)
             full[free] = g
             return into_v(full, sig, u), None, None
