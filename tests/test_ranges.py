@@ -304,3 +304,26 @@ def test_log_histogram_keeps_each_signs_overflow_and_drops_nan_and_inf():
     # magnitudes past 2^48 are not resolved, so each side's tail sits at its own extreme
     lo, hi = percentile(st, RangeParams(percentile=99.9))
     assert lo == pytest.approx(float(x.min()), rel=1e-3) and hi == pytest.approx(float(x.max()), rel=1e-3)
+
+
+@pytest.mark.parametrize("n_clips", [1, 63, 64, 65, 300])
+def test_quant_error_matches_a_per_candidate_oracle(n_clips):
+    """The blocked, in-place error table equals the one-expression form exactly and a per-candidate
+    numpy loop to rounding (empty bins, clips past the largest value, block edges at 64)."""
+    from dipoorlet.ranges import quant_error
+
+    r = np.random.default_rng(n_clips)
+    n, qmax = 2048, 127
+    counts = r.integers(0, 50, n) * (r.random(n) < 0.6)
+    centres = (np.arange(n) + 0.5) * 0.01
+    clips = np.sort(r.uniform(0.5, 25.0, n_clips))
+    got = quant_error(counts, centres, clips, qmax)
+    nz = counts > 0
+    step = (clips / qmax)[:, None]
+    x = centres[nz][None, :]
+    one = ((x - np.minimum(np.round(x / step), qmax) * step) ** 2) @ counts[nz].astype(np.float64)
+    np.testing.assert_array_equal(got, one)
+    for j, c in enumerate(clips):
+        s = c / qmax
+        q = np.minimum(np.round(centres / s), qmax) * s
+        np.testing.assert_allclose(got[j], float(np.sum(counts * (centres - q) ** 2)), rtol=1e-12)
