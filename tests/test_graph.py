@@ -794,3 +794,24 @@ def test_shape_inference_on_the_weightless_stub_gives_the_whole_models_shapes():
         assert any(t.data_location == TensorProto.EXTERNAL for t in _shape_stub(model).graph.initializer)
         got = _with_weights(shape_inference.infer_shapes(_shape_stub(model), data_prop=True), model)
         assert got.SerializeToString() == want.SerializeToString()
+
+
+def test_weight_bytes_counts_raw_tensors_by_their_shape_as_their_bytes():
+    """weight_bytes takes a raw tensor's size from its shape and type (reading raw_data copied the
+    bytes): the same total as the bytes themselves, for each fixed-size type, a Constant node's
+    tensor, a typed-field tensor and an empty one."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from dipoorlet.graph import weight_bytes
+
+    r = np.random.default_rng(0)
+    arrays = [r.standard_normal((3, 5)).astype(t) for t in (np.float32, np.float16, np.float64)] + \
+             [r.integers(-5, 5, (7, 2)).astype(t) for t in (np.int8, np.uint8, np.int16, np.int32, np.int64, np.uint64)] + \
+             [np.array([True, False]), np.zeros((0, 4), np.float32)]
+    inits = [numpy_helper.from_array(a, f"t{i}") for i, a in enumerate(arrays)]
+    typed = helper.make_tensor("typed", TensorProto.FLOAT, [4], [1.0, 2.0, 3.0, 4.0])
+    const = helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(np.ones((2, 3), np.float32)))
+    g = helper.make_graph([const], "g", [], [helper.make_tensor_value_info("c", TensorProto.FLOAT, [2, 3])],
+                          initializer=inits + [typed])
+    want = sum(len(t.raw_data) for t in inits) + 4 * 4 + 24
+    assert weight_bytes(g) == want + 1_000_000
