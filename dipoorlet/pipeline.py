@@ -1180,7 +1180,7 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
             sparse_pattern=reconstructed.get("pattern") if rounding == "sparse" else None,
             promoted=w8.float_layers if w8 is not None else (), bc_ran=corrections is not None,
             a16=a16.float_layers if a16 is not None else None,
-            asked_a={n: b[1] for n, b in cfg.layer_bits.items() if b[1]},
+            asked_a={n: b[1] for n, b in cfg.layer_bits.items() if b[1]}, calib_n=cfg.data_num,
             deferred=_flag(rounding) if defer else None, held_out=bool(analysis.get("sens_held_out")),
             floated=analysis["auto_skip"].float_layers if analysis.get("auto_skip") is not None else (),
             unfit=reconstructed.get("skipped") if reconstructed and rounding != "sparse" else None,
