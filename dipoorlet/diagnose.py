@@ -312,7 +312,9 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
                                 unfit=(unfit or {}).get(row["node"]) if gptq_ran else
                                 None if fits else _why_not_fitted(g, s.node, narrow_inputs), ran=gptq_ran,
                                 gptq_flag=_gptq_flag(bc_ran, a16), asked_a=asked_a)
-        if calib_n is not None and calib_n < FEW_FIT_SAMPLES and not gptq_ran and "--gptq" in row["advice"]:
+        flag = _gptq_flag(bc_ran, a16)
+        suggested = f"{flag} re-rounds" in row["advice"] or f"{flag} chooses" in row["advice"]
+        if calib_n is not None and calib_n < FEW_FIT_SAMPLES and not gptq_ran and suggested:
             # the fit follows the calibration samples: with few, it can lose on other data while the
             # report's own figures gain (a hunt, PP-OCRv4 at -N 16: detector held-out mask IoU 0.933 ->
             # 0.829 on qnn, recognizer exact match 0.670 -> 0.553 on trt; in-sample SQNR +1.3-2.2 dB)

@@ -886,6 +886,7 @@ def test_weight_advice_does_not_name_gptq_for_a_layer_it_would_leave_alone(tmp_p
     assert d["cause"] == "weights" and "weight_sqnr_db" in d
     assert "--gptq chooses" not in d["advice"] and "would leave this layer alone" in d["advice"] and why in d["advice"]
     assert f"--layer_bits {node}=w8" in d["advice"]
+    assert "--gptq fits the" not in d["advice"]     # no caution on a fit the advice does not suggest (review)
 
 
 def test_per_channel_advice_names_a_route_dipoorlet_takes():
