@@ -30,7 +30,7 @@ from dipoorlet import shift as shift_mod
 from dipoorlet.config import QuantConfig
 from dipoorlet.data import VALIDATION, DataSource, input_specs, shard, spread
 from dipoorlet.deploy import DeployContext, export_all
-from dipoorlet.dist import SingleProcess
+from dipoorlet.dist import MPIComm, SingleProcess
 from dipoorlet.errors import ConfigError, DataError, ModelError, OutputError
 from dipoorlet.graph import (INTEGER_TYPES, PROTOBUF_LIMIT, Graph, node_attr, check_float, model_bytes, model_files,
                              opset_of, save_model)
@@ -790,7 +790,7 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
                     "or a fitted rounding without --bc); ignored")
     if cfg.ada_iters != 1000 and not (cfg.adaround or cfg.brecq):
         log.warning("--ada_iters applies with --adaround or --brecq/--drop only; ignored")
-    if type(comm).__name__ == "MPIComm" and comm.world == 1:
+    if isinstance(comm, MPIComm) and comm.world == 1:
         # --mpirun/--slurm (or mpirun=True) without a launcher of several processes: one process,
         # which had gone without a word (found by a hunt)
         log.info("--mpirun/--slurm: MPI runs this as one process; start it with mpirun -n K (or srun -n K) to "
