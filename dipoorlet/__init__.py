@@ -55,17 +55,21 @@ def quantize(**kwargs):
             with _run_log(out / RUN_LOG, cfg.debug):
                 try:
                     result = _quantize(cfg)
-                except Exception as exc:
-                    # the failed run's log says why, as from the CLI (the caller gets the exception)
-                    from dipoorlet.cli import _log_to_file
-
-                    _log_to_file(f"dipoorlet: error: {exc}")
-                    raise
-                except KeyboardInterrupt:
+                except BaseException as exc:
+                    # the run's log says why, as from the CLI (the caller gets the exception), and
+                    # where the outputs are in -O already it is their log (an exception of a caller's
+                    # signal handler, a SIGTERM handler's sys.exit, had named it dipoorlet.failed.log
+                    # beside the new outputs; found by a hunt)
                     from dipoorlet.cli import _log_to_file, _published, _stop_note
 
-                    _log_to_file(f"dipoorlet: interrupted; {_stop_note()}")
-                    ok = bool(_published())     # as from the CLI: the log describes the outputs -O now holds
+                    ok = bool(_published())
+                    if isinstance(exc, KeyboardInterrupt):
+                        _log_to_file(f"dipoorlet: interrupted; {_stop_note()}")
+                    elif isinstance(exc, Exception):
+                        _log_to_file(f"dipoorlet: error: {exc}" + (f"; {_stop_note()}" if ok else ""))
+                    else:
+                        _log_to_file(f"dipoorlet: stopped ({type(exc).__name__}"
+                                     f"{': ' + str(exc) if str(exc) else ''}); {_stop_note()}")
                     raise
                 ok = True       # the outputs are written, a miss of fail_below included
                 _check_bar(result, cfg)

@@ -2172,27 +2172,41 @@ def _publish(staging: Path, out_dir: Path, keep=()) -> list[Path]:
     with _signals_held():
         _move_all(moves, out_dir, aside, moved_aside, moved_in, made)
         PUBLISHED.append(out_dir)       # an interrupt held till now is reported as coming after this
-        shutil.rmtree(aside, ignore_errors=True)      # the files the new ones replaced
         final = [dst for _, dst in moves]
-        written = {p.relative_to(out_dir).as_posix() for p in final}
         manifest = out_dir / MANIFEST
         try:
             before = json.loads(manifest.read_text())["files"]
         except (OSError, ValueError, KeyError, TypeError):
             before = []
-        stale = _remove_stale(out_dir, before if isinstance(before, list) else [], written, kept)
-        failed_log = out_dir / "dipoorlet.failed.log"
-        if failed_log.is_file() and not failed_log.is_symlink():
-            failed_log.unlink()   # the log of a failed run whose predecessors' outputs these replace
-        if stale:
-            log.info("removed %d files an earlier run wrote into %s and this one did not (%s)", len(stale),
-                     out_dir, ", ".join(sorted(stale)[:6]) + (" ..." if len(stale) > 6 else ""))
+        args = (out_dir, aside, manifest, before if isinstance(before, list) else [],
+                {p.relative_to(out_dir).as_posix() for p in final}, kept)
         try:
-            write_json(manifest, {"files": sorted(written)})
-        except OSError as exc:     # the outputs are in place; only the next run's clean-up needs the list
-            log.warning("could not write %s (%s): a later run into this folder will not remove these files",
-                        manifest, exc.strerror or exc)
+            _after_moves(*args)
+        except BaseException:
+            # the outputs are in: an exception that a handler of the caller's raised (a time limit's
+            # SIGALRM, a SIGTERM handler's sys.exit; not held like Ctrl-C) had cut the clean-up short
+            # and left an earlier backend's files beside the new ones (found by a hunt): finished
+            # first, then raised
+            _after_moves(*args)
+            raise
     return final
+
+
+def _after_moves(out_dir: Path, aside: Path, manifest: Path, before: list, written: set, kept: set) -> None:
+    """What :func:`_publish` does once the new files are in (each step may run twice)."""
+    shutil.rmtree(aside, ignore_errors=True)      # the files the new ones replaced
+    stale = _remove_stale(out_dir, before, written, kept)
+    failed_log = out_dir / "dipoorlet.failed.log"
+    if failed_log.is_file() and not failed_log.is_symlink():
+        failed_log.unlink()   # the log of a failed run whose predecessors' outputs these replace
+    if stale:
+        log.info("removed %d files an earlier run wrote into %s and this one did not (%s)", len(stale),
+                 out_dir, ", ".join(sorted(stale)[:6]) + (" ..." if len(stale) > 6 else ""))
+    try:
+        write_json(manifest, {"files": sorted(written)})
+    except OSError as exc:     # the outputs are in place; only the next run's clean-up needs the list
+        log.warning("could not write %s (%s): a later run into this folder will not remove these files",
+                    manifest, exc.strerror or exc)
 
 
 @contextlib.contextmanager

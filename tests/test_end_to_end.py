@@ -466,6 +466,47 @@ def test_python_api_log_says_the_run_was_interrupted(tmp_path, monkeypatch):
     assert last == f"dipoorlet: interrupted; after the outputs were written into {tmp_path / 'earlier'}"
 
 
+def test_an_exception_after_the_outputs_are_in_finishes_the_clean_up_and_names_the_log(tmp_path, monkeypatch):
+    """An exception that a caller's signal handler raises once the new files are in -O (a time
+    limit's SIGALRM, a SIGTERM handler's sys.exit; Ctrl-C and SIGTERM themselves are held): the
+    earlier backend's files still go, so -O holds one run's files, and the run's log is
+    dipoorlet.log, ending on what stopped it (it was dipoorlet.failed.log beside the new outputs,
+    and trt's files stayed beside snpe's; found by a hunt)."""
+    import dipoorlet
+    from dipoorlet import pipeline
+
+    model = tiny_cnn()
+    model_path = save(model, tmp_path / "model.onnx")
+    data = write_samples(tmp_path / "data", input_feeds(model, N, seed=3))
+    out = tmp_path / "o"
+    kw = dict(model=model_path, input_dir=data, data_num=N, output_dir=out, skip_prof_layer=True)
+    real = pipeline._remove_stale
+    for exc, last in ((TimeoutError("caller's time limit"), "dipoorlet: error: caller's time limit; after the "
+                                                           f"outputs were written into {out}"),
+                      (SystemExit(143), f"dipoorlet: stopped (SystemExit: 143); after the outputs were written "
+                                        f"into {out}")):
+        dipoorlet.quantize(deploy="trt", **kw)
+        fired = []
+
+        def cut_short(*a, **k):
+            if not fired:
+                fired.append(1)
+                raise exc
+            return real(*a, **k)
+
+        monkeypatch.setattr(pipeline, "_remove_stale", cut_short)
+        with pytest.raises(type(exc)):
+            dipoorlet.quantize(deploy="snpe", **kw)
+        monkeypatch.setattr(pipeline, "_remove_stale", real)
+        names = {p.name for p in out.iterdir()}
+        assert "snpe_encodings.json" in names and not names & {"trt_calib.cache", "trt_clip_val.json"}, names
+        assert "dipoorlet.failed.log" not in names
+        log = (out / "dipoorlet.log").read_text().splitlines()
+        assert log[-1] == last and any("snpe" in line for line in log)
+        assert json.loads((out / ".dipoorlet-files.json").read_text())["files"] == sorted(
+            p.name for p in out.iterdir() if p.is_file() and not p.name.startswith((".", "dipoorlet")))
+
+
 def test_python_api_log_file_gets_info_while_the_callers_handlers_get_what_they_did(tmp_path):
     """dipoorlet.log holds the run's INFO lines; a caller whose logging passes WARNING and up
     still gets only those (here a warning for an option that does not apply)."""
