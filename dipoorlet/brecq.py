@@ -269,13 +269,15 @@ def _pins(W: np.ndarray, qp) -> np.ndarray:
 
 
 def _layout(tg, learn_pos: list[int]):
-    """Blocks as (start, end, layer positions) over tg.nodes, and each tensor's last reader."""
+    """Blocks as (start, end, layer positions) over tg.nodes, each tensor's last reader, and each
+    constant's (past it, its torch copies and arrays can go)."""
     nodes = tg.nodes
     produced_at = {i: -1 for i in tg.inputs}
-    last = {}
+    last, const_last = {}, {}
     for k, n in enumerate(nodes):
         for t in tg.reads(n):
             if t in tg.consts or t in tg.wdq:
+                const_last[t] = k
                 continue
             last[t] = max(last.get(t, -1), k)
         for o in n.output:
@@ -332,7 +334,7 @@ def _layout(tg, learn_pos: list[int]):
         between = [k for k in opaque if end <= k < nxt]
         begin = (between[-1] + 1) if between else end
         s = e + 1
-    return blocks, last
+    return blocks, last, const_last
 
 
 def reconstruct_blocks(g, places, plan, data, indices, comm, iters: int, drop: bool,
@@ -439,14 +441,9 @@ def _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop
     learn_pos = sorted(readers)
     if not learn_pos:
         return {"blocks": 0, "layers": 0, "candidates": 0, "skipped": skipped}
-    blocks, last = _layout(tg, learn_pos)
-    # the last position reading each constant: past it, its torch copies (float, dequantized)
-    # and arrays go (every block's had stayed to the end of the run)
-    const_last: dict[str, int] = {}
-    for k, n in enumerate(tg.nodes):
-        for t in tg.reads(n):
-            if t in tg.consts or t in tg.wdq:
-                const_last[t] = k
+    # past the last position reading a constant, its torch copies (float, dequantized) and arrays
+    # go (every block's had stayed to the end of the run)
+    blocks, last, const_last = _layout(tg, learn_pos)
     by_last, done_consts = sorted((k, t) for t, k in const_last.items()), 0
     rebased = {g.node_by_name[n].input[1] for r in shifted or () for n in r["consumers"]
                if n in g.node_by_name and len(g.node_by_name[n].input) > 1}

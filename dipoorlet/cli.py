@@ -413,7 +413,9 @@ def main(argv=None) -> int:
         # just after the outputs were written, had left the earlier run's log as dipoorlet.log and
         # the lock in place, and was reported as "no output was written", exit 130 (found by a
         # hunt). A signal noted here is raised again after, with the handlers the process had.
-        held = _hold_signals()
+        from dipoorlet.threads import note_signals
+
+        held = note_signals()
         try:
             finish_log(state["out_dir"], state["ok"])
             if state.get("lock") is not None:
@@ -422,28 +424,11 @@ def main(argv=None) -> int:
             _restore_signals(state, installed, previous, held)
 
 
-def _hold_signals():
-    """Note Ctrl-C and SIGTERM instead of acting on them; (noted, handlers before). Python-level
-    handlers, not a blocked mask: onnxruntime's and numpy's threads do not block them, and a
-    signal sent to the process reaches whichever thread does not."""
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    noted, before = [], {}
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            before[sig] = signal.signal(sig, lambda signum, frame: noted.append(signum))
-        except (ValueError, OSError):
-            pass
-    return noted, before
-
-
 def _restore_signals(state, installed: bool, previous, held) -> None:
+    from dipoorlet.threads import put_back
+
     noted, before = held if held is not None else ([], {})
-    # None: the handler before was not set from Python; the default is the closest
-    for sig, handler in before.items():
-        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+    put_back(before)
     ignored = bool(state.get("helper_rank") and state["ok"])
     if ignored:
         # an MPI rank other than 0 whose run is done (rank 0 has published): a signal while it

@@ -367,12 +367,13 @@ class DataSource:
         try:
             if path.suffix == ".npy":
                 with open(path, "rb") as f:
-                    magic = f.read(6)
-                if magic != b"\x93NUMPY":
-                    # numpy's own error reads "contains pickled (object) data" for any such file
-                    raise DataError(f"{path} is not a .npy file (it does not begin with numpy's header); "
-                                    f"write each sample with numpy.save, or as raw {spec.raw_dtype} in a .bin file")
-                return np.load(path, allow_pickle=False)
+                    if f.read(6) != b"\x93NUMPY":
+                        # numpy's own error reads "contains pickled (object) data" for any such file
+                        raise DataError(f"{path} is not a .npy file (it does not begin with numpy's header); "
+                                        f"write each sample with numpy.save, or as raw {spec.raw_dtype} in a "
+                                        ".bin file")
+                    f.seek(0)
+                    return np.load(f, allow_pickle=False)
             size = path.stat().st_size
             dtype = spec.raw_dtype
             if size % dtype.itemsize:

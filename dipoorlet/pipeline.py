@@ -2216,23 +2216,18 @@ def _signals_held():
     histogram worker's threads would take a signal blocked in this thread alone; a held signal is
     raised again afterwards, to the handler that was there."""
     import signal
-    import threading
 
-    if threading.current_thread() is not threading.main_thread():
+    from dipoorlet.threads import note_signals, put_back
+
+    held = note_signals()
+    if held is None:
         yield
         return
-    pending = []
-    saved = {}
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            saved[sig] = signal.signal(sig, lambda signum, frame: pending.append(signum))
-        except (ValueError, OSError):
-            pass
+    pending, saved = held
     try:
         yield
     finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        put_back(saved)
         for sig in pending[:1]:
             signal.raise_signal(sig)
 

@@ -154,3 +154,30 @@ def import_mpi():
         warnings.filterwarnings("ignore", message="suspicious MPI execution environment")
         from mpi4py import MPI
     return MPI
+
+
+def note_signals():
+    """Note Ctrl-C and SIGTERM instead of acting on them: ``(noted, handlers before)``, or None off
+    the main thread (where no handler can be set). Python-level handlers, not a blocked mask:
+    onnxruntime's and numpy's threads do not block them, and a signal sent to the process reaches
+    whichever thread does not. :func:`put_back` restores the handlers."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    noted, before = [], {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            before[sig] = signal.signal(sig, lambda signum, frame: noted.append(signum))
+        except (ValueError, OSError):
+            pass
+    return noted, before
+
+
+def put_back(before: dict) -> None:
+    """The handlers :func:`note_signals` replaced (None, one not set from Python: the default)."""
+    import signal
+
+    for sig, handler in before.items():
+        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)

@@ -14,6 +14,8 @@ one inside a block. torch is imported lazily (an optional extra).
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import onnx
 from onnx import numpy_helper
@@ -127,6 +129,7 @@ class TorchGraph:
                 skip.add(id(n))
         self.nodes = [n for n in graph.node if id(n) not in skip]
         self._torch_consts = {}
+        self._int_readers = None      # weight DequantizeLinears per integer initializer (forget_const)
         self._ref = {}
         self.opaque = [not self._supported(n) for n in self.nodes]
 
@@ -149,7 +152,9 @@ class TorchGraph:
         self.float_consts.pop(name, None)
         n = self.wdq.get(name)
         if n is not None:
-            if sum(m.input[0] == n.input[0] for m in self.wdq.values()) == 1:
+            if self._int_readers is None:
+                self._int_readers = Counter(m.input[0] for m in self.wdq.values())
+            if self._int_readers[n.input[0]] == 1:
                 self.consts.pop(n.input[0], None)
                 self._torch_consts.pop(n.input[0], None)
         elif name not in self.bias:
