@@ -151,8 +151,9 @@ def _fused(torch):
 class Soft:
     """One weight's rounding: integers base + h(V), h relaxed in [0, 1] or hard."""
 
-    def __init__(self, torch, W: np.ndarray, qp, pins: np.ndarray):
+    def __init__(self, torch, W: np.ndarray, qp, pins: np.ndarray, device="cpu"):
         self.torch = torch
+        dev = self.device = torch.device(device)
         s = np.asarray(qp.scale, np.float64)
         z = np.asarray(qp.zero_point, np.float64)
         if s.ndim == 1 and W.ndim > 1:
@@ -163,17 +164,17 @@ class Soft:
         base = np.floor(x)
         rtn = np.clip(np.rint(x), qp.qmin, qp.qmax)
         fixed = (base < qp.qmin) | (base + 1 > qp.qmax) | pins
-        self.free = torch.from_numpy(~fixed)
-        self.base = torch.from_numpy(np.where(fixed, rtn, base).astype(np.float32))
+        self.free = torch.from_numpy(~fixed).to(dev)
+        self.base = torch.from_numpy(np.where(fixed, rtn, base).astype(np.float32)).to(dev)
         # per-channel vectors shaped to broadcast, not full-size copies: with base, V, nearest
         # and free, every layer's rounding had held 5x its weight from before the first block
         # (a 302 MB stack: 1.5 GB; found by a hunt)
-        self.s = torch.from_numpy(np.array(s, np.float32))
-        self.z = torch.from_numpy(np.array(z, np.float32))
+        self.s = torch.from_numpy(np.array(s, np.float32)).to(dev)
+        self.z = torch.from_numpy(np.array(z, np.float32)).to(dev)
         frac = np.clip(x - base, 0.0, 1.0)
         p = np.clip((frac - GAMMA) / (ZETA - GAMMA), 1e-4, 1 - 1e-4)
-        self.V = torch.nn.Parameter(torch.from_numpy(np.log(p / (1 - p)).astype(np.float32)))
-        self.nearest = torch.from_numpy(((rtn - base) * (~fixed)).astype(np.float32))
+        self.V = torch.nn.Parameter(torch.from_numpy(np.log(p / (1 - p)).astype(np.float32)).to(dev))
+        self.nearest = torch.from_numpy(((rtn - base) * (~fixed)).astype(np.float32)).to(dev)
         self.mode = "soft"       # soft | hard | nearest
         self.n_free = int((~fixed).sum())
         self.qrange = (qp.qmin, qp.qmax)
@@ -182,7 +183,7 @@ class Soft:
 
     def __call__(self, hard: bool):
         if self.ints is not None:
-            return (self.torch.from_numpy(self.ints.astype(np.float32)) - self.z) * self.s
+            return (self.torch.from_numpy(self.ints.astype(np.float32)).to(self.device) - self.z) * self.s
         if self.mode == "nearest":
             h = self.nearest
         elif self.mode == "hard" or hard:
@@ -196,7 +197,7 @@ class Soft:
 
     def integers(self) -> np.ndarray:
         h = (self.V.detach() >= 0).float() if self.mode != "nearest" else self.nearest
-        return (self.base + h * self.free).numpy()
+        return (self.base + h * self.free).cpu().numpy()
 
     def finish(self, keep_near: bool) -> None:
         """Its block is fitted: keep the integers chosen (and, with ``keep_near``, the nearest
@@ -204,7 +205,7 @@ class Soft:
         nearest and the free mask: 3.25x the weight in float32, which every fitted layer had held
         to the end of the run)."""
         ints = self.integers()
-        near = (self.base + self.nearest * self.free).numpy()
+        near = (self.base + self.nearest * self.free).cpu().numpy()
         self.differs = self.mode == "hard" and not np.array_equal(ints, near)
         lo, hi = self.qrange
         dt = next(t for t in (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.int64)
@@ -219,9 +220,9 @@ class Bias:
     layer's output rounding noise (input step x weight step x sqrt(fan-in)), so one learning rate
     serves every layer."""
 
-    def __init__(self, torch, b0: np.ndarray, unit: np.ndarray):
-        self.b0 = torch.from_numpy(np.array(b0, np.float32))
-        self.unit = torch.from_numpy(np.broadcast_to(np.asarray(unit, np.float32), self.b0.shape).copy())
+    def __init__(self, torch, b0: np.ndarray, unit: np.ndarray, device="cpu"):
+        self.b0 = torch.from_numpy(np.array(b0, np.float32)).to(device)
+        self.unit = torch.from_numpy(np.broadcast_to(np.asarray(unit, np.float32), self.b0.shape).copy()).to(device)
         self.V = torch.nn.Parameter(torch.zeros_like(self.b0))
         self.mode = "nearest"      # nearest (b0) | soft/hard (learned)
         self.n_free = 0
@@ -230,7 +231,7 @@ class Bias:
         return self.b0 if self.mode == "nearest" else self.b0 + self.V * self.unit
 
     def value(self) -> np.ndarray:
-        return self().detach().numpy()
+        return self().detach().cpu().numpy()
 
 
 class Step:
@@ -238,9 +239,9 @@ class Step:
     grid (tensors a backend ties together share it). LSQ's gradient reaches V through the
     straight-through rounding of the chains that read it."""
 
-    def __init__(self, torch, s0):
+    def __init__(self, torch, s0, device="cpu"):
         self.torch = torch
-        self.s0 = torch.from_numpy(np.array(s0, np.float32))
+        self.s0 = torch.from_numpy(np.array(s0, np.float32)).to(device)
         self.V = torch.nn.Parameter(torch.zeros_like(self.s0))
         self.mode = "nearest"      # nearest (s0) | soft/hard (learned)
         self.n_free = 0
@@ -249,7 +250,7 @@ class Step:
         return self.s0 if self.mode == "nearest" else self.s0 * self.torch.exp(self.V)
 
     def value(self) -> np.ndarray:
-        return self().detach().numpy()
+        return self().detach().cpu().numpy()
 
 
 def _pins(W: np.ndarray, qp) -> np.ndarray:
@@ -337,8 +338,33 @@ def _layout(tg, learn_pos: list[int]):
     return blocks, last, const_last
 
 
+def torch_device(want: str | None, local_rank: int = 0) -> str:
+    """The torch device ``--brecq``/``--drop``/``--lsq`` fit on (``--recon_device``): cpu (the
+    default, also where torch sees a GPU: the same bytes on every machine), cuda or cuda:N.
+    ``cuda`` without an index takes GPU ``local_rank`` modulo the GPUs this process sees (one
+    per process of a machine under mpirun/srun, where several GPUs are visible)."""
+    from dipoorlet.errors import ConfigError
+    from dipoorlet.torch_graph import import_torch
+
+    torch = import_torch()
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if want in (None, "cpu"):
+        if count and want is None:
+            log.info("torch sees %d CUDA GPU%s; --recon_device cuda fits the rounding there (the CPU here)",
+                     count, "" if count == 1 else "s")
+        return "cpu"
+    if not count:
+        raise ConfigError(f"--recon_device {want}: this torch ({torch.__version__}) sees no CUDA GPU (a CPU build, "
+                          f"or no driver); install a CUDA build of torch, or use --recon_device cpu")
+    index = local_rank % count if want == "cuda" else int(want.split(":", 1)[1])
+    if index >= count:
+        raise ConfigError(f"--recon_device {want}: torch sees {count} CUDA GPU{'' if count == 1 else 's'} "
+                          f"(cuda:0{'' if count == 1 else f' to cuda:{count - 1}'}); name one of them, or cuda")
+    return f"cuda:{index}"
+
+
 def reconstruct_blocks(g, places, plan, data, indices, comm, iters: int, drop: bool,
-                       shifted=(), batch: int | None = None, lsq: bool = False) -> dict:
+                       shifted=(), batch: int | None = None, lsq: bool = False, device: str = "cpu") -> dict:
     """Fit the rounding of every Conv/ConvTranspose/Gemm/MatMul weight block by block; results go
     into ``plan.values`` (owned by the layer). Returns the summary for report.json. The fit seeds
     torch's random generator; the caller's generator state is restored afterwards (an API caller's
@@ -347,10 +373,11 @@ def reconstruct_blocks(g, places, plan, data, indices, comm, iters: int, drop: b
 
     torch = import_torch()
     with torch.random.fork_rng():
-        return _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop, shifted, batch, lsq)
+        return _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop, shifted, batch, lsq,
+                                   torch.device(device))
 
 
-def _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop, shifted, batch, lsq) -> dict:
+def _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop, shifted, batch, lsq, dev) -> dict:
     from dipoorlet.pipeline import is_bias
     from dipoorlet.torch_graph import TorchGraph
 
@@ -384,7 +411,7 @@ def _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop
     # stream reads the float graph's own
     qinit = {t.name for t in qmodel.graph.initializer}
     float_consts = {k: g.weight(k) for k in values if k in qinit and k in g.initializers}
-    tg = TorchGraph(qmodel, float_values, float_consts)
+    tg = TorchGraph(qmodel, float_values, float_consts, device=dev)
     for r in shifted:
         for name in r["consumers"]:
             node = qnodes.get(name)
@@ -411,7 +438,7 @@ def _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop
         chain = tg.chains.get(node.input[0])
         if chain is None or chain.scale.ndim or (bname not in tg.consts and bname not in tg.wdq):
             continue
-        b0 = tg.value(bname, {}, "q").numpy()
+        b0 = tg.value(bname, {}, "q").cpu().numpy()
         W = float_values[out]
         s_w = np.asarray(qp.scale, np.float64)
         if node.op_type == "ConvTranspose":
@@ -423,7 +450,7 @@ def _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop
         unit = float(chain.scale.item()) * s_w * math.sqrt(fan_in)
         if b0.ndim != 1 or np.size(unit) not in (1, b0.size):
             continue
-        biases[bname] = Bias(torch, b0, unit)
+        biases[bname] = Bias(torch, b0, unit, dev)
         bias_of[out] = bname
         tg.bias[bname] = biases[bname]
     readers = {}
@@ -458,21 +485,21 @@ def _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop
             if tensor is None or dq not in at or (rule is not None and rule.power_of_two):
                 continue
             qp = plan.activations[tensor]
-            grp = groups_lsq.setdefault(id(qp), {"step": Step(torch, fq.scale.numpy()), "pos": [], "qp": qp})
+            grp = groups_lsq.setdefault(id(qp), {"step": Step(torch, fq.scale.cpu().numpy(), dev), "pos": [], "qp": qp})
             grp["pos"].append(at[dq])
             fq.step = grp["step"]
     total = comm.allreduce_sum(np.array([len(indices)], np.float64))[0]
-    log.info("%s: %d layers in %d blocks, %d samples, %d steps per block", "qdrop" if drop else "brecq",
-             len(learn_pos), len(blocks), int(total), iters)
+    log.info("%s: %d layers in %d blocks, %d samples, %d steps per block, on %s", "qdrop" if drop else "brecq",
+             len(learn_pos), len(blocks), int(total), iters, _device_name(torch, dev))
     # the samples, both streams: tensor name -> torch tensor
     qs, fs = [], []
     for i in indices:
-        feed = {k: torch.from_numpy(np.array(v)) for k, v in data.sample(i).items()}
+        feed = {k: torch.from_numpy(np.array(v)).to(dev) for k, v in data.sample(i).items()}
         qs.append(dict(feed))
         fs.append(dict(feed))
     pos = 0
     records = []
-    gen = torch.Generator().manual_seed(SEED + comm.rank)
+    gen = torch.Generator(device=dev).manual_seed(SEED + comm.rank)
     rng = np.random.default_rng(SEED + comm.rank)
     # samples on which a block's float target or quantized input holds a NaN/Inf (a fully padded
     # sequence through a -inf mask): left out from that block on, as --adaround/--gptq do (one NaN
@@ -515,7 +542,7 @@ def _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop
         for o in mine:
             if o not in softs:
                 W = np.asarray(float_values[o], np.float64)
-                softs[o] = Soft(torch, W, learn[o][2], _pins(W, learn[o][2]))
+                softs[o] = Soft(torch, W, learn[o][2], _pins(W, learn[o][2]), dev)
                 del W
                 if o not in no_soft:
                     tg.soft[o] = softs[o]
@@ -541,7 +568,7 @@ def _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop
                 if fmix is not None and stack[t]:
                     f = torch.cat([fs[j][t] for j in idx], 0) if len(idx) > 1 else fs[idx[0]][t]
                     if f.shape == env[t].shape:
-                        env[t] = torch.where(torch.rand(f.shape, generator=gen) < fmix, f, env[t])
+                        env[t] = torch.where(torch.rand(f.shape, generator=gen, device=dev) < fmix, f, env[t])
             tg.run(env, start, end, mode, drop=mode_drop, gen=gen, hard=hard)
             tot = 0.0
             for t in outs:
@@ -609,13 +636,13 @@ def _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop
                 # the mean over the processes that drew samples: one without any (fewer samples
                 # than processes) would add a zero gradient and halve the step
                 active = 1.0 if idx_lists and loss.requires_grad else 0.0
-                grads = np.concatenate([(p.grad.numpy().ravel() if p.grad is not None and active else
+                grads = np.concatenate([(p.grad.cpu().numpy().ravel() if p.grad is not None and active else
                                          np.zeros(p.numel(), np.float32)) for p in params] + [np.array([active])])
                 grads = comm.allreduce_sum(grads.astype(np.float64))
                 grads = grads[:-1] / max(grads[-1], 1.0)
                 off = 0
                 for p in params:
-                    p.grad = torch.from_numpy(grads[off:off + p.numel()].astype(np.float32).reshape(p.shape))
+                    p.grad = torch.from_numpy(grads[off:off + p.numel()].astype(np.float32).reshape(p.shape)).to(dev)
                     off += p.numel()
             opt.step()
         # the block is fitted: its gradients and Adam's two moments per parameter (3x the
@@ -626,9 +653,9 @@ def _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop
         del opt
         if comm.world > 1:       # every process continues from rank 0's rounding, whatever the sums did
             learned = blk_softs + blk_steps
-            for sft, v in zip(learned, comm.bcast([sft.V.detach().numpy() for sft in learned])):
+            for sft, v in zip(learned, comm.bcast([sft.V.detach().cpu().numpy() for sft in learned])):
                 with torch.no_grad():
-                    sft.V.copy_(torch.from_numpy(v))
+                    sft.V.copy_(torch.from_numpy(v).to(dev))
 
         def hard_loss():
             with torch.no_grad():
@@ -685,7 +712,7 @@ def _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop
         sft = softs.get(out)
         if sft is None or not sft.differs:
             continue
-        z, s = sft.z.numpy().astype(np.float64), sft.s.numpy().astype(np.float64)
+        z, s = sft.z.cpu().numpy().astype(np.float64), sft.s.cpu().numpy().astype(np.float64)
         value = (sft.ints.astype(np.float64) - z) * s
         if tensor in rebased:
             old_w[tensor] = ((sft.near.astype(np.float64) - z) * s).astype(np.float32)
@@ -696,7 +723,7 @@ def _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop
         changed.append(name)
     for out, bname in bias_of.items():
         b = biases[bname]
-        if b.mode == "nearest" or not np.any(b.V.detach().numpy()):
+        if b.mode == "nearest" or not np.any(b.V.detach().cpu().numpy()):
             continue
         name = learn[out][0]
         tensor = next(wp.tensor for (n, i), wp in places.weights.items() if n == name and i == 2) \
@@ -717,10 +744,10 @@ def _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop
         new_qp = {}
         for key, grp in groups_lsq.items():
             st = grp["step"]
-            if st.mode == "nearest" or not np.any(st.V.detach().numpy()):
+            if st.mode == "nearest" or not np.any(st.V.detach().cpu().numpy()):
                 continue
             qp = grp["qp"]
-            r = np.exp(st.V.detach().numpy().astype(np.float64))
+            r = np.exp(st.V.detach().cpu().numpy().astype(np.float64))
             new_qp[key] = dataclasses.replace(
                 qp, scale=st.value().astype(np.float32),
                 lo=(np.asarray(qp.lo, np.float64) * r).astype(np.float32),
@@ -734,11 +761,17 @@ def _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop
              "change: median %.1f dB", "qdrop" if drop else "brecq", sum(r["kept"] for r in records), len(records),
              len(changed), int(total), time.perf_counter() - t0, float(np.median(gains)) if gains else 0.0)
     return {"blocks": len(records), "layers": len(changed), "changed": changed, "candidates": len(learn),
-            "samples": int(total),
+            "samples": int(total), "device": str(dev),
             "iters": iters, "drop": bool(drop), "block_loss": records, "skipped": skipped,
             **({"lsq": {"grids": len(groups_lsq), "learned": len(ratios),
                         "scale_ratio": [round(min(ratios), 4), round(float(np.median(ratios)), 4),
                                         round(max(ratios), 4)] if ratios else None}} if lsq else {})}
+
+
+def _device_name(torch, dev) -> str:
+    if dev.type != "cuda":
+        return "the CPU"
+    return f"{dev} ({torch.cuda.get_device_name(dev)})"
 
 
 def _past_output_grid(tg, p: int) -> int:

@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log_all_ranks", action="store_true",
                    help="under MPI, ranks other than 0 also log, to dipoorlet.rank<N>.log")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="onnxruntime device")
+    p.add_argument("--recon_device", default=None, metavar="cpu|cuda|cuda:N",
+                   help="torch's device for --brecq/--drop/--lsq (default cpu); cuda takes one GPU per process "
+                        "of a machine under mpirun/srun")
     p.add_argument("--custom_op_lib", nargs="+", action="extend", default=[], metavar="LIB",
                    help="onnxruntime custom-op libraries for the model's non-standard ops (they stay float), "
                         "e.g. the path onnxruntime_extensions.get_library_path() gives")
@@ -565,7 +568,7 @@ def _main(args, argv, state) -> int:
                           auto_a16=args.auto_a16, max_a16_layers=args.max_a16_layers,
                           auto_w8=args.auto_w8, max_w8_layers=args.max_w8_layers,
                           w_bits=args.w_bits, a_bits=args.a_bits, layer_bits=parse_layer_bits(args.layer_bits),
-                          device=args.device, custom_op_libs=tuple(args.custom_op_lib), debug=debug)
+                          device=args.device, recon_device=args.recon_device, custom_op_libs=tuple(args.custom_op_lib), debug=debug)
         check_model_path(cfg.model)  # before -O (default <model dir>/results) is created
         check_output_dir(cfg.output_dir)
         _check_log_names(cfg)

@@ -127,6 +127,7 @@ class QuantConfig:
     equalize_samples: int | None = None  # --eq_samples; None: equalize.default_samples(N)
     shift: bool = True                 # --no_shift: no asymmetric-grid shift on symmetric backends
     device: str = "cpu"
+    recon_device: str | None = None    # --recon_device: torch's device for --brecq/--drop/--lsq (None: cpu)
     custom_op_libs: tuple = ()         # --custom_op_lib: onnxruntime custom-op libraries (.so/.dll)
     debug: bool = False
 
@@ -319,6 +320,9 @@ class QuantConfig:
                                   f"library (.so/.dll/.dylib), e.g. onnxruntime_extensions.get_library_path()")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.recon_device is not None and not (isinstance(self.recon_device, str) and re.fullmatch(
+                r"cpu|cuda(:[0-9]+)?", self.recon_device)):
+            raise ConfigError(f"--recon_device must be cpu, cuda or cuda:N (a GPU's index), got {self.recon_device!r}")
 
     def bias_correction_on(self) -> bool:
         """--bc / --no_bc, or the default. On by default: it lowers the error on

@@ -25,6 +25,7 @@ from dipoorlet.threads import _launcher_size, import_mpi, launched_by_mpi  # noq
 class SingleProcess:
     rank = 0
     world = 1
+    local_rank = 0      # among the processes on this machine (which GPU a process takes)
 
     def merge_stats(self, stats: dict[str, TensorStats]) -> dict[str, TensorStats]:
         return stats
@@ -62,6 +63,9 @@ class MPIComm(SingleProcess):
         self.comm = MPI.COMM_WORLD
         self.rank = self.comm.Get_rank()
         self.world = self.comm.Get_size()
+        node = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
+        self.local_rank = node.Get_rank()
+        node.Free()
 
     def merge_stats(self, stats):
         names = sorted(stats)

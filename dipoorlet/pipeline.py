@@ -779,10 +779,15 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
     bc_by_default = cfg.bias_correction is None    # neither --bc nor --no_bc
     cfg = dataclasses.replace(cfg, bias_correction=cfg.bias_correction_on())
     check_bits(cfg, plat)
+    recon_dev = "cpu"
     if cfg.brecq:
-        from dipoorlet.torch_graph import import_torch
+        from dipoorlet.brecq import torch_device
 
-        import_torch()       # before any pass: a missing optional extra is a one-line error
+        # before any pass: a missing optional extra, or a GPU torch does not see, is a one-line error
+        recon_dev = torch_device(cfg.recon_device, getattr(comm, "local_rank", 0))
+    elif cfg.recon_device is not None:
+        log.warning("--recon_device applies with --brecq, --drop or --lsq only (--adaround and --gptq fit with "
+                    "numpy on the CPU); ignored")
     if cfg.gptq_samples and not (cfg.gptq or cfg.adaround or cfg.brecq or cfg.sparse is not None):
         log.warning("--gptq_samples applies with --gptq, --adaround, --brecq or --sparse only; ignored")
     if cfg.bc_samples is not None and not cfg.bias_correction:
@@ -1009,7 +1014,8 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
                 log.info("%s: %d of the %d samples, spread over them and held in both streams (--gptq_samples to "
                          "change)", rounding, k, cfg.data_num)
             out = brecq.reconstruct_blocks(g, places, plan, data, spread(k, cfg.data_num, comm.rank, comm.world), comm,
-                                           cfg.ada_iters, cfg.drop, shifted, batch=cfg.ada_bs, lsq=cfg.lsq)
+                                           cfg.ada_iters, cfg.drop, shifted, batch=cfg.ada_bs, lsq=cfg.lsq,
+                                           device=recon_dev)
             timings[f"{rounding}_s"] = time.perf_counter() - t
             return out
         k = min(cfg.data_num, cfg.gptq_samples or reconstruct.DEFAULT_SAMPLES)

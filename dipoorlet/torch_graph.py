@@ -67,9 +67,13 @@ class TorchGraph:
     ``(float value, soft)``: ``float value`` is what ``f`` mode reads; ``soft`` (a callable
     returning the q-mode tensor, or None for the dequantized constant)."""
 
-    def __init__(self, model: onnx.ModelProto, float_values: dict[str, np.ndarray], float_consts=None):
+    def __init__(self, model: onnx.ModelProto, float_values: dict[str, np.ndarray], float_consts=None,
+                 device="cpu"):
         torch = import_torch()
         self.torch = torch
+        # every tensor the steps make or read lives here (``--recon_device``); arrays cross to
+        # numpy only at the edges (an op run outside torch, the integers chosen)
+        self.device = torch.device(device)
         graph = model.graph
         self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
         self.opset_imports = list(model.opset_import)
@@ -112,9 +116,9 @@ class TorchGraph:
             if clip is not None:
                 lo = max(lo, int(self.consts[clip.input[1]]))
                 hi = min(hi, int(self.consts[clip.input[2]]))
-            self.chains[n.output[0]] = FakeQuant(p.input[0], torch.from_numpy(np.array(self.consts[p.input[1]], np.float32)),
-                                                 torch.from_numpy(np.array(zp_arr, np.float32)), lo, hi,
-                                                 _attr(p, "axis", 1))
+            self.chains[n.output[0]] = FakeQuant(
+                p.input[0], torch.from_numpy(np.array(self.consts[p.input[1]], np.float32)).to(self.device),
+                torch.from_numpy(np.array(zp_arr, np.float32)).to(self.device), lo, hi, _attr(p, "axis", 1))
             skip.update(id(x) for x in inner)
         # weight DequantizeLinears and Constant nodes are constants, resolved where read
         self.wdq: dict[str, object] = {}
@@ -125,7 +129,7 @@ class TorchGraph:
                 self.wdq[n.output[0]] = n
                 skip.add(id(n))
             elif n.op_type == "Constant" and n.domain in ("", "ai.onnx"):
-                self.consts[n.output[0]] = _constant(self, n, []).numpy()
+                self.consts[n.output[0]] = _constant(self, n, []).cpu().numpy()
                 skip.add(id(n))
         self.nodes = [n for n in graph.node if id(n) not in skip]
         self._torch_consts = {}
@@ -139,7 +143,7 @@ class TorchGraph:
         if t is None:
             arr = self.consts[name]
             t = self.torch.from_numpy(np.array(arr) if arr.dtype != np.uint16 else arr.astype(np.int32))
-            self._torch_consts[name] = t
+            t = self._torch_consts[name] = t.to(self.device)
         return t
 
     def forget_const(self, name) -> None:
@@ -253,7 +257,7 @@ class TorchGraph:
                 if mode == "q":
                     y = self._fake_quant(x, fq)
                     if drop > 0.0:
-                        keep = torch.rand(y.shape, generator=gen) < drop
+                        keep = torch.rand(y.shape, generator=gen, device=y.device) < drop
                         y = torch.where(keep, x, y)
                     env[n.output[0]] = y
                 else:
@@ -276,7 +280,7 @@ class TorchGraph:
         t = self._torch_consts.get(("f", out))
         if t is None:
             src = self.float_values if source is None else source
-            t = self.torch.from_numpy(np.array(src[out], np.float32))
+            t = self.torch.from_numpy(np.array(src[out], np.float32)).to(self.device)
             self._torch_consts[("f", out)] = t
         return t
 
@@ -306,7 +310,7 @@ class TorchGraph:
                 shape[axis] = -1
                 s, z = s.reshape(shape), np.reshape(z, shape) if np.ndim(z) else z
             val = ((q - z) * s).astype(np.float32)
-            t = self.torch.from_numpy(np.ascontiguousarray(val))
+            t = self.torch.from_numpy(np.ascontiguousarray(val)).to(self.device)
             self._torch_consts[("dq", n.output[0])] = t
         return t
 
@@ -342,7 +346,7 @@ class TorchGraph:
         runner = self._ref.get(key)
         if runner is None:
             runner = self._ref[key] = self._runner(n, names, feed)
-        return [self.torch.from_numpy(np.array(o)) for o in runner(feed)]
+        return [self.torch.from_numpy(np.array(o)).to(self.device) for o in runner(feed)]
 
     def _runner(self, n, names, feed):
         from onnx import helper
@@ -437,9 +441,9 @@ def _clip(self, n, ins):
     lo = ins[1] if len(ins) > 1 and ins[1] is not None else _attr(n, "min")
     hi = ins[2] if len(ins) > 2 and ins[2] is not None else _attr(n, "max")
     if lo is not None:
-        x = torch.maximum(x, torch.as_tensor(lo, dtype=x.dtype))
+        x = torch.maximum(x, torch.as_tensor(lo, dtype=x.dtype, device=x.device))
     if hi is not None:
-        x = torch.minimum(x, torch.as_tensor(hi, dtype=x.dtype))
+        x = torch.minimum(x, torch.as_tensor(hi, dtype=x.dtype, device=x.device))
     return x
 
 
@@ -561,7 +565,7 @@ def _slice(self, n, ins):
         else:       # clamped to [0, dim-1] and [-1, dim-1]; -1 means "through index 0"
             s, e = min(max(s, 0), dim - 1), min(max(e, -1), dim - 1)
             idx = np.arange(s, e, st, dtype=np.int64)
-            x = x.index_select(a, self.torch.from_numpy(idx))
+            x = x.index_select(a, self.torch.from_numpy(idx).to(x.device))
     return x[tuple(sl)]
 
 
@@ -589,7 +593,7 @@ def _split(self, n, ins):
 def _shape(self, n, ins):
     s = list(ins[0].shape)
     start, end = _attr(n, "start", 0), _attr(n, "end", None)
-    return self.torch.tensor(s[start:end], dtype=self.torch.int64)
+    return self.torch.tensor(s[start:end], dtype=self.torch.int64, device=ins[0].device)
 
 
 def _gather(self, n, ins):
@@ -678,17 +682,17 @@ def _const_of_shape(self, n, ins):
     v = _attr(n, "value")
     arr = numpy_helper.to_array(v) if v is not None else np.zeros(1, np.float32)
     return self.torch.full(_ints(ins[0]), arr.reshape(-1)[0].item(),
-                           dtype=self.torch.from_numpy(arr).dtype)
+                           dtype=self.torch.from_numpy(arr).dtype, device=self.device)
 
 
 def _constant(self, n, ins):
     for a in n.attribute:
         if a.name == "value":
-            return self.torch.from_numpy(np.array(numpy_helper.to_array(a.t)))
+            return self.torch.from_numpy(np.array(numpy_helper.to_array(a.t))).to(self.device)
         if a.name in ("value_float", "value_int"):
-            return self.torch.tensor(a.f if a.name == "value_float" else a.i)
+            return self.torch.tensor(a.f if a.name == "value_float" else a.i, device=self.device)
         if a.name in ("value_floats", "value_ints"):
-            return self.torch.tensor(list(a.floats) if a.name == "value_floats" else list(a.ints))
+            return self.torch.tensor(list(a.floats) if a.name == "value_floats" else list(a.ints), device=self.device)
     raise NotImplementedError("Constant without a value")
 
 
@@ -719,7 +723,7 @@ def _gelu(self, n, ins):
 def _range(self, n, ins):
     start, limit, delta = ins[0].item(), ins[1].item(), ins[2].item()
     count = max(int(np.ceil((limit - start) / delta)), 0)
-    return start + delta * self.torch.arange(count, dtype=ins[0].dtype)
+    return start + delta * self.torch.arange(count, dtype=ins[0].dtype, device=ins[0].device)
 
 
 _OPS = {

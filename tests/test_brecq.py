@@ -19,13 +19,19 @@ torch = pytest.importorskip("torch", reason="--brecq needs the [torch] extra")
 
 from dipoorlet.torch_graph import TorchGraph  # noqa: E402
 
+# --recon_device: the CUDA cases run where torch sees a GPU (skipped on CI's CPU machine)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                reason="torch sees no CUDA GPU"))]
 
-def _run_torch(model, feed, mode="q"):
-    tg = TorchGraph(model, {})
-    env = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in feed.items()}
+
+def _run_torch(model, feed, mode="q", device="cpu"):
+    tg = TorchGraph(model, {}, device=device)
+    env = {k: torch.from_numpy(np.ascontiguousarray(v)).to(device) for k, v in feed.items()}
     with torch.no_grad():
         tg.run(env, 0, len(tg.nodes), mode)
-    return tg, [env[o].numpy() for o in tg.outputs]
+    outs = [env[o] for o in tg.outputs]
+    assert all(o.device.type == device for o in outs)
+    return tg, [o.cpu().numpy() for o in outs]
 
 
 def _cnn_ops_model():
@@ -141,19 +147,21 @@ def _transformer_ops_model():
     return make_model(nodes, [vi("ids", [1, T], TensorProto.INT64)], [vi("y", [1, D])], inits, opset=17)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("build", [_cnn_ops_model, _transformer_ops_model], ids=["cnn_ops", "transformer_ops"])
-def test_torch_executor_matches_onnxruntime_on_float_models(build):
+def test_torch_executor_matches_onnxruntime_on_float_models(build, device):
     model = build()
     for feed in input_feeds(model, 3, seed=4, int_high=11):
         want = ort_run(model, feed)[0]
-        tg, (got,) = _run_torch(model, feed, "f")
+        tg, (got,) = _run_torch(model, feed, "f", device)
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
     opaque = [n.op_type for n, o in zip(tg.nodes, tg.opaque) if o]
     assert opaque == (["Einsum"] if build is _cnn_ops_model else [])
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("deploy", ["trt", "snpe"])
-def test_torch_executor_runs_the_qdq_model_as_onnxruntime_does(tmp_path, deploy):
+def test_torch_executor_runs_the_qdq_model_as_onnxruntime_does(tmp_path, deploy, device):
     """q mode over the written QDQ model (4-bit weights, int32 biases and asymmetric activations
     on snpe): onnxruntime with Q/DQ as float is the oracle."""
     model = tiny_cnn(seed=3)
@@ -165,7 +173,7 @@ def test_torch_executor_runs_the_qdq_model_as_onnxruntime_does(tmp_path, deploy)
     q = onnx.load(str(tmp_path / "out" / "quant_model.onnx"))
     for feed in feeds:
         want = ort_run(q, feed)[0]
-        tg, (got,) = _run_torch(q, feed, "q")
+        tg, (got,) = _run_torch(q, feed, "q", device)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
     assert len(tg.chains) >= 3 and not any(tg.opaque)
 
@@ -197,7 +205,8 @@ def _error(model, q, feeds):
     return sum(float(np.sum((ort_run(model, f)[0].astype(np.float64) - ort_run(q, f)[0]) ** 2)) for f in feeds)
 
 
-def test_brecq_and_qdrop_lower_the_output_error_with_integers_next_to_the_weights(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_brecq_and_qdrop_lower_the_output_error_with_integers_next_to_the_weights(tmp_path, device):
     """3-bit weights: block reconstruction (and QDrop) lower the network output's error against
     the float model measured by onnxruntime on held-out inputs; every integer is the level just
     below or above w/s, each channel's largest and smallest weights keep their nearest levels, and
@@ -212,7 +221,8 @@ def test_brecq_and_qdrop_lower_the_output_error_with_integers_next_to_the_weight
         out = tmp_path / how
         dipoorlet.quantize(model=path, input_dir=data, data_num=len(feeds), deploy="trt", output_dir=out,
                            act_quant="minmax", equalize=False, w_bits=3, skip_prof_layer=True,
-                           brecq=how != "nearest", drop=how == "drop", ada_iters=150, bias_correction=False)
+                           brecq=how != "nearest", drop=how == "drop", ada_iters=150, bias_correction=False,
+                           recon_device=device)
         qs[how] = onnx.load(str(out / "quant_model.onnx"))
         errs[how] = _error(model, qs[how], held)
         reps[how] = json.loads((out / "report.json").read_text())
@@ -273,17 +283,66 @@ def test_brecq_rebases_the_biases_that_absorb_a_shift(tmp_path, monkeypatch):
     assert checked >= 1
 
 
-def test_drop_from_the_cli(tmp_path):
+def test_recon_device_resolution(monkeypatch, caplog):
+    """--recon_device: cuda takes the process's GPU among those of its machine (local rank
+    modulo their count), cuda:N that GPU; without the flag the CPU, with a line where torch sees a
+    GPU; a GPU that is not there is one error (torch's CUDA queries are replaced: this runs on a
+    machine without one)."""
+    import logging
+
+    from dipoorlet.brecq import torch_device
+    from dipoorlet.errors import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert torch_device("cuda", 0) == "cuda:0"
+    assert torch_device("cuda", 3) == "cuda:1"
+    assert torch_device("cuda:1", 0) == "cuda:1"
+    with pytest.raises(ConfigError, match=r"--recon_device cuda:2: torch sees 2 CUDA GPUs \(cuda:0 to cuda:1\)"):
+        torch_device("cuda:2", 0)
+    with caplog.at_level(logging.INFO, logger="dipoorlet"):
+        assert torch_device("cpu", 1) == "cpu"
+        assert not caplog.records
+        assert torch_device(None, 1) == "cpu"
+    assert [r.getMessage() for r in caplog.records] == [
+        "torch sees 2 CUDA GPUs; --recon_device cuda fits the rounding there (the CPU here)"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dipoorlet"):
+        assert torch_device(None, 0) == "cpu"
+    assert not [r for r in caplog.records if "CUDA" in r.getMessage()]
+    with pytest.raises(ConfigError, match="sees no CUDA GPU"):
+        torch_device("cuda", 0)
+
+
+def test_recon_device_without_brecq_is_ignored_with_a_word(tmp_path, caplog):
+    import logging
+
+    model = tiny_cnn(seed=1)
+    path = save(model, tmp_path / "m.onnx")
+    data = write_samples(tmp_path / "data", input_feeds(model, 2, seed=2))
+    with caplog.at_level(logging.WARNING, logger="dipoorlet"):
+        dipoorlet.quantize(model=path, input_dir=data, data_num=2, deploy="trt", output_dir=tmp_path / "o",
+                           act_quant="minmax", skip_prof_layer=True, adaround=True, ada_iters=5, recon_device="cuda")
+    assert any("--recon_device applies with --brecq, --drop or --lsq only" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_drop_from_the_cli(tmp_path, device):
     model = tiny_cnn(seed=1)
     path = save(model, tmp_path / "m.onnx")
     data = write_samples(tmp_path / "data", input_feeds(model, 6, seed=2))
     out = tmp_path / "out"
     res = subprocess.run([sys.executable, "-m", "dipoorlet", "-M", str(path), "-I", str(data), "-N", "6",
                           "-D", "trt", "-O", str(out), "--drop", "--ada_iters", "30", "--w_bits", "4",
-                          "--skip_layers", "conv2"], capture_output=True, text=True, timeout=180)
+                          "--skip_layers", "conv2", "--recon_device", device], capture_output=True, text=True,
+                         timeout=180)
     assert res.returncode == 0, res.stderr
     rep = json.loads((out / "report.json").read_text())
     assert rep["qdrop"]["drop"] and rep["qdrop"]["candidates"] == 2          # conv2 kept float
+    assert rep["qdrop"]["device"] == ("cpu" if device == "cpu" else "cuda:0")
+    assert ("on the CPU" if device == "cpu" else "on cuda:0 (") in res.stderr
     assert "qdrop" in res.stderr and "calibration" in res.stderr
     np.testing.assert_array_equal(initializer(onnx.load(str(out / "quant_model.onnx")), "w2"),
                                   numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "w2")))
@@ -352,19 +411,21 @@ EDGE_CASES = {
 }
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", sorted(EDGE_CASES))
-def test_torch_executor_edge_cases_match_onnxruntime(name):
+def test_torch_executor_edge_cases_match_onnxruntime(name, device):
     """Attribute combinations torch does not run as ONNX does either map exactly or run outside
     torch (onnxruntime on the one node): the values must match in both cases."""
     model = EDGE_CASES[name]
     for feed in input_feeds(model, 2, seed=7):
         want = ort_run(model, feed)[0]
-        _, (got,) = _run_torch(model, feed, "f")
+        _, (got,) = _run_torch(model, feed, "f", device)
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_torch_executor_runs_if_bodies_that_read_outer_tensors():
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_executor_runs_if_bodies_that_read_outer_tensors(device):
     """An If whose branches read a tensor of the enclosing graph runs outside torch with it."""
     then = helper.make_graph([helper.make_node("Mul", ["x", "x"], ["t"])], "then", [], [vi("t", [2, 3])])
     other = helper.make_graph([helper.make_node("Neg", ["x"], ["e"])], "else", [], [vi("e", [2, 3])])
@@ -374,7 +435,7 @@ def test_torch_executor_runs_if_bodies_that_read_outer_tensors():
     model = make_model(nodes, [vi("x", [2, 3])], [vi("y", [2, 3])], {"zero": np.array(0.0, np.float32)})
     for feed in input_feeds(model, 3, seed=2):
         want = ort_run(model, feed)[0]
-        tg, (got,) = _run_torch(model, feed, "f")
+        tg, (got,) = _run_torch(model, feed, "f", device)
         np.testing.assert_allclose(got, want, rtol=1e-6)
     assert [n.op_type for n, o in zip(tg.nodes, tg.opaque) if o] == ["If"]
 
@@ -457,7 +518,8 @@ def test_lsq_step_gets_lsq_gradient():
     np.testing.assert_allclose(y.detach().numpy(), np.clip(np.rint(v), -8, 7) * s0, rtol=1e-6)
 
 
-def test_lsq_learns_activation_scales_that_lower_the_error(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_lsq_learns_activation_scales_that_lower_the_error(tmp_path, device):
     """4-bit activations from min/max ranges: --lsq (scales learned in each block with the
     rounding) lowers the held-out output error below --brecq's (onnxruntime runs of the written
     models); the written scales, trt_clip_val.json and report.json agree."""
@@ -471,10 +533,11 @@ def test_lsq_learns_activation_scales_that_lower_the_error(tmp_path):
         out = tmp_path / how
         dipoorlet.quantize(model=path, input_dir=data, data_num=len(feeds), deploy="trt", output_dir=out,
                            act_quant="minmax", equalize=False, shift=False, w_bits=4, a_bits=4,
-                           skip_prof_layer=True, brecq=True, lsq=how == "lsq", ada_iters=300)
+                           skip_prof_layer=True, brecq=True, lsq=how == "lsq", ada_iters=300, recon_device=device)
         qs[how] = onnx.load(str(out / "quant_model.onnx"))
         errs[how] = _error(model, qs[how], held)
-    assert errs["lsq"] < 0.85 * errs["brecq"], errs
+    # (on an H100, whose float arithmetic takes another path, 3.64 against 4.21: 0.87)
+    assert errs["lsq"] < (0.85 if device == "cpu" else 0.9) * errs["brecq"], errs
     rep = json.loads((tmp_path / "lsq" / "report.json").read_text())["brecq"]
     assert rep["lsq"]["learned"] >= 1 and rep["lsq"]["grids"] >= rep["lsq"]["learned"]
     assert sum(b.get("scales", 0) for b in rep["block_loss"]) >= rep["lsq"]["learned"]
@@ -510,20 +573,21 @@ def test_lsq_keeps_shared_and_power_of_two_grids(tmp_path, deploy):
     np.testing.assert_array_equal(initializer(q, "r1_zero_point"), initializer(q, "p1_zero_point"))
 
 
-def test_brecq_leaves_the_callers_torch_random_state_alone(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_brecq_leaves_the_callers_torch_random_state_alone(tmp_path, device):
     """The fit seeds torch's generator; an API caller's next torch.rand was then the seeded
     sequence's instead of its own (found by a bug hunt)."""
     model = tiny_cnn()
     path = save(model, tmp_path / "m.onnx")
     data = write_samples(tmp_path / "data", input_feeds(model, 4, seed=2))
     torch.manual_seed(1234)
-    torch.rand(3)
-    want = torch.rand(3)
+    torch.rand(3, device=device)
+    want = torch.rand(3, device=device)
     torch.manual_seed(1234)
-    torch.rand(3)
+    torch.rand(3, device=device)
     dipoorlet.quantize(model=path, input_dir=data, data_num=4, deploy="trt", output_dir=tmp_path / "o",
-                       act_quant="minmax", skip_prof_layer=True, brecq=True, ada_iters=5)
-    assert torch.equal(torch.rand(3), want)
+                       act_quant="minmax", skip_prof_layer=True, brecq=True, ada_iters=5, recon_device=device)
+    assert torch.equal(torch.rand(3, device=device), want)
 
 
 def test_the_last_block_ends_past_a_network_outputs_grid(tmp_path):
@@ -545,8 +609,9 @@ def test_the_last_block_ends_past_a_network_outputs_grid(tmp_path):
     assert blocks[-1][1] == len(tg.nodes)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("drop", [False, True])
-def test_brecq_leaves_out_a_sample_the_float_model_makes_nan(tmp_path, drop, caplog):
+def test_brecq_leaves_out_a_sample_the_float_model_makes_nan(tmp_path, drop, caplog, device):
     """A fully padded sequence (an all -inf mask row) makes the float model NaN on that sample:
     it is left out and named, and the blocks are still re-rounded on the others (its NaN made
     every block's summed loss NaN, and every block kept nearest rounding without a word)."""
@@ -564,7 +629,7 @@ def test_brecq_leaves_out_a_sample_the_float_model_makes_nan(tmp_path, drop, cap
     out = tmp_path / "out"
     with caplog.at_level(logging.WARNING):
         dipoorlet.quantize(model=path, input_dir=data, data_num=7, deploy="trt", output_dir=out, w_bits=2,
-                           skip_prof_layer=True, brecq=not drop, drop=drop, ada_iters=40)
+                           skip_prof_layer=True, brecq=not drop, drop=drop, ada_iters=40, recon_device=device)
     what = "qdrop" if drop else "brecq"
     left_out = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
     assert any(m.startswith(f"{what}: 1 sample(s) left out") and "3.npy" in m for m in left_out), left_out
@@ -635,11 +700,12 @@ def test_a_blocks_roundings_and_constants_live_only_while_they_are_needed(tmp_pa
     assert all(tg.wdq[k].input[0] not in tg.consts for k in weights)
 
 
-def test_the_fused_rounding_gives_autograds_gradients_bit_for_bit():
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_fused_rounding_gives_autograds_gradients_bit_for_bit(device):
     """The relaxed rounding and its regularizer run as two autograd functions that recompute in
     the backward pass what the chain of small ops had kept; value and gradient with respect to V
     equal the plain chain's exactly (V across the clamp's edges, per-channel scales, pinned
-    weights)."""
+    weights). On a GPU, within rounding: its sums may order their additions otherwise."""
     from dipoorlet.adaround import GAMMA, ZETA
     from dipoorlet.brecq import _fused
 
@@ -653,6 +719,7 @@ def test_the_fused_rounding_gives_autograds_gradients_bit_for_bit():
         s = (torch.rand(shape[0], generator=r) + 0.1).reshape([-1] + [1] * (len(shape) - 1))
         z = torch.zeros(())
         up = torch.randn(shape, generator=r)
+        V0, base, free, s, z, up = (t.to(device) for t in (V0, base, free, s, z, up))
         got, want = [], []
         for fused in (True, False):
             V = V0.clone().requires_grad_(True)
@@ -666,5 +733,9 @@ def test_the_fused_rounding_gives_autograds_gradients_bit_for_bit():
             ((w * up).sum() + 0.1 * rg).backward()
             (got if fused else want).append((w.detach(), rg.detach(), V.grad))
         for a, b in zip(got[0], want[0]):
-            assert torch.equal(a, b)
+            assert a.device.type == device
+            if device == "cpu":
+                assert torch.equal(a, b)
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         assert float(got[0][2].abs().sum()) > 0

@@ -680,6 +680,31 @@ def test_device_cuda_without_cuda_provider_blames_the_device_not_the_model(tmp_p
     assert "--device cuda" in line and "cannot load the model" not in line
 
 
+@pytest.mark.parametrize("value", ["gpu", "cuda:x", "cuda1"])
+def test_recon_device_that_is_no_device(tmp_path, capsys, value):
+    case = Case(tmp_path)
+    case.extra = ["--brecq", "--recon_device", value]
+    rc, err = run_cli(case, capsys)
+    assert rc == 2
+    (line,) = error_lines(err)
+    assert f"--recon_device must be cpu, cuda or cuda:N (a GPU's index), got '{value}'" in line
+    assert_nothing_written(case)
+
+
+def test_recon_device_cuda_where_torch_sees_no_gpu(tmp_path, capsys):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("torch sees a CUDA GPU here")
+    case = Case(tmp_path)
+    case.extra = ["--brecq", "--recon_device", "cuda"]
+    rc, err = run_cli(case, capsys)
+    assert rc == 2
+    (line,) = error_lines(err)
+    assert "--recon_device cuda: this torch" in line and "sees no CUDA GPU" in line and "--recon_device cpu" in line
+    assert "Traceback" not in err
+    assert_nothing_written(case)
+
+
 def test_debug_prints_the_traceback_and_keeps_exit_code_2(tmp_path, capsys):
     case = Case(tmp_path)
     missing_model(case)

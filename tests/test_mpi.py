@@ -524,3 +524,14 @@ def test_mpirun_flag_without_a_launcher_says_it_runs_one_process(case, tmp_path)
     assert "--mpirun/--slurm: MPI runs this as one process; start it with mpirun -n K" in res.stderr
     two = _run(case, tmp_path / "two", "minmax", 2)
     assert two.returncode == 0 and "runs this as one process" not in two.stderr
+
+
+def test_each_process_knows_its_rank_among_those_of_its_machine(tmp_path):
+    """--recon_device cuda takes GPU local_rank (modulo the GPUs seen): under mpirun -n 2 on one
+    machine the two processes are 0 and 1."""
+    script = tmp_path / "lr.py"
+    script.write_text("from dipoorlet.dist import MPIComm\nc = MPIComm()\nprint('local', c.rank, c.local_rank)\n")
+    res = subprocess.run([MPIRUN, "-n", "2", sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    pairs = sorted(tuple(int(v) for v in l.split()[1:]) for l in res.stdout.splitlines() if l.startswith("local"))
+    assert pairs == [(0, 0), (1, 1)]
