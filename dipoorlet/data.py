@@ -348,6 +348,7 @@ class DataSource:
         return ", ".join(str(self.files[s.name][i]) for s in self.specs)
 
     def _read(self, spec: InputSpec, i: int) -> np.ndarray:
+        want = self.input_shapes.get(spec.name, spec.shape)
         if self._npz is not None:
             where = f"{self.path}[{spec.name!r}][{i}]"
             arr = np.array(self._npz[spec.name][i])
@@ -357,10 +358,18 @@ class DataSource:
             path = self.files[spec.name][i]
             where = str(path)
             arr = self._read_file(spec, path)
-            want = self.input_shapes.get(spec.name, spec.shape)
             if path.suffix == ".npy" and want and len(want) == arr.ndim + 1 and want[0] in (1, None):
                 arr = arr[None]     # a sample saved without its batch axis, as an .npz row holds it
                 return self._check(spec, arr, where, added=True)
+        if want is not None and arr.ndim == len(want) + 1 and arr.shape[0] == 1 and \
+                all(w is None or w == a for w, a in zip(want, arr.shape[1:])):
+            # a batch axis of 1 on an input that has none ([T, F] given [1, T, F]): no flag could
+            # take it (--input_shape fills dynamic dims only), and the error's advice went in a
+            # circle (found by a hunt on madmom's key CNN)
+            self._note(("dropped", spec.name), logging.INFO,
+                       f"{where} has a leading axis of 1 that input {spec.name!r} {_fmt(want)} does not have: "
+                       "read without it (said once per input)")
+            arr = arr[0]
         return self._check(spec, arr, where)
 
     def _read_file(self, spec: InputSpec, path: Path) -> np.ndarray:
@@ -513,6 +522,9 @@ class DataSource:
                                 f"expects {_fmt(want)}" + (" (from --input_shape)" if given else "") + "; "
                                 + ("the same sizes in another order (channels last?): transpose the data to "
                                    "the model's layout" if turned else
+                                   # --input_shape fills dynamic dims only: it cannot add or drop an axis
+                                   f"re-export the data with the input's {len(want)} axes"
+                                   if len(want) != arr.ndim and spec.shape is not None else
                                    "give --input_shape the data's shape, or re-export the data" if given else
                                    "re-export the data or pass --input_shape"))
         # np.ascontiguousarray would turn a 0-d sample (a scalar input) into shape (1,)

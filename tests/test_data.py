@@ -150,6 +150,33 @@ def test_npy_without_the_batch_axis_gets_it_as_an_npz_row_does(tmp_path):
         src4.sample(0)
 
 
+def test_a_batch_axis_of_one_on_an_input_without_one_is_dropped_with_a_word(tmp_path, caplog):
+    """An input of shape [T, F] (no batch axis) given [1, T, F] files: read without the leading
+    axis, said once; --input_shape can add no axis, and the error had sent the user there and
+    back (found by a hunt on madmom's key CNN). An axis that is not 1, or a shape that does not
+    fit without it, stays an error that says to re-export the data."""
+    import logging
+
+    import dipoorlet.data as data_mod
+
+    (tmp_path / "x").mkdir()
+    arrs = [rand((1, 9 + i, 5), i) for i in range(2)]
+    for i, a in enumerate(arrs):
+        np.save(tmp_path / "x" / f"{i}.npy", a)
+    with caplog.at_level(logging.INFO, logger=data_mod.log.name):
+        src = DataSource(tmp_path, [InputSpec("x", F32, (None, 5))], 2)
+        for i, a in enumerate(arrs):
+            np.testing.assert_array_equal(src.sample(i)["x"], a[0])
+    said = [r.getMessage() for r in caplog.records if "leading axis of 1" in r.getMessage()]
+    assert len(said) == 1 and "input 'x' [?,5] does not have" in said[0]
+    np.save(tmp_path / "x" / "0.npy", rand((2, 9, 5)))
+    np.save(tmp_path / "x" / "1.npy", rand((1, 9, 6)))
+    src = DataSource(tmp_path, [InputSpec("x", F32, (None, 5))], 2)
+    for i in range(2):
+        with pytest.raises(DataError, match=r"expects \[\?,5\]; re-export the data with the input's 2 axes$"):
+            src.sample(i)
+
+
 def test_a_sample_keeps_its_file_name_when_inputs_are_added():
     from dipoorlet.data import Sample, with_extra
 
