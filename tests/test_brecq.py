@@ -739,3 +739,58 @@ def test_the_fused_rounding_gives_autograds_gradients_bit_for_bit(device):
             else:
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         assert float(got[0][2].abs().sum()) > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fixed_grid_fake_quant_gives_the_chains_values_and_gradients_bit_for_bit(device):
+    """Fake quantization on a fixed grid runs as one autograd function; its values and its
+    gradient with respect to the input equal the chain of ops it replaced (x / s clamped,
+    rounded with a straight-through gradient, + z, clamped to the grid, - z, times s) exactly:
+    per-tensor and per-channel grids, asymmetric zero points, values past the grid's ends and
+    at +-BOUND, NaN and infinities (on a GPU within rounding)."""
+    from dipoorlet.torch_graph import BOUND, FakeQuant
+
+    tg = TorchGraph.__new__(TorchGraph)
+    tg.torch = torch
+    r = torch.Generator().manual_seed(3)
+
+    def chain(x, s, z, qmin, qmax):
+        v = torch.clamp(x / s, -BOUND, BOUND)
+        rr = torch.round(v)
+        v = v + (rr - v).detach()
+        return (torch.clamp(v + z, qmin, qmax) - z) * s
+
+    cases = [((4, 6, 5, 5), torch.rand(6, generator=r) * 0.1 + 0.01, torch.zeros(6), -128, 127, 1),
+             ((3, 7, 9), torch.tensor(0.037), torch.tensor(13.0), 0, 255, 1),
+             ((5, 8), torch.rand(8, generator=r) * 0.2 + 0.02, torch.randint(0, 16, (8,), generator=r).float(), 0, 15, 1),
+             ((2, 4, 6), torch.tensor(0.5), torch.tensor(0.0), -8, 7, 1)]
+    for shape, s, z, qmin, qmax, axis in cases:
+        x0 = torch.randn(shape, generator=r) * 4
+        flat = x0.view(-1)
+        flat[:6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 3.4e38, -3.4e38, 0.0])
+        flat[6:10] = torch.tensor([0.5, 1.5, -2.5, 1e30])     # ties to even, beyond BOUND
+        up = torch.randn(shape, generator=r)
+        x0, s, z, up = (t.to(device) for t in (x0, s, z, up))
+        fq = FakeQuant("x", s, z, qmin, qmax, axis)
+        outs = []
+        for fused in (True, False):
+            x = x0.clone().requires_grad_(True)
+            if fused:
+                y = tg._fake_quant(x, fq)
+            else:
+                ss, zz = s, z
+                if s.ndim == 1 and x.ndim > 1:
+                    sh = [1] * x.ndim
+                    sh[axis] = -1
+                    ss, zz = s.reshape(sh), (z.reshape(sh) if z.ndim else z)
+                y = chain(x, ss, zz, qmin, qmax)
+            (torch.nan_to_num(y, nan=0.0, posinf=0.0, neginf=0.0) * up).sum().backward()
+            outs.append((y.detach(), x.grad))
+        for a, b in zip(*outs):
+            if device == "cpu":
+                assert torch.equal(torch.nan_to_num(a, nan=7.0), torch.nan_to_num(b, nan=7.0))
+                assert torch.equal(torch.isnan(a), torch.isnan(b))
+            else:
+                torch.testing.assert_close(a, b, equal_nan=True)
+        with torch.no_grad():
+            torch.testing.assert_close(tg._fake_quant(x0, fq), outs[0][0], equal_nan=True, rtol=0, atol=0)
