@@ -35,6 +35,10 @@ How it runs here:
   the trained block sees that bias follow the rounding, and the written bias is rebased on the
   chosen integers.
 
+The fit runs on ``--recon_device`` (the CPU by default; a CUDA GPU with ``cuda``): every tensor
+of it lives there, and arrays cross to numpy only for an op run outside torch and for the
+integers chosen.
+
 Memory holds the tensors that cross the current cut, for the samples used (``--gptq_samples``,
 default at most 64 here), in both streams: it does not grow with N beyond that cap. Each grid's
 largest and smallest weights keep their nearest levels (as ``--gptq`` and ``--adaround`` do).
