@@ -63,9 +63,16 @@ class MPIComm(SingleProcess):
         self.comm = MPI.COMM_WORLD
         self.rank = self.comm.Get_rank()
         self.world = self.comm.Get_size()
-        node = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
-        self.local_rank = node.Get_rank()
-        node.Free()
+        try:        # MPI-3's shared-memory split: the processes of this machine
+            node = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
+            self.local_rank = node.Get_rank()
+            node.Free()
+        except Exception:  # noqa: BLE001 - an MPI without it: the launcher's own variable, if any
+            import os
+
+            self.local_rank = next((int(v) for v in (os.environ.get(k, "") for k in (
+                "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"))
+                if v.strip().isdigit()), 0)
 
     def merge_stats(self, stats):
         names = sorted(stats)

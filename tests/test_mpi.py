@@ -530,8 +530,11 @@ def test_each_process_knows_its_rank_among_those_of_its_machine(tmp_path):
     """--recon_device cuda takes GPU local_rank (modulo the GPUs seen): under mpirun -n 2 on one
     machine the two processes are 0 and 1."""
     script = tmp_path / "lr.py"
-    script.write_text("from dipoorlet.dist import MPIComm\nc = MPIComm()\nprint('local', c.rank, c.local_rank)\n")
+    script.write_text("from dipoorlet.dist import MPIComm\nc = MPIComm()\nprint(f'local {c.rank} {c.local_rank}', flush=True)\n")
     res = subprocess.run([MPIRUN, "-n", "2", sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
-    pairs = sorted(tuple(int(v) for v in l.split()[1:]) for l in res.stdout.splitlines() if l.startswith("local"))
+    import re
+
+    # (the two processes' lines may arrive interleaved)
+    pairs = sorted((int(a), int(b)) for a, b in re.findall(r"local (\d+) (\d+)", res.stdout))
     assert pairs == [(0, 0), (1, 1)]
