@@ -376,9 +376,56 @@ def reconstruct_blocks(g, places, plan, data, indices, comm, iters: int, drop: b
     from dipoorlet.torch_graph import import_torch
 
     torch = import_torch()
-    with torch.random.fork_rng():
-        return _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop, shifted, batch, lsq,
-                                   torch.device(device))
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        # (only the CPU's generator: fork_rng's default saves every GPU's, starting CUDA on each)
+        with torch.random.fork_rng(devices=[]):
+            return _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop, shifted, batch, lsq,
+                                       dev)
+    from dipoorlet.errors import DipoorletError
+
+    # full float32 convolutions and products, as on the CPU (cuDNN's default is TF32, a 10-bit
+    # mantissa, in the float targets as in the quantized stream); this process's GPU only
+    flags = _tf32_off(torch)
+    try:
+        with torch.random.fork_rng(devices=[dev.index or 0]), torch.cuda.device(dev):
+            return _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop, shifted, batch,
+                                       lsq, dev)
+    except torch.cuda.OutOfMemoryError as exc:
+        raise DipoorletError(f"--recon_device {dev}: the GPU ran out of memory ({str(exc).splitlines()[0][:160]}); "
+                             f"both streams' samples stay on it: fewer samples (--gptq_samples), a smaller --ada_bs, "
+                             f"or --recon_device cpu") from None
+    finally:
+        _restore(torch, flags)
+
+
+def _tf32_off(torch) -> list:
+    """Turn TF32 off for CUDA convolutions and matrix products; returns what to restore."""
+    import warnings
+
+    saved = []
+    with warnings.catch_warnings():      # (newer torch: the legacy flags' deprecation warning)
+        warnings.simplefilter("ignore")
+        for obj, name in ((torch.backends.cudnn, "allow_tf32"), (torch.backends.cuda.matmul, "allow_tf32")):
+            try:
+                value = getattr(obj, name)
+                setattr(obj, name, False)
+                saved.append((obj, name, value))
+            except Exception:  # noqa: BLE001 - a torch that names these otherwise: its defaults stay
+                pass
+    return saved
+
+
+def _restore(torch, saved: list) -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for obj, name, value in saved:
+            try:
+                setattr(obj, name, value)
+            except Exception:  # noqa: BLE001
+                pass
 
 
 def _reconstruct_blocks(torch, g, places, plan, data, indices, comm, iters, drop, shifted, batch, lsq, dev) -> dict:

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 class InputSpec:
     name: str
     dtype: np.dtype
-    shape: tuple  # ints, None for dynamic dims; () when unknown rank
+    shape: tuple  # ints, None for dynamic dims; () a scalar; None (the field) when the rank is unknown
     file_dtype: np.dtype | None = None   # raw .bin files hold this dtype (default: dtype)
     mask: bool = False     # an additive attention mask: -inf marks a position left out (mask_inputs)
 
@@ -523,7 +523,8 @@ class DataSource:
                                 + ("the same sizes in another order (channels last?): transpose the data to "
                                    "the model's layout" if turned else
                                    # --input_shape fills dynamic dims only: it cannot add or drop an axis
-                                   f"re-export the data with the input's {len(want)} axes"
+                                   f"re-export the data with the input's {len(want)} "
+                                   f"{'axis' if len(want) == 1 else 'axes'}"
                                    if len(want) != arr.ndim and spec.shape is not None else
                                    "give --input_shape the data's shape, or re-export the data" if given else
                                    "re-export the data or pass --input_shape"))

@@ -761,7 +761,9 @@ def _same_settings(cfg: QuantConfig, comm) -> None:
         return
     import hashlib
 
-    mine = hashlib.sha1(repr(cfg).encode()).hexdigest()
+    # each process may name its own GPU (recon_device="cuda:<local rank>"), not another kind of device
+    same = dataclasses.replace(cfg, recon_device=(cfg.recon_device or "cpu").split(":")[0])
+    mine = hashlib.sha1(repr(same).encode()).hexdigest()
     differ = int(comm.allreduce_sum(np.array([int(comm.bcast(mine) != mine)], np.int64))[0])
     if differ:
         raise ConfigError(f"the {comm.world} MPI processes were given different settings ({differ} differ from rank "

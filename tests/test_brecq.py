@@ -794,3 +794,50 @@ def test_fixed_grid_fake_quant_gives_the_chains_values_and_gradients_bit_for_bit
                 torch.testing.assert_close(a, b, equal_nan=True)
         with torch.no_grad():
             torch.testing.assert_close(tg._fake_quant(x0, fq), outs[0][0], equal_nan=True, rtol=0, atol=0)
+
+
+def test_tf32_is_turned_off_for_the_fit_and_restored():
+    """On a GPU the fit runs full float32 convolutions and products (cuDNN's default is TF32);
+    the caller's settings come back afterwards."""
+    from dipoorlet.brecq import _restore, _tf32_off
+
+    before = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    saved = _tf32_off(torch)
+    assert (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) == (False, False)
+    _restore(torch, saved)
+    assert (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) == before
+
+
+def test_processes_may_name_their_own_gpu_but_not_another_kind_of_device(tmp_path):
+    """Under MPI every process must run the same settings, but an API caller naming each
+    process's GPU (recon_device=f"cuda:{local_rank}") was refused as 'different settings'."""
+    import hashlib
+
+    from dipoorlet.config import QuantConfig
+    from dipoorlet.errors import ConfigError
+    from dipoorlet.pipeline import _same_settings
+
+    def cfg(dev):
+        return QuantConfig(model=str(tmp_path / "m.onnx"), input_dir=str(tmp_path), data_num=4,
+                           output_dir=str(tmp_path / "o"), brecq=True, recon_device=dev)
+
+    class Rank1:
+        world, rank = 2, 1
+
+        def __init__(self, rank0):
+            self.rank0 = rank0
+
+        def bcast(self, mine):          # rank 0's settings, hashed as _same_settings hashes them
+            import dataclasses
+
+            c = self.rank0
+            same = dataclasses.replace(c, recon_device=(c.recon_device or "cpu").split(":")[0])
+            return hashlib.sha1(repr(same).encode()).hexdigest()
+
+        def allreduce_sum(self, a):
+            return a * 2
+
+    _same_settings(cfg("cuda:1"), Rank1(cfg("cuda:0")))
+    _same_settings(cfg("cpu"), Rank1(cfg(None)))
+    with pytest.raises(ConfigError, match="different settings"):
+        _same_settings(cfg("cuda:1"), Rank1(cfg("cpu")))
