@@ -568,7 +568,8 @@ def _main(args, argv, state) -> int:
                           auto_a16=args.auto_a16, max_a16_layers=args.max_a16_layers,
                           auto_w8=args.auto_w8, max_w8_layers=args.max_w8_layers,
                           w_bits=args.w_bits, a_bits=args.a_bits, layer_bits=parse_layer_bits(args.layer_bits),
-                          device=args.device, recon_device=args.recon_device, custom_op_libs=tuple(args.custom_op_lib), debug=debug)
+                          device=args.device, recon_device=args.recon_device,
+                          custom_op_libs=tuple(args.custom_op_lib), debug=debug)
         check_model_path(cfg.model)  # before -O (default <model dir>/results) is created
         check_output_dir(cfg.output_dir)
         _check_log_names(cfg)
