@@ -554,6 +554,20 @@ def _layout_hint(folder: Path, names: list[str]) -> str:
     return ""
 
 
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    """Write all of ``data`` at ``offset``: a write the disk cut short (full, then freed again)
+    had left a hole that read back as zeros, and the next write went on past it (found by a
+    hunt with a small $TMPDIR)."""
+    view = memoryview(data)
+    while view:
+        done = os.pwrite(fd, view, offset)
+        if done <= 0:
+            import errno
+
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        view, offset = view[done:], offset + done
+
+
 class _Rows:
     """An uncompressed ``[N, ...]`` .npz member in C order, read one row per access from its offset
     in the file. A memory map of the member (the first design) kept every page it had read
@@ -655,7 +669,7 @@ class _TempRows:
                     chunk = _read_exactly(f, min(self.BLOCK_BYTES, end - at))
                     if chunk is None:
                         raise truncated
-                    os.pwrite(self.fd, chunk, at)
+                    _pwrite_all(self.fd, chunk, at)
                     at += len(chunk)
                 self._rows = at // self.row_bytes
                 if self._rows >= n:
@@ -678,7 +692,7 @@ class _TempRows:
                             raise truncated
                         cols = np.ascontiguousarray(np.frombuffer(raw, dtype=self.dtype).reshape(k, n).T)
                         for i in range(n):
-                            os.pwrite(self.fd, cols[i].tobytes(), i * self.row_bytes + r0 * item)
+                            _pwrite_all(self.fd, cols[i].tobytes(), i * self.row_bytes + r0 * item)
                 self._rows = n
         except Exception as exc:
             self._close()

@@ -840,3 +840,35 @@ def test_npz_arrays_no_input_reads_are_named_in_the_log(tmp_path, caplog):
         DataSource(tmp_path / "calib.npz", [InputSpec("x", F32, (1, 3, 4, 4))], 2)
     said = [r.getMessage() for r in caplog.records if "not read" in r.getMessage()]
     assert len(said) == 1 and "'labels', 'z' not read" in said[0] and "inputs: x" in said[0]
+
+
+@pytest.mark.parametrize("fortran", [False, True])
+def test_a_temporary_copy_cut_short_by_a_full_disk_is_finished_or_refused(tmp_path, monkeypatch, fortran):
+    """A write to the temporary copy of a compressed .npz that the disk cuts short (full, then
+    freed again) left a hole that read back as zeros, and the next write went on past it (found
+    by a hunt with a small $TMPDIR). Short writes are now finished; a write that makes no
+    progress is the one-line $TMPDIR error. Oracle: numpy.load."""
+    import os
+
+    import dipoorlet.data as data_mod
+
+    arr = rand((12, 3, 32, 32), 5)
+    np.savez_compressed(tmp_path / "c.npz", x=np.asfortranarray(arr) if fortran else arr)
+    real = os.pwrite
+    calls = {"n": 0}
+
+    def short(fd, data, offset):        # at most 1000 bytes per call
+        calls["n"] += 1
+        return real(fd, bytes(memoryview(data)[:1000]), offset)
+
+    monkeypatch.setattr(data_mod.os, "pwrite", short)
+    src = DataSource(tmp_path / "c.npz", [InputSpec("x", F32, (1, 3, 32, 32))], 12)
+    for i in (0, 7, 11, 3):
+        np.testing.assert_array_equal(src.sample(i)["x"], arr[i][None])
+    assert calls["n"] > 12
+
+    monkeypatch.setattr(data_mod.os, "pwrite", lambda fd, data, offset: 0)
+    src = DataSource(tmp_path / "c.npz", [InputSpec("x", F32, (1, 3, 32, 32))], 12)
+    with pytest.raises(DataError, match=r"cannot copy its .* to a temporary file in .*No space left on device.*set "
+                                         r"TMPDIR to a folder with room"):
+        src.sample(5)
