@@ -1273,3 +1273,37 @@ def test_out_of_memory_is_one_line(tmp_path, capsys, monkeypatch, message):
     assert rc == 2 and "out of memory" in line and "Traceback" not in err
     assert f"({message or 'MemoryError'})" in line
     assert_nothing_written(case)
+
+
+def test_a_log_that_could_not_be_written_in_full_says_so(tmp_path, capsys):
+    """A run on a nearly full disk left dipoorlet.log cut at 4 KB with exit 0 and no word; a
+    record naming a path that is not UTF-8 was dropped from the log (found by a hunt)."""
+    import errno
+
+    from dipoorlet.util import QuietFileHandler
+
+    fh = QuietFileHandler(tmp_path / "a.log", mode="w", encoding="utf-8")
+    log = logging.getLogger("dipoorlet.test_quiet")
+    log.addHandler(fh)
+    log.propagate = False
+    try:
+        log.warning("model %s", "caf\udce9/mod\udce9l.onnx")        # os.fsdecode of latin-1 bytes
+        real, n = fh.stream.write, {"k": 0}
+
+        def full(text):
+            n["k"] += 1
+            if n["k"] > 1:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(text)
+
+        fh.stream.write = full
+        for i in range(3):
+            log.warning("record %d", i)
+    finally:
+        log.removeHandler(fh)
+        fh.close()
+    text = (tmp_path / "a.log").read_text(encoding="utf-8")
+    assert "model caf\\udce9/mod\\udce9l.onnx" in text and "record 0" in text
+    err = capsys.readouterr().err
+    assert f"dipoorlet: warning: the log {tmp_path / 'a.log'} is incomplete: 2 records could not be written " \
+           "(No space left on device)" in err
