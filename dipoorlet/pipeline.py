@@ -2285,7 +2285,12 @@ def _move_all(moves, out_dir: Path, aside: Path, moved_aside: list, moved_in: li
 
         # the advice fits the cause: a permission error had been told to free space (found by a bug hunt)
         fix = ("make it writable (or remove it) or choose another -O"
-               if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else "free space there or choose another -O")
+               if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else
+               # a folder in -O that links to another file system (-O/output): files cannot be
+               # renamed across (found by a hunt: it had advised freeing space)
+               f"a folder in {out_dir} leads to another file system (a symbolic link?), and files are moved "
+               "into place, not copied: make it a plain folder, or choose another -O"
+               if exc.errno == errno.EXDEV else "free space there or choose another -O")
         raise OutputError(f"could not write {exc.filename or out_dir} ({exc.strerror or exc}); "
                           f"the earlier files in {out_dir} are as they were; {fix}") from exc
 

@@ -798,6 +798,15 @@ def test_failed_move_puts_every_earlier_output_back(tmp_path, capsys, monkeypatc
     (line,) = error_lines(err)
     assert rc == 2 and "Permission denied" in line and "make it writable" in line and "free space" not in line
     assert _outputs(case.out) == before
+    # nor a rename across file systems (-O/output a link to another disk; found by a hunt)
+    calls.clear()
+    monkeypatch.undo()
+    calls = _on_moves_into(monkeypatch, case, lambda c: _raise(OSError(18, "Invalid cross-device link", str(c[-1])))
+                           if len(c) == 2 else None)
+    rc, err = run_cli(case, capsys)
+    (line,) = error_lines(err)
+    assert rc == 2 and "Invalid cross-device link" in line and "another file system" in line
+    assert "free space" not in line and _outputs(case.out) == before
 
 
 def _raise(exc):
