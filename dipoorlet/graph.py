@@ -59,13 +59,58 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     try:
         model = onnx.load(str(p), load_external_data=True)
     except Exception as exc:  # protobuf DecodeError, missing external data, ...
-        raise ModelError(f"{p} is not a readable ONNX model ({_first_line(exc)}); "
-                         "export it again or check the file is complete") from exc
+        model = _load_through_links(p)
+        if model is None:
+            raise ModelError(f"{p} is not a readable ONNX model ({_first_line(exc)}); "
+                             "export it again or check the file is complete") from exc
     if not model.graph.node:
         raise ModelError(f"{p} is not an ONNX model with a graph (no nodes found); "
                          "check that -M names the .onnx file")
     _check_structure(model, p)
     _densify_sparse_initializers(model)
+    return model
+
+
+def _load_through_links(p: Path) -> onnx.ModelProto | None:
+    """A model whose external data files are symbolic links (a Hugging Face cache's snapshot
+    folder links each file to its blob), or a linked -M whose data lies beside the link's
+    target: onnx refuses to follow such links, and the model was called unreadable (found by a
+    hunt). Its data is read here from the files the links name, relative locations only (no
+    absolute path, no '..'), from the model's folder, else the folder of the file it links to.
+    None where this does not read it either (onnx's own error is then the one reported)."""
+    try:
+        model = onnx.load(str(p), load_external_data=False)
+    except Exception:  # noqa: BLE001
+        return None
+    from onnx.external_data_helper import _get_all_tensors
+
+    tensors = [t for t in _get_all_tensors(model) if t.data_location == onnx.TensorProto.EXTERNAL]
+    if not tensors:
+        return None
+    bases = list(dict.fromkeys([p.parent, Path(os.path.realpath(p)).parent]))
+    for base in bases:
+        try:
+            for t in tensors:
+                info = {e.key: e.value for e in t.external_data}
+                loc = info.get("location", "")
+                if not loc or os.path.isabs(loc) or ".." in Path(loc).parts:
+                    return None
+                with open(base / loc, "rb") as f:
+                    f.seek(int(info.get("offset", 0) or 0))
+                    length = info.get("length")
+                    data = f.read(int(length)) if length else f.read()
+                if length and len(data) != int(length):
+                    raise OSError(f"{loc} ends early")
+                t.raw_data = data
+            break
+        except (OSError, ValueError):
+            continue
+    else:
+        return None
+    for t in tensors:
+        del t.external_data[:]
+        t.data_location = onnx.TensorProto.DEFAULT
+    log.info("%s: its external data read from %s, through symbolic links (which onnx does not follow)", p, base)
     return model
 
 

@@ -815,3 +815,44 @@ def test_weight_bytes_counts_raw_tensors_by_their_shape_as_their_bytes():
                           initializer=inits + [typed])
     want = sum(len(t.raw_data) for t in inits) + 4 * 4 + 24
     assert weight_bytes(g) == want + 1_000_000
+
+
+def test_external_data_reached_through_symbolic_links_is_read(tmp_path):
+    """A Hugging Face cache links a snapshot's model.onnx and model.onnx.data to blobs, and a
+    linked -M may have its data beside the link's target: onnx refuses to follow the links and
+    the model was called unreadable (found by a hunt). A location that leaves the folder is
+    still refused. Oracle: the array written."""
+    import os
+
+    from onnx import TensorProto, helper, numpy_helper
+
+    from dipoorlet.errors import ModelError
+    from dipoorlet.graph import load_model
+
+    w = np.arange(4096, dtype=np.float32).reshape(64, 64)
+
+    def save_ext(path, location):
+        m = helper.make_model(helper.make_graph(
+            [helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])], [numpy_helper.from_array(w, "w")]))
+        onnx.save(m, str(path), save_as_external_data=True, location=location, size_threshold=0)
+
+    blobs, snap, other = tmp_path / "blobs", tmp_path / "snap", tmp_path / "other"
+    for d in (blobs, snap, other):
+        d.mkdir()
+    save_ext(blobs / "m.onnx", "m.onnx.data")
+    os.symlink(blobs / "m.onnx", snap / "m.onnx")
+    os.symlink(blobs / "m.onnx.data", snap / "m.onnx.data")      # both linked (the cache's layout)
+    os.symlink(blobs / "m.onnx", other / "m.onnx")               # data only beside the target
+    for path in (snap / "m.onnx", other / "m.onnx"):
+        np.testing.assert_array_equal(numpy_helper.to_array(load_model(path).graph.initializer[0]), w)
+    (tmp_path / "up").mkdir()
+    save_ext(tmp_path / "up" / "m.onnx", "m.onnx.data")
+    m = onnx.load(str(tmp_path / "up" / "m.onnx"), load_external_data=False)
+    for e in m.graph.initializer[0].external_data:
+        if e.key == "location":
+            e.value = "../blobs/m.onnx.data"
+    onnx.save(m, str(tmp_path / "up" / "m2.onnx"))
+    with pytest.raises(ModelError, match="is not a readable ONNX model"):
+        load_model(tmp_path / "up" / "m2.onnx")
