@@ -2104,6 +2104,10 @@ def _fp_saver(staging: Path, outputs: list[str]):
         # the reference tool's folder name; two outputs that differ by '/' against '_' get their
         # own folders (one overwrote the other's samples)
         base = folder = name.replace("/", "_")
+        if base in ("", ".", ".."):
+            # output/. is output/ itself and output/.. is -O (found by a hunt)
+            base = folder = base.replace(".", "_") or "_"
+            log.warning("--savefp: output %r cannot be a folder name; its samples go into output/%s", name, folder)
         if len(base.encode("utf-8", "surrogateescape")) > 200:
             # a file name holds at most 255 bytes (ENAMETOOLONG with a traceback, mid-run)
             import hashlib

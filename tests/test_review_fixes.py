@@ -612,6 +612,23 @@ def test_savefp_gives_outputs_differing_by_slash_and_underscore_their_own_folder
     np.testing.assert_allclose(relu, want[1].ravel(), rtol=1e-5, atol=1e-6)
 
 
+def test_savefp_keeps_outputs_named_dot_and_dot_dot_inside_their_folder(tmp_path):
+    """Outputs named '.' and '..' sent their samples to output/ itself and to -O (found by a hunt)."""
+    nodes = [helper.make_node("Conv", ["x", "w"], ["."], name="c1", pads=[1] * 4),
+             helper.make_node("Relu", ["."], [".."], name="r")]
+    model = make_model(nodes, [vi("x", [1, 3, 6, 6])], [vi(".", [1, 4, 6, 6]), vi("..", [1, 4, 6, 6])],
+                       {"w": rand((4, 3, 3, 3), 0, 0.3)})
+    feeds = input_feeds(model, 2)
+    quantize_model(tmp_path, model, feeds=feeds, savefp=True, skip_prof_layer=True)
+    out = tmp_path / "out"
+    want = ort_run(model, feeds[1])
+    np.testing.assert_allclose(np.fromfile(out / "output" / "_" / "onnx-output-1.bin", np.float32),
+                               want[0].ravel(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.fromfile(out / "output" / "__" / "onnx-output-1.bin", np.float32),
+                               want[1].ravel(), rtol=1e-5, atol=1e-6)
+    assert not list(out.glob("onnx-output-*")) and not list((out / "output").glob("onnx-output-*"))
+
+
 @pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="needs /dev/full")
 def test_savefp_on_a_full_disk_raises_an_oserror_with_its_errno(tmp_path):
     """ndarray.tofile raised OSError('... requested and ... written') without an errno, which the
