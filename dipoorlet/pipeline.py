@@ -762,7 +762,7 @@ def _same_settings(cfg: QuantConfig, comm) -> None:
     import hashlib
 
     # each process may name its own GPU (recon_device="cuda:<local rank>"), not another kind of device
-    same = dataclasses.replace(cfg, recon_device=(cfg.recon_device or "cpu").split(":")[0])
+    same = dataclasses.replace(cfg, recon_device=cfg.recon_device and cfg.recon_device.split(":")[0])
     mine = hashlib.sha1(repr(same).encode()).hexdigest()
     differ = int(comm.allreduce_sum(np.array([int(comm.bcast(mine) != mine)], np.int64))[0])
     if differ:
