@@ -87,21 +87,31 @@ def _load_through_links(p: Path) -> onnx.ModelProto | None:
     tensors = [t for t in _get_all_tensors(model) if t.data_location == onnx.TensorProto.EXTERNAL]
     if not tensors:
         return None
+    locations = []
+    for t in tensors:
+        loc = {e.key: e.value for e in t.external_data}.get("location", "")
+        if not loc or os.path.isabs(loc) or ".." in Path(loc).parts:
+            return None
+        locations.append(loc)
     bases = list(dict.fromkeys([p.parent, Path(os.path.realpath(p)).parent]))
+    # only where a link is what onnx refused: another failure keeps onnx's own message
+    if not p.is_symlink() and not any((p.parent / loc).is_symlink() for loc in locations):
+        return None
     for base in bases:
         try:
-            for t in tensors:
+            for t, loc in zip(tensors, locations):
                 info = {e.key: e.value for e in t.external_data}
-                loc = info.get("location", "")
-                if not loc or os.path.isabs(loc) or ".." in Path(loc).parts:
-                    return None
-                with open(base / loc, "rb") as f:
-                    f.seek(int(info.get("offset", 0) or 0))
-                    length = info.get("length")
-                    data = f.read(int(length)) if length else f.read()
-                if length and len(data) != int(length):
-                    raise OSError(f"{loc} ends early")
-                t.raw_data = data
+                path = base / loc
+                if not path.is_file():          # a regular file (after the links): not a device or a pipe
+                    raise OSError(f"{path} is not a file")
+                size = path.stat().st_size
+                offset = int(info.get("offset", 0) or 0)
+                length = int(info["length"]) if info.get("length") else size - offset
+                if offset < 0 or length < 0 or offset + length > size:
+                    raise OSError(f"{loc} holds {size} bytes, not {offset} + {length}")
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    t.raw_data = f.read(length)
             break
         except (OSError, ValueError):
             continue

@@ -2104,10 +2104,9 @@ def _fp_saver(staging: Path, outputs: list[str]):
         # the reference tool's folder name; two outputs that differ by '/' against '_' get their
         # own folders (one overwrote the other's samples)
         base = folder = name.replace("/", "_")
-        if base in ("", ".", ".."):
-            # output/. is output/ itself and output/.. is -O (found by a hunt)
+        dots = base in ("", ".", "..")
+        if dots:        # output/. is output/ itself and output/.. is -O (found by a hunt)
             base = folder = base.replace(".", "_") or "_"
-            log.warning("--savefp: output %r cannot be a folder name; its samples go into output/%s", name, folder)
         if len(base.encode("utf-8", "surrogateescape")) > 200:
             # a file name holds at most 255 bytes (ENAMETOOLONG with a traceback, mid-run)
             import hashlib
@@ -2122,6 +2121,8 @@ def _fp_saver(staging: Path, outputs: list[str]):
         if folder != base:
             log.warning("--savefp: outputs %r and another both map to folder output/%s; %r's samples go into "
                         "output/%s", name, base, name, folder)
+        elif dots:
+            log.warning("--savefp: output %r cannot be a folder name; its samples go into output/%s", name, folder)
         taken.add(folder)
         folders[name] = folder
 
@@ -2292,8 +2293,8 @@ def _move_all(moves, out_dir: Path, aside: Path, moved_aside: list, moved_in: li
                if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else
                # a folder in -O that links to another file system (-O/output): files cannot be
                # renamed across (found by a hunt: it had advised freeing space)
-               f"a folder in {out_dir} leads to another file system (a symbolic link?), and files are moved "
-               "into place, not copied: make it a plain folder, or choose another -O"
+               f"something in {out_dir} lies on another file system (a linked folder, a mount), and files are "
+               "moved into place, not copied: make it a plain folder, or choose another -O"
                if exc.errno == errno.EXDEV else "free space there or choose another -O")
         raise OutputError(f"could not write {exc.filename or out_dir} ({exc.strerror or exc}); "
                           f"the earlier files in {out_dir} are as they were; {fix}") from exc

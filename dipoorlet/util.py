@@ -69,19 +69,36 @@ def write_json(path: str | os.PathLike, obj) -> Path:
 class QuietFileHandler(logging.FileHandler):
     """A log file that goes quiet when it cannot be written (a full disk): the run's own error
     says what went wrong, not a '--- Logging error ---' traceback per record, nor one more from
-    closing the file. Records it could not write are counted, and closing says on stderr that
-    the log is incomplete (a run that succeeded on a nearly full disk had left a log cut at 4 KB
-    without a word). A path that is not UTF-8 (undecodable bytes in a file name) is written
-    escaped: such records had been dropped (both found by a hunt)."""
+    closing the file. Closing compares what reached the file with what was logged and says on
+    stderr when the log is incomplete (a run that succeeded on a nearly full disk had left a log
+    cut at 4 KB without a word; a record whose flush failed may still reach the file when the
+    disk has room again by then, so failures alone do not decide). A path that is not UTF-8
+    (undecodable bytes in a file name) is written escaped: such records had been dropped (both
+    found by a hunt)."""
 
     def __init__(self, filename, mode="a", encoding=None, delay=False, errors="backslashreplace"):
         super().__init__(filename, mode, encoding, delay, errors)
-        self.lost, self.why = 0, ""
+        self.failed, self.why = False, ""
+        self.expected = self._size() or 0      # bytes the file should hold
+
+    def _size(self):
+        try:
+            return os.fstat(self.stream.fileno()).st_size if self.stream is not None else None
+        except (OSError, ValueError):
+            return None
+
+    def emit(self, record):
+        try:
+            text = self.format(record) + self.terminator
+            self.expected += len(text.encode(self.encoding or "utf-8", self.errors or "strict"))
+        except Exception:  # noqa: BLE001 - the record's own problem: logging's emit handles it
+            pass
+        super().emit(record)
 
     def handleError(self, record):
         import sys
 
-        self.lost += 1
+        self.failed = True
         exc = sys.exc_info()[1]
         if exc is not None and not self.why:
             self.why = getattr(exc, "strerror", None) or str(exc)
@@ -89,16 +106,24 @@ class QuietFileHandler(logging.FileHandler):
     def close(self):
         import sys
 
+        size = None
+        if self.stream is not None:
+            try:
+                self.stream.flush()
+            except (OSError, ValueError) as exc:
+                self.failed = True
+                self.why = self.why or getattr(exc, "strerror", None) or str(exc)
+            size = self._size()
         try:
             super().close()
-        except OSError as exc:
-            self.lost += 1
-            self.why = self.why or exc.strerror or str(exc)
-        if self.lost:
-            lost, self.lost = self.lost, 0
+        except OSError:
+            pass
+        if self.failed and size is not None and size < self.expected:
+            self.failed = False
             try:
-                print(f"dipoorlet: warning: the log {self.baseFilename} is incomplete: {lost} record"
-                      f"{'s' if lost > 1 else ''} could not be written ({self.why})",
+                # the folder, not the file: the run names its log once it is closed
+                print(f"dipoorlet: warning: the log this run wrote into {os.path.dirname(self.baseFilename)} is "
+                      f"incomplete: its last {self.expected - size} bytes could not be written ({self.why})",
                       file=sys.stderr, flush=True)
             except (OSError, ValueError):
                 pass
