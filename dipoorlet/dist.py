@@ -68,11 +68,9 @@ class MPIComm(SingleProcess):
             self.local_rank = node.Get_rank()
             node.Free()
         except Exception:  # noqa: BLE001 - an MPI without it: the launcher's own variable, if any
-            import os
+            from dipoorlet.threads import launcher_local_rank
 
-            self.local_rank = next((int(v) for v in (os.environ.get(k, "") for k in (
-                "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"))
-                if v.strip().isdigit()), 0)
+            self.local_rank = launcher_local_rank()
 
     def merge_stats(self, stats):
         names = sorted(stats)

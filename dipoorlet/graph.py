@@ -87,20 +87,17 @@ def _load_through_links(p: Path) -> onnx.ModelProto | None:
     tensors = [t for t in _get_all_tensors(model) if t.data_location == onnx.TensorProto.EXTERNAL]
     if not tensors:
         return None
-    locations = []
-    for t in tensors:
-        loc = {e.key: e.value for e in t.external_data}.get("location", "")
-        if not loc or os.path.isabs(loc) or ".." in Path(loc).parts:
-            return None
-        locations.append(loc)
+    infos = [{e.key: e.value for e in t.external_data} for t in tensors]
+    locations = [info.get("location", "") for info in infos]
+    if any(not loc or os.path.isabs(loc) or ".." in Path(loc).parts for loc in locations):
+        return None
     bases = list(dict.fromkeys([p.parent, Path(os.path.realpath(p)).parent]))
     # only where a link is what onnx refused: another failure keeps onnx's own message
     if not p.is_symlink() and not any((p.parent / loc).is_symlink() for loc in locations):
         return None
     for base in bases:
         try:
-            for t, loc in zip(tensors, locations):
-                info = {e.key: e.value for e in t.external_data}
+            for t, info, loc in zip(tensors, infos, locations):
                 path = base / loc
                 if not path.is_file():          # a regular file (after the links): not a device or a pipe
                     raise OSError(f"{path} is not a file")

@@ -54,6 +54,16 @@ def launcher_rank() -> int:
     return 0
 
 
+_LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK", "PMIX_LOCAL_RANK",
+                    "SLURM_LOCALID")
+
+
+def launcher_local_rank() -> int:
+    """This process's rank among the processes of its machine, as the launcher numbered it (0
+    where none says)."""
+    return next((_env_int(var) for var in _LOCAL_RANK_VARS if _env_int(var, -1) >= 0), 0)
+
+
 def say_stopped(line: str, wait_s: float = 2.0) -> None:
     """Print ``line`` for a Ctrl-C/SIGTERM met before MPI started: by the launcher's rank 0; by
     another rank after ``wait_s``, with its number (where mpirun passed the signal to every rank,
