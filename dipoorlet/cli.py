@@ -317,10 +317,12 @@ def summary(result, cfg) -> str:
         lines.append(table(["worst layers (cumulative)", "op", "cos", "SQNR dB"],
                            [[n, layers[n]["op_type"], layers[n]["cosine"], layers[n]["sqnr_db"]]
                             for n in rep["worst_layers"]]))
-    if rep.get("diagnosis"):
+    if rep.get("diagnosis") or rep.get("error_spread"):
         lines.append("")
         lines.append("what limits accuracy (isolated sensitivity; details in report.md):")
-        lines += [f"  {d['node']}: {d['advice']}" for d in rep["diagnosis"][:3]]
+        if rep.get("error_spread"):
+            lines.append(f"  spread over many layers: {rep['error_spread']['advice']}")
+        lines += [f"  {d['node']}: {d['advice']}" for d in rep.get("diagnosis", [])[:2 if rep.get("error_spread") else 3]]
     t = result.timings
     lines.append("")
     wide = f" ({rep['qdq_tensors_16bit']} 16-bit)" if rep.get("qdq_tensors_16bit") else ""

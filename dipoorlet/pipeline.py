@@ -1193,6 +1193,15 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
             floated=analysis["auto_skip"].float_layers if analysis.get("auto_skip") is not None else (),
             unfit=reconstructed.get("skipped") if reconstructed and rounding != "sparse" else None,
             calibration=stats, criterion=cfg.criterion)
+        scattered = diagnose.error_spread(
+            analysis["isolated"],
+            floated=analysis["auto_skip"].float_layers if analysis.get("auto_skip") is not None else (),
+            samples=analysis["sens_samples"], platform=plat.name, max_act_bits=plat.activation.max_bits,
+            act_bits=min((int(a.bits) for a in plan.activations.values()), default=8),
+            rounding=_flag(rounding) if reconstructed is not None and rounding != "sparse" else None,
+            gptq_flag=diagnose._gptq_flag(corrections is not None, a16.float_layers if a16 is not None else None))
+        if scattered is not None:
+            analysis["error_spread"] = scattered
     if analysis.get("auto_skip") is not None:
         places = places.restrict([n for n in places.quantized_nodes
                                   if n not in analysis["auto_skip"].float_layers])

@@ -183,6 +183,8 @@ def build(rows, places, meta: dict, analysis: dict | None = None, stats=None, pl
         rep["shift"] = analysis["shift"]
     if analysis.get("diagnosis"):
         rep["diagnosis"] = analysis["diagnosis"]
+    if analysis.get("error_spread"):
+        rep["error_spread"] = analysis["error_spread"]
     a = analysis.get("auto_skip")
     if a is not None:
         rep["auto_skip"] = {"criterion": a.criterion, "target": a.target, "met": a.met,
@@ -267,9 +269,11 @@ def markdown(report: dict) -> str:
                 f"output, {report.get('sensitivity_samples')} "
                 f"{'held-out samples from --val_dir' if report.get('sensitivity_held_out') else 'samples'})", "",
                 table(["node", "op", "output cosine", "SQNR dB", "weights only", "activations only"], body)]
-    if report.get("diagnosis"):
+    if report.get("diagnosis") or report.get("error_spread"):
         out += ["", "## What limits accuracy, and what to do", ""]
-        for d in report["diagnosis"]:
+        if report.get("error_spread"):
+            out.append(f"- **spread over many layers**: {report['error_spread']['advice']}")
+        for d in report.get("diagnosis", []):
             cause = f", mostly {d['cause']}" if d.get("cause") else ""
             out.append(f"- **{d['node']}** ({d['op_type']}, isolated output cosine {d['isolated_cosine']:.6f}, "
                        f"SQNR {d['isolated_sqnr_db']:.1f} dB{cause}): {d['advice']}")

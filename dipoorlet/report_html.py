@@ -170,12 +170,14 @@ def html(rep: dict) -> str:
         out += _auto_section("auto_w8", a, " (as written)" if a.get("after_measured") else " (estimated)",
                              "weights on 8-bit grids", a["w8_layers"], a.get("after_measured") or a["after_estimated"],
                              "")
-    if rep.get("diagnosis"):
+    if rep.get("diagnosis") or rep.get("error_spread"):
         out += ["<h2>What limits accuracy, and what to do</h2><ul>",
+                *([f"<li><b>spread over many layers</b>: {esc(rep['error_spread']['advice'])}</li>"]
+                  if rep.get("error_spread") else []),
                 *[f"<li><b>{esc(d['node'])}</b> ({esc(d['op_type'])}, isolated output cosine "
                   f"{_fmt(d.get('isolated_cosine'), 6)}, SQNR {_fmt(d.get('isolated_sqnr_db'), 1)} dB"
                   f"{', mostly ' + esc(d['cause']) if d.get('cause') else ''}): {esc(d['advice'])}</li>"
-                  for d in rep["diagnosis"]], "</ul>"]
+                  for d in rep.get("diagnosis", [])], "</ul>"]
     out += ["<h2>Error along the network</h2>", depth_plot(layers)]
     sens = {s["node"]: s for s in rep.get("sensitivity", [])}
     if rep.get("most_sensitive_layers"):

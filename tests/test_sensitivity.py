@@ -1410,3 +1410,71 @@ def test_auto_skip_second_tries_claim_nothing_of_their_own(n_layers, cap):
     first = [st for st in res.steps if not st.get("again")]
     assert len(first) == min(n_layers, 3 * cap)
     assert all(" + " not in st["float_layer"] or st.get("again") == "together" for st in res.steps)
+
+
+def _rows(dbs, split=None):
+    from dipoorlet.sensitivity import LayerSensitivity, OutputScore
+
+    rows = [LayerSensitivity(f"n{i}", "Conv", OutputScore(1 - 10 ** (-d / 10) / 2, d, 0.1)) for i, d in enumerate(dbs)]
+    for r, (a_db, w_db) in zip(rows, split or []):
+        r.activation_only = OutputScore(1.0, a_db, 0.0)
+        r.weight_only = OutputScore(1.0, w_db, 0.0)
+    return rows
+
+
+def test_error_spread_sums_the_isolated_noise_powers():
+    from dipoorlet.diagnose import error_spread
+
+    dbs = np.random.default_rng(0).uniform(36, 44, 20)
+    got = error_spread(_rows(dbs, [(40.0, 46.0)] * 4), samples=8)
+    p = np.sort(10 ** (-dbs / 10))[::-1]
+    assert got["summed_sqnr_db"] == pytest.approx(-10 * np.log10(p.sum()), abs=1e-9)
+    assert got["top_share"] == pytest.approx(p[:3].sum() / p.sum())
+    assert got["half_layers"] == int(np.argmax(np.cumsum(p) >= p.sum() / 2)) + 1
+    assert got["activation_share"] == pytest.approx(1 / (1 + 10 ** -0.6))
+    # trt has no 16-bit activations: FP16 for layers the whole model's error chooses
+    assert "--auto_skip TARGET" in got["advice"] and "--auto_a16" not in got["advice"]
+    assert "a stricter --auto_skip target" in error_spread(_rows(dbs), floated=["n0"])["advice"]
+    qnn = error_spread(_rows(dbs, [(40.0, 46.0)] * 4), platform="qnn", max_act_bits=16)
+    assert "--auto_a16" in qnn["advice"]
+    weights = error_spread(_rows(dbs, [(46.0, 40.0)] * 4), rounding=None)
+    assert "--gptq chooses every layer's rounding" in weights["advice"]
+    assert "--brecq chose" in error_spread(_rows(dbs, [(46.0, 40.0)] * 4), rounding="--brecq")["advice"]
+    # one layer holding most of the error: the per-layer rows say it; a model that loses little: nothing
+    assert error_spread(_rows([20.0] + [45.0] * 19)) is None
+    assert error_spread(_rows([60.0] * 20)) is None
+    assert error_spread(_rows([float("nan")] + [40.0] * 19)) is None
+    # layers --auto_skip kept float are not part of the written model's error
+    assert error_spread(_rows(dbs), floated=["n0"])["layers"] == 19
+
+
+def _conv_chain(depth=10, ch=8, seed=0):
+    r = np.random.default_rng(seed)
+    inits, nodes, x = {}, [], "x"
+    for i in range(depth):
+        cin = 3 if i == 0 else ch
+        inits[f"w{i}"] = (r.standard_normal((ch, cin, 3, 3)) * np.sqrt(2 / (9 * cin))).astype(np.float32)
+        nodes += [helper.make_node("Conv", [x, f"w{i}"], [f"c{i}"], name=f"conv{i}", pads=[1, 1, 1, 1]),
+                  helper.make_node("Relu", [f"c{i}"], [f"r{i}"], name=f"relu{i}")]
+        x = f"r{i}"
+    nodes[-1] = helper.make_node("Identity", [f"c{depth - 1}"], ["y"], name="out")
+    return make_model(nodes, [vi("x", [1, 3, 12, 12])], [vi("y", [1, ch, 12, 12])], inits)
+
+
+def test_report_says_when_the_error_is_spread_over_many_layers(tmp_path):
+    result, _ = quantize_model(tmp_path, _conv_chain(), n=8, sens_samples=8, act_quant="minmax",
+                               equalize=False, bias_correction=False)
+    rep = result.report
+    spread = rep["error_spread"]
+    # the independent estimate: the isolated SQNRs of report.json's rows, their noise powers summed
+    p = np.sort([10 ** (-s["isolated"]["sqnr_db"] / 10) for s in rep["sensitivity"]])[::-1]
+    assert spread["summed_sqnr_db"] == pytest.approx(-10 * np.log10(p.sum()), abs=1e-4)
+    assert spread["top_share"] < 0.5 and spread["layers"] == 10
+    # the estimate is the whole model's output error to within a few dB (same 8 samples)
+    assert abs(spread["summed_sqnr_db"] - rep["outputs"][0]["sqnr_db"]) < 3
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "**spread over many layers**" in md and spread["advice"] in md
+    assert "spread over many layers" in (tmp_path / "out" / "report.html").read_text()
+    # one layer made sensitive by construction: its own row says it, not the spread note
+    result, _ = quantize_model(tmp_path / "one", sensitive_model(), n=6, sens_samples=6, equalize=False)
+    assert "error_spread" not in result.report and result.report["diagnosis"][0]["node"] == "conv2"
