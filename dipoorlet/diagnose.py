@@ -510,12 +510,12 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | 
     return f"{lead} ({' / '.join(facts) or 'no quantized activation input'}){hint}; {keep}"
 
 
-# The error is "spread" when the SPREAD_TOP most sensitive layers make less than SPREAD_SHARE of the
-# summed isolated error: keeping a few layers float then removes little of it (the PP-OCR
-# classifier: its 72 layers' isolated losses add up to 31.3 dB on its logits, the 3 worst make 23%
-# of that, and each alone loses under MIN_LOSS, so the per-layer diagnosis had nothing to say)
+# The error is "spread" when half of the summed isolated error takes at least SPREAD_HALF layers
+# (the PP-OCR classifier: its 72 layers' isolated losses add up to 27.2 dB on its logits, half of
+# that takes 10 layers, and each alone loses under MIN_LOSS, so the per-layer diagnosis had nothing
+# to say); MiniLM-L6, half in 5 (its FFN output MatMuls), is left to the per-layer rows
 SPREAD_TOP = 3
-SPREAD_SHARE = 0.5
+SPREAD_HALF = 7
 
 
 def error_spread(isolated, floated=(), samples: int | None = None, platform: str = "trt",
@@ -532,7 +532,7 @@ def error_spread(isolated, floated=(), samples: int | None = None, platform: str
     fitted rounding the scores include, None where the weights are rounded to nearest."""
     floated = set(floated)
     rows = [s for s in isolated if s.node not in floated]
-    if len(rows) < 2 * SPREAD_TOP:
+    if len(rows) < SPREAD_HALF:
         return None
     db = [s.isolated.sqnr_db for s in rows]
     if any(d != d or d == -math.inf for d in db):
@@ -542,14 +542,14 @@ def error_spread(isolated, floated=(), samples: int | None = None, platform: str
     if not math.isfinite(total) or total / 2 < MIN_LOSS:    # 1 - cosine ~ noise / 2
         return None
     top = math.fsum(noise[:SPREAD_TOP]) / total
-    if top >= SPREAD_SHARE:
-        return None
     acc, half = 0.0, len(noise)
     for k, n in enumerate(noise, 1):
         acc += n
         if acc >= total / 2:
             half = k
             break
+    if half < SPREAD_HALF:
+        return None
     # the worst layers' weight-only and activation-only scores (sensitivity.isolated splits them)
     split = [s for s in rows if s.weight_only is not None and s.activation_only is not None]
     a = math.fsum(_power(s.activation_only.sqnr_db) for s in split)
