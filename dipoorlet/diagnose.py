@@ -257,7 +257,7 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
             kind, via = _blocker(g, t)
             node = g.node_by_name[s.node]
             conv_input = node.op_type == "Conv" and node.input[0] == t and g.is_constant(node.input[1])
-            matmul_input = (node.op_type == "MatMul" and node.input[0] == t and g.is_constant(node.input[1])
+            matmul_input = (node.op_type in ("MatMul", "Gemm") and node.input[0] == t and g.is_constant(node.input[1])
                             and len(g.weight(node.input[1]).shape) == 2)
             if not equalize_on and any(r.get("method") == "weight ranges (data-free)" for r in equalized):
                 a["equalization"] = ("activation ranges are not equalized on per-tensor-weight platforms "

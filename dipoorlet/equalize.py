@@ -432,8 +432,8 @@ def _smooth_items(g, targets: dict[str, list[str]]) -> list[tuple[str, list[int]
     for x, names in targets.items():
         node = g.node_by_name[names[0]]
         w = g.weight(node.input[1])
-        if node.op_type == "MatMul":
-            items.append((x, None, w.shape[0]))
+        if node.op_type in ("MatMul", "Gemm"):
+            items.append((x, None, w.shape[in_axis(g, node)]))
         else:
             rank = len(g.shape(x))
             items.append((x, [0] + list(range(2, rank)), w.shape[1] * int(node_attr(node, "group", 1))))
@@ -792,21 +792,33 @@ def _weights(g, chain: Chain) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------- MatMul inputs
+def in_axis(g, node) -> int:
+    """The input-channel axis of a MatMul's or Gemm's 2-D weight: 0, or 1 for a Gemm with transB."""
+    return 1 if node.op_type == "Gemm" and node_attr(node, "transB", 0) else 0
+
+
 def matmul_targets(g) -> dict[str, list[str]]:
     """Activation tensor -> the MatMuls that read it as input 0 with a constant 2-D weight of
-    their own (transformer projections); MatMul puts the input's channels on its last axis."""
+    their own (transformer projections), and the Gemms that do without transA (``nn.Linear`` on
+    a 2-D input, GPT-2's Conv1D as torch's dynamo exporter writes them: a Gemm had been left
+    unsmoothed, 6.6x the error of the same block exported as MatMul and Add; found by a hunt);
+    both put the input's channels on its last axis."""
     out: dict[str, list[str]] = {}
     for node in g.topological_nodes():
-        if node.op_type != "MatMul" or len(node.input) != 2:
+        if node.op_type == "MatMul" and len(node.input) == 2:
+            x, w = node.input
+        elif node.op_type == "Gemm" and len(node.input) >= 2 and not node_attr(node, "transA", 0):
+            x, w = node.input[0], node.input[1]
+        else:
             continue
-        x, w = node.input
         if not g.is_constant(w) or g.is_constant(x) or not g.is_float(x) or w not in g.initializers:
             continue
         if len(g.consumers.get(w, [])) != 1 or w in g.output_names or not _fp32(g, w):
             continue
         shape = g.shape(x)
         wshape = g.weight(w).shape
-        if len(wshape) != 2 or (shape is not None and (len(shape) < 2 or shape[-1] not in (None, wshape[0]))):
+        if len(wshape) != 2 or (shape is not None and (len(shape) < 2 or
+                                                       shape[-1] not in (None, wshape[in_axis(g, node)]))):
             continue
         out.setdefault(x, []).append(node.name)
     return out
@@ -880,13 +892,13 @@ def smooth_inputs(g, data, indices, comm, device="cpu", targets=None, stats=None
         conv = nodes[0].op_type == "Conv"
         if conv:
             layers = [(w, int(node_attr(n, "group", 1))) for n, w in zip(nodes, weights)]
-        else:
-            layers = [(w.T[:, :, None], 1) for w in weights]     # [N, K, 1]: Conv layout
+        else:       # [N, K, 1]: Conv layout (a Gemm with transB holds its weight as [N, K])
+            layers = [((w if in_axis(g, n) else w.T)[:, :, None], 1) for n, w in zip(nodes, weights)]
         s, alpha, gain = choose_layer_scales(layers, r, ms)
         if s is None:
             continue
         for (w, group), n, w0 in zip(layers, nodes, weights):
-            _set(g, n.input[1], _scale_weight(w0, group, s) if conv else w0 * s[:, None])
+            _set(g, n.input[1], _scale_weight(w0, group, s) if conv else w0 * np.expand_dims(s, 1 - in_axis(g, n)))
         factor = (1.0 / s).astype(np.float32)
         if conv:
             factor = factor.reshape((-1,) + (1,) * (len(weights[0].shape) - 2))
