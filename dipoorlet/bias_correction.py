@@ -29,9 +29,10 @@ import logging
 from dataclasses import dataclass
 
 import numpy as np
+import onnx
 
 from dipoorlet.data import sample_name
-from dipoorlet.graph import node_attr
+from dipoorlet.graph import add_initializer, fresh_name, node_attr
 from dipoorlet.layer_errors import warn_left_out
 from dipoorlet.progress import progress
 from dipoorlet.qdq import append_watch, dq_source, insert_qdq, nan_free
@@ -55,6 +56,75 @@ class Site:
     x: str               # layer input before Q/DQ in the quantized model
     xq: str              # layer input as the layer reads it (the DQ output, or x itself)
     channel_axis: int    # axis of input channels in x
+
+
+def give_biases(g, skip=(), matmul_note: bool = True) -> dict:
+    """Give every layer bias correction could correct a bias of its own, before the transforms
+    (the float function is unchanged): a Conv or Gemm without one gets a zero bias, and a bias
+    constant that several nodes read is copied for each layer reading it as its bias. ``skip``:
+    layers kept float (--skip_layers), left as they are. ``matmul_note``: log the MatMuls left
+    without a bias (bias correction runs).
+
+    Torch's dynamo exporter drops all-zero Conv biases and merges equal constants (one zero vector
+    served 15 of a random-init BERT's bias Adds and LayerNorms), and ``bias=False`` layers have
+    none: :func:`find_sites` passed them all by without a word, and equalization took no such Conv
+    as a pair's producer (a depthwise/pointwise stack on snpe kept 2.3x the error of the same model
+    exported with its zero biases; found by a hunt). A
+    MatMul without a bias Add is still left alone: an Add inserted after it would be one more
+    quantized output on backends that quantize every op's output. Returns the counts."""
+    added, copied, bare = [], [], 0
+    skip = set(skip)
+    for node in list(g.graph.node):
+        if node.name in skip or len(node.input) < 2 or node.input[1] not in g.initializers:
+            continue
+        w = g.initializers[node.input[1]]
+        if w.data_type != onnx.TensorProto.FLOAT:
+            continue
+        holder, index = node, 2
+        if node.op_type == "Conv":
+            n = w.dims[0] if len(w.dims) >= 3 else None
+        elif node.op_type == "Gemm" and len(w.dims) == 2 and not node_attr(node, "transA", 0) \
+                and float(node_attr(node, "beta", 1.0)) != 0.0:
+            n = w.dims[0] if node_attr(node, "transB", 0) else w.dims[1]
+        elif node.op_type == "MatMul" and len(w.dims) == 2:
+            users = g.consumers.get(node.output[0], [])
+            others = [t for t in users[0].input if t != node.output[0]] if len(users) == 1 else []
+            if len(users) != 1 or users[0].op_type != "Add" or len(others) != 1 or others[0] not in g.initializers:
+                bare += 1
+                continue
+            holder, index, n = users[0], list(users[0].input).index(others[0]), None
+        else:
+            continue
+        if n is None and holder is node:
+            continue
+        bias = holder.input[index] if len(holder.input) > index else ""
+        if not bias:
+            name = add_initializer(g, fresh_name(g, f"{node.name or node.output[0]}.bias"), np.zeros(int(n), np.float32))
+            while len(holder.input) <= index:
+                holder.input.append("")
+            holder.input[index] = name
+            added.append(node.name)
+            continue
+        t = g.initializers.get(bias)
+        if t is None or t.data_type != onnx.TensorProto.FLOAT or len(t.dims) != 1:
+            continue
+        readers = [c for c in g.consumers.get(bias, []) if c is not holder]
+        if readers or bias in g.output_names:
+            name = add_initializer(g, fresh_name(g, f"{bias}.{node.name or node.output[0]}"), g.weight(bias))
+            holder.input[index] = name
+            copied.append(node.name)
+            g.consumers[bias] = readers
+    if added or copied:
+        g.refresh()
+        log.info("biases: %s", "; ".join(part for part in (
+            f"{len(added)} Conv/Gemm layers without a bias given a zero one ({', '.join(added[:4])}"
+            f"{' ...' if len(added) > 4 else ''})" if added else "",
+            f"{len(copied)} biases other nodes read too copied for their layer ({', '.join(copied[:4])}"
+            f"{' ...' if len(copied) > 4 else ''})" if copied else "") if part))
+    if bare and matmul_note:
+        log.info("bias correction: %d MatMul layers without a bias Add are not corrected (an Add there would be "
+                 "one more quantized output on some backends)", bare)
+    return {"zero_biases": len(added), "copied_biases": len(copied), "matmuls_without_bias": bare}
 
 
 def find_sites(g, places, plan, qmodel) -> list[Site]:

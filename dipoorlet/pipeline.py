@@ -869,6 +869,11 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
     indices = shard(cfg.data_num, comm.rank, comm.world)
     _declare_input_ranks(g, data)
 
+    # a bias of its own for every Conv/Gemm, which bias correction moves and equalization scales
+    # (neither took a layer without one, or one sharing its bias)
+    from dipoorlet.bias_correction import give_biases
+
+    give_biases(g, cfg.skip_layers, matmul_note=cfg.bias_correction)
     equalized = []
     stats = None
     # Per-channel weights: rescaling channels costs the producer's weights nothing. Power-of-two

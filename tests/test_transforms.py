@@ -244,6 +244,68 @@ def test_bias_correction_makes_quantized_conv_output_means_match_float(tmp_path,
     assert res.report["bias_correction"]["layers"] == 1
 
 
+@pytest.mark.parametrize("deploy", ["trt", "snpe"])
+def test_bias_correction_gives_a_zero_bias_to_a_layer_without_one(tmp_path, deploy):
+    """torch's dynamo exporter drops all-zero Conv biases (and bias=False layers have none): the
+    correction gives each such Conv/Gemm a zero bias to move, and the output means match the float
+    model's as with an explicit bias (a hunt found them passed by without a word)."""
+    cin = 8
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("Conv", ["r", "w"], ["c"], name="conv"),
+             helper.make_node("Relu", ["c"], ["c2"], name="relu2"),
+             helper.make_node("Flatten", ["c2"], ["f"], name="flat"),
+             helper.make_node("Gemm", ["f", "wf"], ["y"], name="fc", transB=1)]
+    inits = {"w": rand((8, cin, 1, 1), 0, 0.5), "wf": rand((4, 8 * 36), 2, 0.1)}
+    model = make_model(nodes, [vi("x", [1, cin, 6, 6])], [vi("y", [1, 4])], inits)
+    feeds = _skewed_feeds((1, cin, 6, 6))
+    want = _channel_means(model, feeds, -1)
+    plain, _ = _quantize(tmp_path, model, feeds, False, deploy)
+    corrected, res = _quantize(tmp_path, model, feeds, True, deploy)
+    assert res.report["bias_correction"]["layers"] == 2
+    got = {n.name: n for n in corrected.graph.node}
+    assert len(got["conv"].input) == 3 and len(got["fc"].input) == 3
+    err = lambda m: np.abs(_channel_means(m, feeds, -1) - want).max()
+    assert err(corrected) < 0.7 * err(plain), (err(corrected), err(plain))
+    # the same as giving the float model zero biases by hand
+    nodes[1] = helper.make_node("Conv", ["r", "w", "b0"], ["c"], name="conv")
+    nodes[4] = helper.make_node("Gemm", ["f", "wf", "bf0"], ["y"], name="fc", transB=1)
+    explicit = make_model(nodes, [vi("x", [1, cin, 6, 6])], [vi("y", [1, 4])],
+                          {**inits, "b0": np.zeros(8, np.float32), "bf0": np.zeros(4, np.float32)})
+    by_hand, _ = _quantize(tmp_path / "..", explicit, feeds, True, deploy, tag="hand")
+    for f in feeds:
+        np.testing.assert_array_equal(ort_run(corrected, f)[0], ort_run(by_hand, f)[0])
+
+
+def test_bias_correction_copies_a_bias_that_several_nodes_read(tmp_path):
+    """torch's dynamo exporter merges equal constants: one zero vector read by two MatMuls' bias
+    Adds and a LayerNorm. Each layer gets its own copy to correct; the LayerNorm keeps the original,
+    keeping its value."""
+    k = 8
+    z = np.zeros(k, np.float32)
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("MatMul", ["r", "w1"], ["m1"], name="fc1"),
+             helper.make_node("Add", ["m1", "zero"], ["a1"], name="b1"),
+             helper.make_node("Relu", ["a1"], ["r1"], name="relu1"),
+             helper.make_node("MatMul", ["r1", "w2"], ["m2"], name="fc2"),
+             helper.make_node("Add", ["m2", "zero"], ["a2"], name="b2"),
+             helper.make_node("LayerNormalization", ["a2", "one", "zero"], ["y"], axis=-1, name="ln")]
+    model = make_model(nodes, [vi("x", [6, k])], [vi("y", [6, k])],
+                       {"w1": rand((k, k), 0, 0.5), "w2": rand((k, k), 1, 0.5), "zero": z,
+                        "one": np.ones(k, np.float32)}, opset=17)
+    feeds = _skewed_feeds((6, k))
+    # snpe: no activation shift, which gives trt's shifted layers biases of their own anyway
+    corrected, res = _quantize(tmp_path, model, feeds, True, "snpe")
+    assert res.report["bias_correction"]["layers"] == 2
+    nodes = {n.name: n for n in corrected.graph.node}
+    ln = nodes["ln"]
+    assert ln.input[2] == "zero"
+    assert len({nodes["b1"].input[1], nodes["b2"].input[1], "zero"}) == 3
+    # the LayerNorm's beta keeps its value; the corrections went into the copies
+    values = {t.name: onnx.numpy_helper.to_array(t) for t in corrected.graph.initializer}
+    np.testing.assert_array_equal(values["zero"], z)
+    assert all(np.abs(values[nodes[b].input[1]]).max() > 0 for b in ("b1", "b2") if nodes[b].input[1] in values)
+
+
 @pytest.mark.parametrize("kwargs, on", [
     ({}, True), ({"bias_correction": False}, False),
     ({"gptq": True}, False), ({"adaround": True}, False), ({"brecq": True}, False), ({"lsq": True}, False),
