@@ -873,7 +873,9 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
     # (neither took a layer without one, or one sharing its bias)
     from dipoorlet.bias_correction import give_biases
 
-    give_biases(g, cfg.skip_layers, matmul_note=cfg.bias_correction)
+    given = give_biases(g, cfg.skip_layers, matmul_note=cfg.bias_correction)
+    # the side files name the biases given (stpu's per layer): the graph holding them must ship
+    g.prepared["biases_given"] = given["zero_biases"] + given["copied_biases"]
     equalized = []
     stats = None
     # Per-channel weights: rescaling channels costs the producer's weights nothing. Power-of-two
@@ -1198,13 +1200,15 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
             floated=analysis["auto_skip"].float_layers if analysis.get("auto_skip") is not None else (),
             unfit=reconstructed.get("skipped") if reconstructed and rounding != "sparse" else None,
             calibration=stats, criterion=cfg.criterion)
-        scattered = diagnose.error_spread(
+        scattered = None if w8 is not None else diagnose.error_spread(
             analysis["isolated"],
             floated=analysis["auto_skip"].float_layers if analysis.get("auto_skip") is not None else (),
             samples=analysis["sens_samples"], platform=plat.name, max_act_bits=plat.activation.max_bits,
             act_bits=min((int(a.bits) for a in plan.activations.values()), default=8),
-            rounding=_flag(rounding) if reconstructed is not None and rounding != "sparse" else None,
-            gptq_flag=diagnose._gptq_flag(corrections is not None, a16.float_layers if a16 is not None else None))
+            rounding=_flag(rounding) if reconstructed is not None else None,
+            gptq_flag=diagnose._gptq_flag(corrections is not None, a16.float_layers if a16 is not None else None),
+            a16=a16.float_layers if a16 is not None else None,
+            groups=diagnose.shared_input_groups(places, plan))
         if scattered is not None:
             analysis["error_spread"] = scattered
     if analysis.get("auto_skip") is not None:
@@ -1354,7 +1358,7 @@ def _write_staging(cfg, g, plan, places, plat, data, indices, qmodel, staging: P
     if equalized or shifted or plan.values or renamed or g.prepared["float16_widened"] or g.prepared["nodes_named"] \
             or g.prepared["batchnorms_folded"] or g.prepared["elementwise_folded"] \
             or g.prepared.get("layernorms_fused") or g.prepared.get("hardswish_fused") \
-            or g.prepared.get("pool_counts_unpadded"):
+            or g.prepared.get("pool_counts_unpadded") or g.prepared.get("biases_given"):
         files.append(_save_transformed(g, plan, staging / "transformed_model.onnx"))
     files += export_all(DeployContext(g, plan, places, plat, cfg), staging)
     meta = {"model": str(cfg.model), "platform": plat.name, "method": cfg.act_quant,

@@ -784,3 +784,20 @@ def quantize_rv(tmp_path, **kw):
     res = dipoorlet.quantize(model=path, input_dir=data, data_num=4, deploy="rv", output_dir=tmp_path / "o",
                              skip_prof_layer=True, **kw)
     return res, onnx.load(str(tmp_path / "o" / "quant_model.onnx"))
+
+
+def test_the_zero_biases_stpu_names_ship_in_transformed_model(tmp_path):
+    """stpu's side file names every Conv's bias; a Conv without one gets a zero bias
+    (bias_correction.give_biases), so transformed_model.onnx, which holds it, must be written even
+    with --no_bc and --no_equalize (a review found stpu_minmax.json naming a bias no shipped graph
+    had)."""
+    from conftest import input_feeds, quantize_model, rand
+
+    model = _four_convs({f"w{i}": rand((2, 2, 1, 1), i) for i in (1, 2, 3, 4)}, 2)
+    quantize_model(tmp_path, model, feeds=input_feeds(model, 2), deploy="stpu", skip_prof_layer=True,
+                   bias_correction=False, equalize=False)
+    doc = json.loads((tmp_path / "out" / "stpu_minmax.json").read_text())
+    shipped = onnx.load(str(tmp_path / "out" / "transformed_model.onnx"))
+    convs = {n.name: n for n in shipped.graph.node if n.op_type == "Conv"}
+    named = [k[:-len("_bias")] for k in doc if k.endswith("_bias")]     # <layer>_bias
+    assert sorted(named) == sorted(convs) and all(len(convs[n].input) == 3 and convs[n].input[2] for n in named)

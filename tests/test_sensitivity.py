@@ -1447,6 +1447,19 @@ def test_error_spread_sums_the_isolated_noise_powers():
     assert error_spread(_rows([float("nan")] + [40.0] * 19)) is None
     # layers --auto_skip kept float are not part of the written model's error
     assert error_spread(_rows(dbs), floated=["n0"])["layers"] == 23
+    # layers reading one quantized tensor count as one: one grid rounds it for all of them (a
+    # review: 16 branches reading one input were called spread; two 16-bit grids gained 10.6 dB)
+    shared = error_spread(_rows(dbs), groups=[{f"n{i}" for i in range(12)}])
+    assert shared is None
+    grouped = error_spread(_rows(dbs), groups=[{"n0", "n1"}])
+    assert grouped["groups"] == 23 and "counted as one" in grouped["advice"]
+    # after --auto_a16 its layers are left out and the advice asks for more of it, not for it
+    after = error_spread(_rows(dbs, [(40.0, 46.0)] * 4), platform="qnn", max_act_bits=16, a16=["n0", "n1"])
+    assert after["layers"] == 22 and "before --auto_a16 gave 2 layers" in after["advice"]
+    assert "a stricter --auto_a16 target" in after["advice"] and "--auto_a16 TARGET picks" not in after["advice"]
+    # --sparse pruned the weights: not --gptq/--brecq (which it refuses)
+    pruned = error_spread(_rows(dbs, [(46.0, 40.0)] * 4), rounding="--sparse")
+    assert "a milder pattern" in pruned["advice"] and "--brecq" not in pruned["advice"]
 
 
 def _conv_chain(depth=10, ch=8, seed=0):
