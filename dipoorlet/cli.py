@@ -292,7 +292,7 @@ def name_run_log(out_dir: Path | None, ok: bool) -> None:
 
 
 def summary(result, cfg) -> str:
-    from dipoorlet.report import lowest_cosine_notes, output_label, profile_note, table
+    from dipoorlet.report import lowest_cosine_notes, node_label, output_label, profile_note, table
 
     rep = result.report
     lines = ["", f"dipoorlet {__version__}: {rep['platform']} / -A {rep['method']} / {rep['samples']} samples"]
@@ -315,14 +315,14 @@ def summary(result, cfg) -> str:
     if rep["worst_layers"]:
         lines.append("")
         lines.append(table(["worst layers (cumulative)", "op", "cos", "SQNR dB"],
-                           [[n, layers[n]["op_type"], layers[n]["cosine"], layers[n]["sqnr_db"]]
+                           [[node_label(n, rep), layers[n]["op_type"], layers[n]["cosine"], layers[n]["sqnr_db"]]
                             for n in rep["worst_layers"]]))
     if rep.get("diagnosis") or rep.get("error_spread"):
         lines.append("")
         lines.append("what limits accuracy (isolated sensitivity; details in report.md):")
         if rep.get("error_spread"):
             lines.append(f"  spread over many layers: {rep['error_spread']['advice']}")
-        lines += [f"  {d['node']}: {d['advice']}" for d in rep.get("diagnosis", [])[:2 if rep.get("error_spread") else 3]]
+        lines += [f"  {node_label(d['node'], rep)}: {d['advice']}" for d in rep.get("diagnosis", [])[:2 if rep.get("error_spread") else 3]]
     t = result.timings
     lines.append("")
     wide = f" ({rep['qdq_tensors_16bit']} 16-bit)" if rep.get("qdq_tensors_16bit") else ""

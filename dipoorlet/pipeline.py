@@ -167,6 +167,7 @@ def load_graph(cfg: QuantConfig, plat=None) -> Graph:
     # is the float model they describe
     g.source_names = ({t.name for t in g.graph.initializer} | {i.name for i in g.graph.input}
                       | {o for n in g.graph.node for o in n.output})
+    g.torch_scopes = torch_scopes(g.model)
     # a backend that quantizes a HardSwish op's input and output only runs the decomposed form
     # as that one op (its converter fuses it): fused here so the gate gets no grid of its own
     done = prepare.prepare(g, hardswish=plat is not None and "HardSwish" in plat.quantize_ops)
@@ -203,7 +204,7 @@ def load_graph(cfg: QuantConfig, plat=None) -> Graph:
         if found:
             g.refresh()
             log.info("%d tensors typed by onnxruntime where ONNX shape inference left them untyped", len(found))
-    cfg = _follow_folds(_follow_duplicates(cfg, g), g)
+    cfg = _follow_folds(_follow_duplicates(_follow_modules(cfg, g), g), g)
     bad = _nonfinite_weights(g)
     if bad:
         # the float model computes NaN/Inf there too; quantized, one Inf made a per-tensor grid's
@@ -258,8 +259,11 @@ def load_graph(cfg: QuantConfig, plat=None) -> Graph:
         missing -= inside
     if missing:
         sample = ", ".join(sorted(g.node_by_name)[:5])
+        mods = sorted({sc[-1] for sc in getattr(g, "torch_scopes", {}).values() if sc})
         raise ConfigError(f"--skip_layers/--layer_bits name {sorted(missing)}, which are not nodes of the model "
-                          f"(nodes are named like: {sample}, ...); use node names, not tensor names")
+                          f"(nodes are named like: {sample}, ...); use node names, not tensor names"
+                          + (f" (--skip_layers also takes the torch modules this export recorded, like: "
+                             f"{', '.join(mods[:3])}, ...)" if mods else ""))
     return g, cfg
 
 
@@ -278,6 +282,60 @@ def _nonfinite_weights(g: Graph) -> dict[str, tuple[str, int]]:
                     out[node.name] = (name, k)
                     break
     return out
+
+
+SCOPES_KEY = "pkg.torch.onnx.name_scopes"
+
+
+def torch_scopes(model) -> dict[str, list[str]]:
+    """Node name -> the torch module path torch's dynamo exporter recorded for it (its
+    ``pkg.torch.onnx.name_scopes`` metadata: ``['', 'm', 'm.encoder', ..., 'linear_4']``, the last
+    entry the traced call's own name); empty for other exporters, whose node names carry the
+    path already (``/encoder/layer.0/.../MatMul``)."""
+    import ast
+
+    out = {}
+    for node in model.graph.node:
+        for p in node.metadata_props:
+            if p.key != SCOPES_KEY:
+                continue
+            try:
+                scopes = ast.literal_eval(p.value)
+            except (ValueError, SyntaxError, MemoryError, RecursionError):
+                break
+            if isinstance(scopes, list) and all(isinstance(x, str) for x in scopes):
+                out[node.name] = [x for x in scopes[:-1] if x]
+            break
+    return out
+
+
+def torch_module(g: Graph, node: str) -> str | None:
+    """The innermost torch module a node was traced in (dynamo exports), e.g.
+    ``m.encoder.layer.0.intermediate.dense`` for ``node_MatMul_85``; None where not recorded."""
+    scopes = getattr(g, "torch_scopes", {}).get(node)
+    return scopes[-1] if scopes else None
+
+
+def _follow_modules(cfg: QuantConfig, g: Graph) -> QuantConfig:
+    """A --skip_layers name that is no node but a torch module of a dynamo export (its nodes
+    are named ``node_MatMul_85``, their module paths are in the metadata) keeps the module's
+    nodes float, as users name their layers in PyTorch."""
+    scopes = getattr(g, "torch_scopes", {})
+    if not scopes:
+        return cfg
+    expanded = []
+    for name in cfg.skip_layers:
+        if name in g.node_by_name or name in getattr(g, "duplicate_names", {}):
+            expanded.append(name)
+            continue
+        members = [n for n, sc in scopes.items() if name in sc]
+        if not members:
+            expanded.append(name)          # said below: not a node of the model
+            continue
+        log.info("--skip_layers %s: the torch module's %d nodes (%s)", name, len(members),
+                 ", ".join(members[:6]) + (" ..." if len(members) > 6 else ""))
+        expanded += members
+    return dataclasses.replace(cfg, skip_layers=tuple(dict.fromkeys(expanded)))
 
 
 def _follow_duplicates(cfg: QuantConfig, g: Graph) -> QuantConfig:
@@ -1373,6 +1431,9 @@ def _write_staging(cfg, g, plan, places, plat, data, indices, qmodel, staging: P
             "weights": len(places.weights),
             "int32_biases": sum(1 for (_, index) in places.weights if index == 2),
             **({"quant_format": qop_info} if qop_info is not None else {})}
+    modules = {n: m for n in places.quantized_nodes if (m := torch_module(g, n))}
+    if modules:      # a dynamo export's nodes (node_MatMul_85) by the torch module they came from
+        meta["torch_modules"] = modules
     rep = report.build(rows, places, meta, analysis, stats, plan, out_cosines, clipped)
     files += report.write(staging, rep)
     return files, rep

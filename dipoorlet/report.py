@@ -233,6 +233,13 @@ def _iso(layer, key="isolated"):
     return (s["cosine"], s["sqnr_db"]) if s else (None, None)
 
 
+def node_label(n: str, report: dict) -> str:
+    """A node as the tables show it: with its torch module where a dynamo export recorded one
+    (``node_MatMul_85 (m.encoder.layer.0.intermediate.dense)``)."""
+    m = report.get("torch_modules", {}).get(n)
+    return f"{n} ({m})" if m else n
+
+
 def markdown(report: dict) -> str:
     qop_note = format_note(report)
     out = [f"# dipoorlet report: {report['model']}", "",
@@ -257,14 +264,15 @@ def markdown(report: dict) -> str:
     if report["worst_layers"]:
         out += ["", "## 10 worst layers (cumulative: everything upstream quantized)", "",
                 table(["node", "op", "cosine", "SQNR dB", "isolated cosine"],
-                      [[n, layers[n]["op_type"], layers[n]["cosine"], layers[n]["sqnr_db"], _iso(layers[n])[0]]
-                       for n in report["worst_layers"]])]
+                      [[node_label(n, report), layers[n]["op_type"], layers[n]["cosine"], layers[n]["sqnr_db"],
+                        _iso(layers[n])[0]] for n in report["worst_layers"]])]
     sens = {s["node"]: s for s in report.get("sensitivity", [])}
     if report.get("most_sensitive_layers"):
         body = []
         for n in report["most_sensitive_layers"]:
             l = sens.get(n, {})
-            body.append([n, l.get("op_type"), *_iso(l), _iso(l, "weight_only")[0], _iso(l, "activation_only")[0]])
+            body.append([node_label(n, report), l.get("op_type"), *_iso(l), _iso(l, "weight_only")[0],
+                         _iso(l, "activation_only")[0]])
         out += ["", f"## 10 most sensitive layers (isolated: only this layer quantized, effect at the "
                 f"output, {report.get('sensitivity_samples')} "
                 f"{'held-out samples from --val_dir' if report.get('sensitivity_held_out') else 'samples'})", "",
@@ -275,7 +283,7 @@ def markdown(report: dict) -> str:
             out.append(f"- **spread over many layers**: {report['error_spread']['advice']}")
         for d in report.get("diagnosis", []):
             cause = f", mostly {d['cause']}" if d.get("cause") else ""
-            out.append(f"- **{d['node']}** ({d['op_type']}, isolated output cosine {d['isolated_cosine']:.6f}, "
+            out.append(f"- **{node_label(d['node'], report)}** ({d['op_type']}, isolated output cosine {d['isolated_cosine']:.6f}, "
                        f"SQNR {d['isolated_sqnr_db']:.1f} dB{cause}): {d['advice']}")
     if report.get("weight_spread"):
         out += ["", "## Weight range spread (max channel / median channel; large = per-tensor hurts)", "",

@@ -113,7 +113,7 @@ def _cos_cell(v, bar=0.999):
 
 
 def html(rep: dict) -> str:
-    from dipoorlet.report import a16_figure, format_note, kept_float, output_label, profile_note
+    from dipoorlet.report import a16_figure, format_note, kept_float, node_label, output_label, profile_note
 
     layers = rep.get("layers", [])
     qop_note = format_note(rep)
@@ -174,7 +174,7 @@ def html(rep: dict) -> str:
         out += ["<h2>What limits accuracy, and what to do</h2><ul>",
                 *([f"<li><b>spread over many layers</b>: {esc(rep['error_spread']['advice'])}</li>"]
                   if rep.get("error_spread") else []),
-                *[f"<li><b>{esc(d['node'])}</b> ({esc(d['op_type'])}, isolated output cosine "
+                *[f"<li><b>{esc(node_label(d['node'], rep))}</b> ({esc(d['op_type'])}, isolated output cosine "
                   f"{_fmt(d.get('isolated_cosine'), 6)}, SQNR {_fmt(d.get('isolated_sqnr_db'), 1)} dB"
                   f"{', mostly ' + esc(d['cause']) if d.get('cause') else ''}): {esc(d['advice'])}</li>"
                   for d in rep.get("diagnosis", [])], "</ul>"]
@@ -185,7 +185,8 @@ def html(rep: dict) -> str:
         for n in rep["most_sensitive_layers"]:
             l = sens.get(n, {})
             iso, wo, ao = l.get("isolated") or {}, l.get("weight_only") or {}, l.get("activation_only") or {}
-            rows.append([esc(n), esc(l.get("op_type")), _cos_cell(iso.get("cosine")), _fmt(iso.get("sqnr_db"), 2),
+            rows.append([esc(node_label(n, rep)), esc(l.get("op_type")), _cos_cell(iso.get("cosine")),
+                         _fmt(iso.get("sqnr_db"), 2),
                          _fmt(wo.get("cosine"), 6), _fmt(ao.get("cosine"), 6)])
         held = " held-out samples from --val_dir" if rep.get("sensitivity_held_out") else " samples"
         out += [f"<h2>Most sensitive layers (isolated, {esc(rep.get('sensitivity_samples'))}{held})</h2>",
@@ -193,7 +194,7 @@ def html(rep: dict) -> str:
     if rep.get("worst_layers"):
         out += ["<h2>Worst layers (cumulative)</h2>",
                 _table(["node", "op", "cosine", "SQNR dB"],
-                       [[esc(n), esc(by_node[n]["op_type"]), _cos_cell(by_node[n]["cosine"]),
+                       [[esc(node_label(n, rep)), esc(by_node[n]["op_type"]), _cos_cell(by_node[n]["cosine"]),
                          _fmt(by_node[n]["sqnr_db"], 2)] for n in rep["worst_layers"] if n in by_node])]
     hists = rep.get("activation_histograms", {})
     if hists:

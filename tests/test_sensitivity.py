@@ -1496,3 +1496,32 @@ def test_report_says_when_the_error_is_spread_over_many_layers(tmp_path, monkeyp
     # one layer made sensitive by construction: its own row says it, not the spread note
     result, _ = quantize_model(tmp_path / "one", sensitive_model(), n=6, sens_samples=6, equalize=False)
     assert "error_spread" not in result.report and result.report["diagnosis"][0]["node"] == "conv2"
+
+
+def _with_scopes(model, scopes: dict):
+    """Record torch module paths on nodes as torch's dynamo exporter does (metadata_props)."""
+    for node in model.graph.node:
+        if node.name in scopes:
+            p = node.metadata_props.add()
+            p.key, p.value = "pkg.torch.onnx.name_scopes", repr(scopes[node.name])
+    return model
+
+
+def test_dynamo_nodes_are_shown_and_skipped_by_their_torch_module(tmp_path):
+    """torch's dynamo exporter names nodes node_Conv_3 and records the module path in metadata:
+    the report shows it beside the node, and --skip_layers takes a module's path."""
+    model = _with_scopes(tiny_cnn(), {"conv1": ["", "net", "net.stem", "net.stem.conv", "conv2d"],
+                                      "conv2": ["", "net", "net.block", "net.block.conv", "conv2d_1"],
+                                      "add2": ["", "net", "net.block", "add"],
+                                      "fc": ["", "net", "net.head", "linear"]})
+    result, qm = quantize_model(tmp_path, model, n=4, sens_samples=4)
+    rep = result.report
+    assert rep["torch_modules"]["conv1"] == "net.stem.conv" and rep["torch_modules"]["fc"] == "net.head"
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert any(f"{n} ({m})" in md for n, m in rep["torch_modules"].items())
+    # a module's path keeps its nodes float, the nodes under it (net.block: conv2 and add2) included
+    result, qm = quantize_model(tmp_path / "skip", model, n=4, skip_prof_layer=True, skip_layers=["net.block"])
+    float_nodes = {d["node"] for d in result.report["decisions"] if not d["quantized"]}
+    assert {"conv2", "add2"} <= float_nodes and "conv1" not in float_nodes
+    with pytest.raises(ConfigError, match="torch modules this export recorded, like: net.block, net.block.conv"):
+        quantize_model(tmp_path / "bad", model, n=2, skip_prof_layer=True, skip_layers=["net.blok"])
