@@ -283,6 +283,22 @@ def mask_carrying(graph) -> set[str]:
     return {t for t in toward if _softmax_axes(graph, t) is None}
 
 
+def _staircase(pairs: list) -> list:
+    """The (largest row, lowest live row) pairs of samples that can still decide a Softmax
+    input's floor: those whose largest row lies within MASKED_ROW_GAP of the largest of all, and
+    of those only the ones no sample with a larger largest row undercuts (it counts whenever they
+    do). Exact whatever the order or the split over processes."""
+    if not pairs:
+        return []
+    top = max(r for r, _ in pairs)
+    kept, best = [], math.inf
+    for r, l in sorted((p for p in pairs if p[0] >= top - MASKED_ROW_GAP), key=lambda p: (-p[0], p[1])):
+        if l < best:
+            kept.append((r, l))
+            best = l
+    return kept
+
+
 def softmax_floors(graph, data, indices, stats: dict[str, TensorStats], comm, device="cpu") -> dict[str, float]:
     """Lower ends for the grids of Softmax inputs whose range an additive attention mask stretches.
 
@@ -347,16 +363,32 @@ def softmax_floors(graph, data, indices, stats: dict[str, TensorStats], comm, de
         while len(g.node) > n_nodes:
             g.node.pop()
     order = sorted(cands)
-    low = np.full(len(order), np.inf)
+    # per tensor, (sample's largest row maximum, its lowest live row maximum) pairs, kept only
+    # while they can still decide the floor (_staircase): a sample whose largest row lies
+    # MASKED_ROW_GAP below another sample's has every row masked (a calibration sample of all
+    # padding) and does not count either; it had sunk the floor to the mask (a Llama on qnn,
+    # held-out cosine 0.985 -> 0.413 from one such sample in 16; found by a hunt)
+    pairs: list[list] = [[] for _ in order]
+    alone = np.full(len(order), np.inf)     # each sample judged by itself, as before: what the log compares
     for i in progress(indices, "calibration: Softmax row maxima", comm):
         found, _ = runner.run(data.sample(i), ranges=False)
         for k, t in enumerate(order):
             rows = np.asarray(found[names[t]], np.float64).reshape(-1)
             rows = rows[np.isfinite(rows)]
             if rows.size:
-                live = rows[rows >= rows.max() - MASKED_ROW_GAP]
-                low[k] = min(low[k], float(live.min()))
-    low = -comm.allreduce_max(-low)
+                top = float(rows.max())
+                live = float(rows[rows >= top - MASKED_ROW_GAP].min())
+                alone[k] = min(alone[k], live)
+                pairs[k] = _staircase(pairs[k] + [(top, live)])
+    merged = [_staircase([p for part in parts for p in part]) for parts in zip(*comm.allgather(pairs))]
+    low = np.array([min((l for _, l in m), default=np.inf) for m in merged])
+    alone = -comm.allreduce_max(-alone)
+    masked_out = [t for t, a, v in zip(order, alone, low) if a < v]
+    if masked_out:
+        log.info("Softmax inputs: %d tensors have calibration samples whose every row lies %g or more below other "
+                 "samples' largest (every query masked: a sample of all padding?); their grids' lower ends leave "
+                 "those samples out: %s", len(masked_out), MASKED_ROW_GAP, ", ".join(masked_out[:4])
+                 + (" ..." if len(masked_out) > 4 else ""))
     out, extended = {}, {}
     for t, v in zip(order, low):
         floor = float(v) - SOFTMAX_MARGIN
