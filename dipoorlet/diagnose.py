@@ -195,6 +195,7 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
     # one of them is equalized; one reached from a pair's absorber only is not (its input side was
     # rescaled; "already equalized" had been said there, found by a bug hunt)
     rescaled = {r["producer"] for r in equalized if r.get("producer")}
+    folded = {r["tensor"]: r["folded_into"] for r in equalized if r.get("folded_into")}
     from dipoorlet.equalize import matmul_targets
     from dipoorlet.sensitivity import grid_copies, grid_partners
 
@@ -266,9 +267,13 @@ def diagnose(g, places, plan, isolated, data, indices, comm, device="cpu", equal
                 a["equalization"] = "off for this platform or by --no_equalize"
             elif kind == "smoothed":
                 a["equalization"] = "already smoothed (a per-channel input scale moved into the weights)"
+            elif t in folded:
+                a["equalization"] = f"already smoothed (the per-channel scale went into {folded[t]})"
             elif matmul_input:
                 a["equalization"] = (
-                    "MatMul input smoothing is off: this platform quantizes the Mul it inserts" if not smooth else
+                    "MatMul input smoothing is off: this platform quantizes the Mul it would insert, and the op "
+                    "making this input cannot take the scale (a Mul by a per-channel constant or a "
+                    "LayerNormalization that only these layers read)" if not smooth else
                     "MatMul input smoothing estimated to gain under 3 dB" if s.node in smoothable.get(t, ()) else
                     "MatMul input smoothing does not apply: the weight is not this MatMul's own (another layer "
                     "reads it) or not a float32 2-D initializer")

@@ -577,32 +577,40 @@ def _set(g, name: str, value: np.ndarray) -> None:
     t.CopyFrom(numpy_helper.from_array(value.astype(np.float32), name))
 
 
-def _plan(g, smooth: bool, skip) -> tuple[list[Chain], dict[str, list[str]], list]:
-    """The pairs, the smoothing targets and the channel_stats items measuring them."""
+def _plan(g, smooth: bool, skip, fold: bool = False) -> tuple[list[Chain], dict[str, list[str]], list]:
+    """The pairs, the smoothing targets and the channel_stats items measuring them. ``fold``
+    (with ``smooth`` off): the MatMul/Gemm inputs whose scale can go into the op that makes them
+    (:func:`fold_producer`) are smoothing targets still."""
     found = find_chains(g, affine=smooth)
     chains = [c for c in found if all(n in g.initializers for n in _weights(g, c))]
     # Conv inputs equalization cannot reach (a HardSwish, an Add, a Concat in between) are
     # smoothed instead; a Conv a pair already serves is left to the pair.
     absorbing = {n for c in found for n in c.absorbers}
-    targets = smooth_targets(g, exclude=absorbing | set(skip)) if smooth else {}
+    if smooth:
+        targets = smooth_targets(g, exclude=absorbing | set(skip))
+    elif fold:
+        targets = {x: names for x, names in matmul_targets(g).items()
+                   if not set(names) & set(skip) and fold_producer(g, x, names) is not None}
+    else:
+        targets = {}
     chain_items = _chain_items(g, chains)
     measured = {t for t, _, _ in chain_items}
     targets = {x: m for x, m in targets.items() if x not in measured}
     return chains, targets, chain_items + _smooth_items(g, targets)
 
 
-def _apply_all(g, chains, targets, stats, data, indices, comm, device) -> list[dict]:
+def _apply_all(g, chains, targets, stats, data, indices, comm, device, folding: bool = False) -> list[dict]:
     rows = apply(g, chains, stats) if chains else []
     if rows:
         log.info("equalization: %d Conv pairs rescaled (%s)", len(rows),
                  ", ".join(f"{r['producer']} -> {'/'.join(r['absorbers'])} spread {r['range_spread_before']:.1f}x"
                            for r in rows[:5]) + (" ..." if len(rows) > 5 else ""))
     if targets:
-        rows += smooth_inputs(g, data, indices, comm, device, targets=targets, stats=stats)
+        rows += smooth_inputs(g, data, indices, comm, device, targets=targets, stats=stats, folding=folding)
     return rows
 
 
-def equalize(g, data, indices, comm, device="cpu", smooth: bool = True, skip=()) -> list[dict]:
+def equalize(g, data, indices, comm, device="cpu", smooth: bool = True, skip=(), fold: bool = False) -> list[dict]:
     """Find, measure and apply; returns the summary rows (empty when nothing qualifies).
     ``smooth``: also rescale MatMul inputs, which inserts a Mul (for backends that do not
     quantize a Mul's own inputs, where it runs fused in float).
@@ -610,11 +618,11 @@ def equalize(g, data, indices, comm, device="cpu", smooth: bool = True, skip=())
     One statistics pass serves both: a pair's scaled tensors reach no MatMul and no Conv but its
     own absorbers (the walk refuses the pair otherwise, and absorbers are never smoothed), so
     rescaling the pairs leaves every smoothing target's statistics as measured."""
-    chains, targets, items = _plan(g, smooth, skip)
+    chains, targets, items = _plan(g, smooth, skip, fold=fold and not smooth)
     if not items:
         return []
     stats = channel_stats(g, items, data, indices, comm, device)
-    return _apply_all(g, chains, targets, stats, data, indices, comm, device)
+    return _apply_all(g, chains, targets, stats, data, indices, comm, device, folding=fold and not smooth)
 
 
 def equalize_and_calibrate(g, data, indices, comm, device="cpu", smooth: bool = True, skip=(),
@@ -855,12 +863,50 @@ def smooth_targets(g, exclude=()) -> dict[str, list[str]]:
     return out
 
 
+def fold_producer(g, x: str, names) -> tuple | None:
+    """Where smoothing's scale on MatMul/Gemm input ``x`` can go into the op that makes it
+    instead of a Mul inserted before the layers: ``(node, [constants to divide by s])`` for a Mul
+    by a per-channel constant vector (an RMSNorm's gamma) or a LayerNormalization over the last
+    axis (its scale and bias), whose constants nothing else reads and whose output only the
+    layers ``names`` read; None otherwise. For backends that quantize a Mul's inputs (qnn, ort,
+    snpe), where an inserted Mul would be one more quantized tensor and smoothing was off, so a
+    pre-norm transformer's outlier channels (gamma) kept their per-tensor grids (a Llama on qnn:
+    held-out cosine 0.985; folded by hand 0.991; found by a hunt)."""
+    node = g.producer.get(x)
+    # a Shape (torch's exports read the normed tensor's shape for the attention's reshapes) or a
+    # Size reads no value
+    readers = {c.name for c in g.consumers.get(x, []) if c.op_type not in ("Shape", "Size")}
+    if node is None or x in g.output_names or readers != set(names):
+        return None
+    k = g.weight(g.node_by_name[names[0]].input[1]).shape[in_axis(g, g.node_by_name[names[0]])]
+    if node.op_type == "Mul" and len(node.input) == 2:
+        consts = [i for i in node.input if g.is_constant(i)]
+        if len(consts) != 1 or node.input[0] == node.input[1]:
+            return None
+        c = consts[0]
+        if c not in g.initializers or not _fp32(g, c) or len(g.consumers.get(c, [])) != 1 or c in g.output_names:
+            return None
+        shape = g.weight(c).shape
+        if not shape or shape[-1] != k or int(np.prod(shape)) != k:
+            return None        # a scalar or a tensor of another layout: not one value per channel
+        return node, [c]
+    if node.op_type == "LayerNormalization" and not any(node.output[1:]):
+        if int(node_attr(node, "axis", -1)) not in (-1, len(g.shape(x) or []) - 1):
+            return None
+        consts = [i for i in node.input[1:3] if i]
+        if not consts or not all(c in g.initializers and _fp32(g, c) and len(g.consumers.get(c, [])) == 1
+                                 and c not in g.output_names and g.weight(c).shape == (k,) for c in consts):
+            return None
+        return node, consts
+    return None
+
+
 def smooth_matmuls(g, data, indices, comm, device="cpu", targets=None, stats=None) -> list[dict]:
     """:func:`smooth_inputs` over the MatMul inputs only."""
     return smooth_inputs(g, data, indices, comm, device, matmul_targets(g) if targets is None else targets, stats)
 
 
-def smooth_inputs(g, data, indices, comm, device="cpu", targets=None, stats=None) -> list[dict]:
+def smooth_inputs(g, data, indices, comm, device="cpu", targets=None, stats=None, folding: bool = False) -> list[dict]:
     """SmoothQuant-style scaling of MatMul inputs (Xiao et al., ICML 2023), as TensorRT Model
     Optimizer's ``pre_quant_scale``: ``X @ W == (X / s) @ (s W)``. The division is a Mul by a
     constant vector inserted before the MatMuls (TensorRT fuses it with the quantize step); the
@@ -899,12 +945,19 @@ def smooth_inputs(g, data, indices, comm, device="cpu", targets=None, stats=None
             continue
         for (w, group), n, w0 in zip(layers, nodes, weights):
             _set(g, n.input[1], _scale_weight(w0, group, s) if conv else w0 * np.expand_dims(s, 1 - in_axis(g, n)))
-        factor = (1.0 / s).astype(np.float32)
-        if conv:
-            factor = factor.reshape((-1,) + (1,) * (len(weights[0].shape) - 2))
-        insert_before(g, "Mul", x, factor, "smooth", "factor", nodes)   # one refresh() after the loop
+        fold = fold_producer(g, x, names) if folding and not conv else None
+        if fold is not None:
+            for c in fold[1]:
+                v = g.weight(c).astype(np.float64)
+                _set(g, c, (v / s.reshape(v.shape)))
+        else:
+            factor = (1.0 / s).astype(np.float32)
+            if conv:
+                factor = factor.reshape((-1,) + (1,) * (len(weights[0].shape) - 2))
+            insert_before(g, "Mul", x, factor, "smooth", "factor", nodes)   # one refresh() after the loop
         positive = r[r > 0]
         rows.append({"tensor": x, "matmuls" if not conv else "convs": list(names), "alpha": alpha,
+                     **({"folded_into": fold[0].name} if fold is not None else {}),
                      "max_gain": float(1.0 / s.min()),
                      "range_spread_before": float(r.max() / positive.min()) if positive.size else 1.0,
                      "estimated_noise_reduction_db": gain})

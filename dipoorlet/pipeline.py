@@ -959,7 +959,10 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
                                                                eq_subset=set(spread(k, cfg.data_num, 0, 1)))
         else:
             eq_indices = spread(k, cfg.data_num, comm.rank, comm.world)
-            equalized = equalize.equalize(g, data, eq_indices, comm, cfg.device, smooth=smooth, skip=cfg.skip_layers)
+            # where the backend quantizes Mul, a MatMul input's scale goes into the op making it
+            # (an RMSNorm's gamma, a LayerNorm) or nowhere
+            equalized = equalize.equalize(g, data, eq_indices, comm, cfg.device, smooth=smooth, skip=cfg.skip_layers,
+                                          fold=True)
         timings["equalize_s"] = time.perf_counter() - t
     elif cfg.equalize and not plat.weight.per_channel:
         from dipoorlet import equalize
