@@ -112,6 +112,9 @@ ROWMAX_SUFFIX = "__dpl_rowmax"
 # (a padded query under a two-sided or causal mask: all of it near -1e4); it does not set the
 # floor, which would otherwise sink to the mask
 MASKED_ROW_GAP = 100.0
+# a sample whose every Softmax row maximum lies below this, where a mask is added, has every query
+# masked (masks are -1e4, -1e9 or float32's lowest; scores do not reach -1000)
+MASKED_SAMPLE = -1000.0
 
 
 def _softmax_axes(graph, tensor: str) -> list[int] | None:
@@ -283,22 +286,6 @@ def mask_carrying(graph) -> set[str]:
     return {t for t in toward if _softmax_axes(graph, t) is None}
 
 
-def _staircase(pairs: list) -> list:
-    """The (largest row, lowest live row) pairs of samples that can still decide a Softmax
-    input's floor: those whose largest row lies within MASKED_ROW_GAP of the largest of all, and
-    of those only the ones no sample with a larger largest row undercuts (it counts whenever they
-    do). Exact whatever the order or the split over processes."""
-    if not pairs:
-        return []
-    top = max(r for r, _ in pairs)
-    kept, best = [], math.inf
-    for r, l in sorted((p for p in pairs if p[0] >= top - MASKED_ROW_GAP), key=lambda p: (-p[0], p[1])):
-        if l < best:
-            kept.append((r, l))
-            best = l
-    return kept
-
-
 def softmax_floors(graph, data, indices, stats: dict[str, TensorStats], comm, device="cpu") -> dict[str, float]:
     """Lower ends for the grids of Softmax inputs whose range an additive attention mask stretches.
 
@@ -363,13 +350,13 @@ def softmax_floors(graph, data, indices, stats: dict[str, TensorStats], comm, de
         while len(g.node) > n_nodes:
             g.node.pop()
     order = sorted(cands)
-    # per tensor, (sample's largest row maximum, its lowest live row maximum) pairs, kept only
-    # while they can still decide the floor (_staircase): a sample whose largest row lies
-    # MASKED_ROW_GAP below another sample's has every row masked (a calibration sample of all
-    # padding) and does not count either; it had sunk the floor to the mask (a Llama on qnn,
-    # held-out cosine 0.985 -> 0.413 from one such sample in 16; found by a hunt)
-    pairs: list[list] = [[] for _ in order]
-    alone = np.full(len(order), np.inf)     # each sample judged by itself, as before: what the log compares
+    # where a mask is added, a sample whose every row maximum lies below MASKED_SAMPLE (every
+    # query masked: a calibration sample of all padding) does not count either; it had sunk the
+    # floor to the mask (a Llama on qnn, held-out cosine 0.985 -> 0.413 from one such sample in
+    # 16; found by a hunt). Scores that lie lower by themselves (an added prior of -160 moves no
+    # probability) still count: leaving them out clipped that sample (a review: cosine 1.0 -> 0.35)
+    low = np.full(len(order), np.inf)
+    alone = np.full(len(order), np.inf)     # every sample counted, as before: what the log compares
     for i in progress(indices, "calibration: Softmax row maxima", comm):
         found, _ = runner.run(data.sample(i), ranges=False)
         for k, t in enumerate(order):
@@ -379,15 +366,16 @@ def softmax_floors(graph, data, indices, stats: dict[str, TensorStats], comm, de
                 top = float(rows.max())
                 live = float(rows[rows >= top - MASKED_ROW_GAP].min())
                 alone[k] = min(alone[k], live)
-                pairs[k] = _staircase(pairs[k] + [(top, live)])
-    merged = [_staircase([p for part in parts for p in part]) for parts in zip(*comm.allgather(pairs))]
-    low = np.array([min((l for _, l in m), default=np.inf) for m in merged])
+                if not (t in masked and top <= MASKED_SAMPLE):
+                    low[k] = min(low[k], live)
+    low = -comm.allreduce_max(-low)
     alone = -comm.allreduce_max(-alone)
+    low = np.where(np.isfinite(low), low, alone)          # every sample all masked: as before
     masked_out = [t for t, a, v in zip(order, alone, low) if a < v]
     if masked_out:
-        log.info("Softmax inputs: %d tensors have calibration samples whose every row lies %g or more below other "
-                 "samples' largest (every query masked: a sample of all padding?); their grids' lower ends leave "
-                 "those samples out: %s", len(masked_out), MASKED_ROW_GAP, ", ".join(masked_out[:4])
+        log.info("Softmax inputs: %d tensors have calibration samples whose every row maximum lies below %g, where "
+                 "a mask is added (every query masked: a sample of all padding?); their grids' lower ends leave "
+                 "those samples out: %s", len(masked_out), MASKED_SAMPLE, ", ".join(masked_out[:4])
                  + (" ..." if len(masked_out) > 4 else ""))
     out, extended = {}, {}
     for t, v in zip(order, low):

@@ -304,7 +304,8 @@ def torch_scopes(model) -> dict[str, list[str]]:
             except (ValueError, SyntaxError, MemoryError, RecursionError):
                 break
             if isinstance(scopes, list) and all(isinstance(x, str) for x in scopes):
-                out[node.name] = [x for x in scopes[:-1] if x]
+                # dynamo puts a placeholder scope on nodes it traced outside any module (a Shape)
+                out[node.name] = [x for x in scopes[:-1] if x and not x.startswith("_empty_nn_module_stack")]
             break
     return out
 
@@ -331,6 +332,14 @@ def _follow_modules(cfg: QuantConfig, g: Graph) -> QuantConfig:
         members = [n for n, sc in scopes.items() if name in sc]
         if not members:
             expanded.append(name)          # said below: not a node of the model
+            continue
+        # the nodes preparation kept or folded into another (a tied lm_head's Transpose is gone;
+        # a review found the run stopped on a node name the user never typed)
+        folded = getattr(g, "folded_into", {})
+        members = [n for n in members if n in g.node_by_name or n in folded]
+        if not members:
+            log.warning("--skip_layers %s: the torch module's nodes were all folded away when the model was "
+                        "prepared (constants, Identity ops); nothing of it to keep float", name)
             continue
         log.info("--skip_layers %s: the torch module's %d nodes (%s)", name, len(members),
                  ", ".join(members[:6]) + (" ..." if len(members) > 6 else ""))

@@ -1525,3 +1525,17 @@ def test_dynamo_nodes_are_shown_and_skipped_by_their_torch_module(tmp_path):
     assert {"conv2", "add2"} <= float_nodes and "conv1" not in float_nodes
     with pytest.raises(ConfigError, match="torch modules this export recorded, like: net.block, net.block.conv"):
         quantize_model(tmp_path / "bad", model, n=2, skip_prof_layer=True, skip_layers=["net.blok"])
+    # a module's node that preparation removes (an Identity; a tied lm_head's Transpose) is not
+    # asked for by name (a review: the run stopped on a node name the user never typed), and
+    # dynamo's placeholder scope is no module
+    nodes = list(model.graph.node)
+    flat = next(n for n in nodes if n.name == "flatten")
+    flat.output[0] = "f0"
+    ident = onnx.helper.make_node("Identity", ["f0"], ["f"], name="head_id")
+    model.graph.node.insert(nodes.index(flat) + 1, ident)
+    _with_scopes(model, {"head_id": ["", "net", "net.head", "_empty_nn_module_stack_from_metadata_hook", "id"]})
+    result, _ = quantize_model(tmp_path / "folded", model, n=4, skip_prof_layer=True, skip_layers=["net.head"])
+    assert "fc" in {d["node"] for d in result.report["decisions"] if not d["quantized"]}
+    with pytest.raises(ConfigError) as err:
+        quantize_model(tmp_path / "bad2", model, n=2, skip_prof_layer=True, skip_layers=["nope"])
+    assert "_empty_nn_module_stack" not in str(err.value)
