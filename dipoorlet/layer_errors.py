@@ -342,11 +342,17 @@ def _warn_hidden(comm, hidden: dict, targets: dict, mine: int) -> None:
                 f", and {gone} row(s) with no sample left are not shown" if gone else "")
 
 
-def collect_errors(graph, qmodel, data, indices, targets: dict, comm, device="cpu", on_float=None, grids=None):
+def collect_errors(graph, qmodel, data, indices, targets: dict, comm, device="cpu", on_float=None, grids=None,
+                   floors=None):
     """({tensor: ErrorStats} merged over every process, {network output: (sample, cosine, mean
     square of the float output) in sample order}, {quantized activation: Clipped}); all complete on rank 0. ``grids``
     (:func:`grid_bounds`): the activations whose values beyond their grid are counted, as the
-    quantized model computes them just before their Q."""
+    quantized model computes them just before their Q. ``floors``: {Softmax input: its grid's
+    floor} (calibrate.softmax_floors): its row compares the values the float model has at or above
+    the floor, as a value below it weighs under 2e-9 in the Softmax; a mask of -inf or of
+    float32's lowest (GPT-2's, summed twice) had made every sample's sums non-finite and the
+    attention scores' rows vanished from the report (found by a hunt)."""
+    floors = dict(floors or {})
     names = list(targets)
     grids = dict(grids or {})
     inputs = {i.name for i in qmodel.graph.input}
@@ -377,7 +383,14 @@ def collect_errors(graph, qmodel, data, indices, targets: dict, comm, device="cp
                 # the whole output unscored)
                 stats[t].resized += 1
                 continue
-            m = sample_sums(f_out[t], q_out[t])
+            if t in floors:
+                f_t, q_t = np.asarray(f_out[t]), np.asarray(q_out[t])
+                live = f_t >= floors[t]                     # NaN and the mask's values fall out
+                if not live.any():
+                    continue
+                m = sample_sums(f_t[live], q_t[live])
+            else:
+                m = sample_sums(f_out[t], q_out[t])
             if not math.isfinite(m[2]):
                 # the float tensor holds a NaN or an Inf: no error is defined against it (scored,
                 # it made every mean in the report NaN); left out for this tensor and sample only

@@ -1354,7 +1354,8 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
             # values beyond the grids: counted on held-out samples only, where they are the point
             # (exposing every quantized activation cost the PP-OCRv4 detector's run 20% more peak memory)
             grids=layer_errors.grid_bounds(plan, places, {t for t, st in (stats or {}).items() if st.floor is not None})
-            if val is not None else None)
+            if val is not None else None,
+            floors={t: st.floor for t, st in (stats or {}).items() if st.floor is not None and t in plan.activations})
         timings["profile_s"] = time.perf_counter() - t
         if comm.rank != 0:
             # from the last collective on, wait with signals held until rank 0 has published: a

@@ -947,6 +947,47 @@ def test_softmax_input_behind_a_float32_lowest_mask_gets_its_floor_grid(tmp_path
         assert float(p[..., f["mask"][0, 0] == 0].max(initial=0)) < 1e-6
 
 
+@pytest.mark.parametrize("fill", [-np.inf, np.finfo(np.float32).min])
+def test_a_masked_softmax_input_keeps_its_row_in_the_report(tmp_path, fill):
+    """The error profile compares a Softmax input with a floor at the values the float model has at
+    or above the floor: a mask of -inf or float32's lowest had made every sample's sums non-finite,
+    and the attention scores' row vanished from the report (GPT-2 on qnn; found by a hunt). Oracle:
+    numpy over those values of the float model and the quantized one."""
+    nodes = [helper.make_node("MatMul", ["x", "wq"], ["q"], name="mq"),
+             helper.make_node("Transpose", ["x"], ["xt"], perm=[0, 2, 1], name="xt"),
+             helper.make_node("MatMul", ["q", "xt"], ["s"], name="scores"),
+             helper.make_node("Cast", ["mask"], ["mb"], to=TensorProto.BOOL, name="cast"),
+             helper.make_node("Unsqueeze", ["mb", "ax1"], ["mb3"], name="unsq"),
+             helper.make_node("Where", ["mb3", "zero", "fill"], ["madd"], name="where"),
+             helper.make_node("Add", ["s", "madd"], ["sm"], name="add_mask"),
+             helper.make_node("Softmax", ["sm"], ["p"], axis=-1, name="softmax"),
+             helper.make_node("MatMul", ["p", "x"], ["y"], name="ctx")]
+    model = make_model(nodes, [vi("x", [2, 6, 8]), vi("mask", [2, 6], TensorProto.INT64)], [vi("y", [2, 6, 8])],
+                       {"wq": rand((8, 8), 0, 0.3), "zero": np.array(0, np.float32),
+                        "fill": np.array(fill, np.float32), "ax1": np.array([1], np.int64)}, opset=17)
+    feeds = []
+    for i in range(6):
+        mask = np.ones((2, 6), np.int64)
+        mask[0, -1 - i % 2:] = 0
+        feeds.append({"x": rand((2, 6, 8), 20 + i), "mask": mask})
+    res, qm = quantize_model(tmp_path, model, feeds=feeds, deploy="qnn", sens_samples=6)
+    row = next((l for l in res.report["layers"] if l["tensor"] == "sm"), None)
+    assert row is not None and np.isfinite(row["cosine"]), res.report["layers"]
+    # oracle: the live values (the float model's, finite and far above the mask) of both models
+    exposed = [onnx.ModelProto(), onnx.ModelProto()]
+    for e, m in zip(exposed, (model, qm)):
+        e.CopyFrom(m)
+        e.graph.output.append(vi("sm", None))
+    fs, qs = [], []
+    for f in feeds:
+        a, b = ort_run(exposed[0], f)[-1], ort_run(exposed[1], f)[-1]
+        live = np.isfinite(a) & (a > -1e30)
+        fs.append(a[live].astype(np.float64))
+        qs.append(b[live].astype(np.float64))
+    cos = np.mean([x @ y / np.sqrt((x @ x) * (y @ y)) for x, y in zip(fs, qs)])
+    assert row["cosine"] == pytest.approx(cos, abs=1e-5)
+
+
 def test_a_mask_below_a_softmax_floor_is_not_counted_as_saturation(tmp_path):
     """Calibrated unpadded, profiled on padded samples (--val_dir): the Softmax input's grid
     starts at its floor on purpose, and the -1e4 mask below it weighs nothing; it was the
