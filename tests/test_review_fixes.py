@@ -953,18 +953,7 @@ def test_a_masked_softmax_input_keeps_its_row_in_the_report(tmp_path, fill):
     or above the floor: a mask of -inf or float32's lowest had made every sample's sums non-finite,
     and the attention scores' row vanished from the report (GPT-2 on qnn; found by a hunt). Oracle:
     numpy over those values of the float model and the quantized one."""
-    nodes = [helper.make_node("MatMul", ["x", "wq"], ["q"], name="mq"),
-             helper.make_node("Transpose", ["x"], ["xt"], perm=[0, 2, 1], name="xt"),
-             helper.make_node("MatMul", ["q", "xt"], ["s"], name="scores"),
-             helper.make_node("Cast", ["mask"], ["mb"], to=TensorProto.BOOL, name="cast"),
-             helper.make_node("Unsqueeze", ["mb", "ax1"], ["mb3"], name="unsq"),
-             helper.make_node("Where", ["mb3", "zero", "fill"], ["madd"], name="where"),
-             helper.make_node("Add", ["s", "madd"], ["sm"], name="add_mask"),
-             helper.make_node("Softmax", ["sm"], ["p"], axis=-1, name="softmax"),
-             helper.make_node("MatMul", ["p", "x"], ["y"], name="ctx")]
-    model = make_model(nodes, [vi("x", [2, 6, 8]), vi("mask", [2, 6], TensorProto.INT64)], [vi("y", [2, 6, 8])],
-                       {"wq": rand((8, 8), 0, 0.3), "zero": np.array(0, np.float32),
-                        "fill": np.array(fill, np.float32), "ax1": np.array([1], np.int64)}, opset=17)
+    model = _fill_masked_attention(fill)
     feeds = []
     for i in range(6):
         mask = np.ones((2, 6), np.int64)
@@ -1230,11 +1219,8 @@ def test_a_layer_left_float_by_a_mask_input_gives_that_reason(tmp_path):
     assert "madd reaches -3.403e+38..0, beyond any integer grid" in reason and "0 in every" not in reason, reason
 
 
-@pytest.mark.parametrize("fill", [-np.inf, np.finfo(np.float32).min])
-def test_a_softmax_input_behind_a_minus_inf_mask_gets_its_floor_grid(tmp_path, fill):
-    """A mask of -inf (or two float32-lowest masks summed, GPT-2's causal and padding masks) left
-    the Softmax input float ("reaches -inf"), every GPT-2 Softmax on qnn; float32's lowest gave
-    it its floor grid (found by a bug hunt). Both now quantize it, and padding stays hidden."""
+def _fill_masked_attention(fill):
+    """x Wq (x)^T + Where(mask, 0, fill) -> Softmax -> p x, dynamic batch and length."""
     nodes = [helper.make_node("MatMul", ["x", "wq"], ["q"], name="mq"),
              helper.make_node("Transpose", ["x"], ["xt"], perm=[0, 2, 1], name="xt"),
              helper.make_node("MatMul", ["q", "xt"], ["s"], name="scores"),
@@ -1244,10 +1230,18 @@ def test_a_softmax_input_behind_a_minus_inf_mask_gets_its_floor_grid(tmp_path, f
              helper.make_node("Add", ["s", "madd"], ["sm"], name="add_mask"),
              helper.make_node("Softmax", ["sm"], ["p"], axis=-1, name="softmax"),
              helper.make_node("MatMul", ["p", "x"], ["y"], name="ctx")]
-    model = make_model(nodes, [vi("x", ["B", "L", 8]), vi("mask", ["B", "L"], TensorProto.INT64)],
-                       [vi("y", ["B", "L", 8])],
-                       {"wq": rand((8, 8), 0, 0.3), "zero": np.array(0, np.float32),
-                        "fill": np.array(fill, np.float32), "ax1": np.array([1], np.int64)}, opset=17)
+    return make_model(nodes, [vi("x", ["B", "L", 8]), vi("mask", ["B", "L"], TensorProto.INT64)],
+                      [vi("y", ["B", "L", 8])],
+                      {"wq": rand((8, 8), 0, 0.3), "zero": np.array(0, np.float32),
+                       "fill": np.array(fill, np.float32), "ax1": np.array([1], np.int64)}, opset=17)
+
+
+@pytest.mark.parametrize("fill", [-np.inf, np.finfo(np.float32).min])
+def test_a_softmax_input_behind_a_minus_inf_mask_gets_its_floor_grid(tmp_path, fill):
+    """A mask of -inf (or two float32-lowest masks summed, GPT-2's causal and padding masks) left
+    the Softmax input float ("reaches -inf"), every GPT-2 Softmax on qnn; float32's lowest gave
+    it its floor grid (found by a bug hunt). Both now quantize it, and padding stays hidden."""
+    model = _fill_masked_attention(fill)
     feeds = []
     for i in range(8):
         mask = np.ones((2, 6 + i % 3), np.int64)
