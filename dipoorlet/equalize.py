@@ -865,12 +865,10 @@ def smooth_targets(g, exclude=()) -> dict[str, list[str]]:
 
 def fold_producer(g, x: str, names) -> tuple | None:
     """Where smoothing's scale on MatMul/Gemm input ``x`` can go into the op that makes it
-    instead of a Mul inserted before the layers: ``(node, [(constant, axis) to divide by s along
-    axis, None: a vector])`` for a Mul by a per-channel constant vector (an RMSNorm's gamma), a
-    LayerNormalization over the last axis (its scale and bias), or a gated product whose one
-    factor a MatMul/Gemm with a weight of its own makes (SwiGLU's up projection: its columns and
-    bias), whose constants nothing else reads and whose output only the layers ``names`` read;
-    None otherwise. For backends that quantize a Mul's inputs (qnn, ort,
+    instead of a Mul inserted before the layers: ``(node, [constants to divide by s])`` for a Mul
+    by a per-channel constant vector (an RMSNorm's gamma) or a LayerNormalization over the last
+    axis (its scale and bias), whose constants nothing else reads and whose output only the
+    layers ``names`` read; None otherwise. For backends that quantize a Mul's inputs (qnn, ort,
     snpe), where an inserted Mul would be one more quantized tensor and smoothing was off, so a
     pre-norm transformer's outlier channels (gamma) kept their per-tensor grids (a Llama on qnn:
     held-out cosine 0.985; folded by hand 0.991; found by a hunt)."""
@@ -883,14 +881,6 @@ def fold_producer(g, x: str, names) -> tuple | None:
     k = g.weight(g.node_by_name[names[0]].input[1]).shape[in_axis(g, g.node_by_name[names[0]])]
     if node.op_type == "Mul" and len(node.input) == 2:
         consts = [i for i in node.input if g.is_constant(i)]
-        if len(consts) == 0 and node.input[0] != node.input[1]:
-            # a gated product (SwiGLU: act(gate) * up): the scale goes into the columns of the
-            # layer making one factor
-            for operand in node.input:
-                found = _own_columns(g, operand, node, k)
-                if found is not None:
-                    return node, found
-            return None
         if len(consts) != 1 or node.input[0] == node.input[1]:
             return None
         c = consts[0]
@@ -899,62 +889,16 @@ def fold_producer(g, x: str, names) -> tuple | None:
         shape = g.weight(c).shape
         if not shape or shape[-1] != k or int(np.prod(shape)) != k:
             return None        # a scalar or a tensor of another layout: not one value per channel
-        return node, [(c, None)]
+        return node, [c]
     if node.op_type == "LayerNormalization" and not any(node.output[1:]):
         if int(node_attr(node, "axis", -1)) not in (-1, len(g.shape(x) or []) - 1):
             return None
         consts = [i for i in node.input[1:3] if i]
-        if not consts or not all(_own_vector(g, c, k) for c in consts):
+        if not consts or not all(c in g.initializers and _fp32(g, c) and len(g.consumers.get(c, [])) == 1
+                                 and c not in g.output_names and g.weight(c).shape == (k,) for c in consts):
             return None
-        return node, [(c, None) for c in consts]
+        return node, consts
     return None
-
-
-def _own_vector(g, c: str, k: int) -> bool:
-    """``c`` is a float32 initializer of shape [k] that only one node reads."""
-    return (c in g.initializers and _fp32(g, c) and len(g.consumers.get(c, [])) == 1 and c not in g.output_names
-            and g.weight(c).shape == (k,))
-
-
-def _own_columns(g, t: str, reader, k: int) -> list | None:
-    """``[(weight, output-channel axis), (bias, None)...]`` where ``t`` (read by ``reader`` alone) is
-    a MatMul's or Gemm's output, or a MatMul's plus a bias vector, whose weight is its own: a scale
-    on ``t``'s k channels then goes into those columns and the bias exactly."""
-    def only_reader(x, node):
-        return x not in g.output_names and [c.name for c in g.consumers.get(x, [])] == [node.name]
-
-    if not only_reader(t, reader):
-        return None
-    node, bias = g.producer.get(t), []
-    if node is not None and node.op_type == "Add" and len(node.input) == 2:
-        consts = [i for i in node.input if g.is_constant(i)]
-        if len(consts) != 1 or not _own_vector(g, consts[0], k):
-            return None
-        other = node.input[1] if node.input[0] == consts[0] else node.input[0]
-        if not only_reader(other, node):
-            return None
-        bias, node = [(consts[0], None)], g.producer.get(other)
-    if node is None or node.op_type not in ("MatMul", "Gemm") or len(node.input) < 2:
-        return None
-    w = node.input[1]
-    if w not in g.initializers or not _fp32(g, w) or len(g.consumers.get(w, [])) != 1 or w in g.output_names:
-        return None
-    shape = g.weight(w).shape
-    if len(shape) != 2:
-        return None
-    if node.op_type == "Gemm":
-        if node_attr(node, "transA", 0) or (bias and len(node.input) > 2 and node.input[2]):
-            return None
-        axis = 0 if node_attr(node, "transB", 0) else 1
-        if len(node.input) > 2 and node.input[2]:
-            if not _own_vector(g, node.input[2], k):
-                return None          # a [1, N] or scalar C: not one value per column
-            bias = [(node.input[2], None)]
-    else:
-        axis = 1
-    if shape[axis] != k:
-        return None
-    return [(w, axis)] + bias
 
 
 def smooth_matmuls(g, data, indices, comm, device="cpu", targets=None, stats=None) -> list[dict]:
@@ -1003,9 +947,9 @@ def smooth_inputs(g, data, indices, comm, device="cpu", targets=None, stats=None
             _set(g, n.input[1], _scale_weight(w0, group, s) if conv else w0 * np.expand_dims(s, 1 - in_axis(g, n)))
         fold = fold_producer(g, x, names) if folding and not conv else None
         if fold is not None:
-            for c, axis in fold[1]:
+            for c in fold[1]:
                 v = g.weight(c).astype(np.float64)
-                _set(g, c, v / (s.reshape(v.shape) if axis is None else np.expand_dims(s, 1 - axis)))
+                _set(g, c, (v / s.reshape(v.shape)))
         else:
             factor = (1.0 / s).astype(np.float32)
             if conv:
