@@ -527,25 +527,17 @@ def shared_input_groups(places, plan) -> list[set]:
     """The quantized layers joined where they read one quantized activation: one grid rounds it
     for all of them, so its error reaches the output through each (coherently, not as
     independent errors); a layer reading no shared tensor is a group of its own."""
-    parent: dict[str, str] = {}
+    from dipoorlet.qparams import UnionFind
 
-    def root(n: str) -> str:
-        while parent.setdefault(n, n) != n:
-            parent[n] = parent[parent[n]]
-            n = parent[n]
-        return n
-
+    uf = UnionFind()
     for t, p in places.activations.items():
-        if t not in plan.activations:
-            continue
-        owners = list(dict.fromkeys(p.owners))
-        for o in owners:
-            root(o)
-        for o in owners[1:]:
-            parent[root(o)] = root(owners[0])
-    groups: dict[str, set] = {}
-    for n in list(parent):
-        groups.setdefault(root(n), set()).add(n)
+        if t in plan.activations:
+            owners = list(dict.fromkeys(p.owners))
+            for o in owners:
+                uf.union(o, owners[0])
+    groups: dict = {}
+    for n in list(uf.parent):
+        groups.setdefault(uf.find(n), set()).add(n)
     return list(groups.values())
 
 

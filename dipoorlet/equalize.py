@@ -618,11 +618,12 @@ def equalize(g, data, indices, comm, device="cpu", smooth: bool = True, skip=(),
     One statistics pass serves both: a pair's scaled tensors reach no MatMul and no Conv but its
     own absorbers (the walk refuses the pair otherwise, and absorbers are never smoothed), so
     rescaling the pairs leaves every smoothing target's statistics as measured."""
-    chains, targets, items = _plan(g, smooth, skip, fold=fold and not smooth)
+    fold = fold and not smooth
+    chains, targets, items = _plan(g, smooth, skip, fold=fold)
     if not items:
         return []
     stats = channel_stats(g, items, data, indices, comm, device)
-    return _apply_all(g, chains, targets, stats, data, indices, comm, device, folding=fold and not smooth)
+    return _apply_all(g, chains, targets, stats, data, indices, comm, device, folding=fold)
 
 
 def equalize_and_calibrate(g, data, indices, comm, device="cpu", smooth: bool = True, skip=(),
@@ -868,8 +869,8 @@ def fold_producer(g, x: str, names) -> tuple | None:
     instead of a Mul inserted before the layers: ``(node, [constants to divide by s])`` for a Mul
     by a per-channel constant vector (an RMSNorm's gamma) or a LayerNormalization over the last
     axis (its scale and bias), whose constants nothing else reads and whose output only the
-    layers ``names`` read; None otherwise. For backends that quantize a Mul's inputs (qnn, ort,
-    snpe), where an inserted Mul would be one more quantized tensor and smoothing was off, so a
+    layers ``names`` read; None otherwise. For backends with per-channel weights that quantize a
+    Mul's inputs (qnn, ort), where an inserted Mul would be one more quantized tensor and smoothing was off, so a
     pre-norm transformer's outlier channels (gamma) kept their per-tensor grids (a Llama on qnn:
     held-out cosine 0.985; folded by hand 0.991; found by a hunt)."""
     node = g.producer.get(x)
@@ -884,21 +885,22 @@ def fold_producer(g, x: str, names) -> tuple | None:
         if len(consts) != 1 or node.input[0] == node.input[1]:
             return None
         c = consts[0]
-        if c not in g.initializers or not _fp32(g, c) or len(g.consumers.get(c, [])) != 1 or c in g.output_names:
-            return None
-        shape = g.weight(c).shape
-        if not shape or shape[-1] != k or int(np.prod(shape)) != k:
-            return None        # a scalar or a tensor of another layout: not one value per channel
-        return node, [c]
+        # a scalar or a tensor of another layout is not one value per channel
+        return (node, [c]) if _own_vector(g, c, k) else None
     if node.op_type == "LayerNormalization" and not any(node.output[1:]):
         if int(node_attr(node, "axis", -1)) not in (-1, len(g.shape(x) or []) - 1):
             return None
         consts = [i for i in node.input[1:3] if i]
-        if not consts or not all(c in g.initializers and _fp32(g, c) and len(g.consumers.get(c, [])) == 1
-                                 and c not in g.output_names and g.weight(c).shape == (k,) for c in consts):
-            return None
-        return node, consts
+        return (node, consts) if consts and all(_own_vector(g, c, k) for c in consts) else None
     return None
+
+
+def _own_vector(g, c: str, k: int) -> bool:
+    """``c`` is a float32 initializer of k values ([k], or [1, ..., k]) that only one node reads."""
+    if c not in g.initializers or not _fp32(g, c) or len(g.consumers.get(c, [])) != 1 or c in g.output_names:
+        return False
+    shape = g.weight(c).shape
+    return bool(shape) and shape[-1] == k and int(np.prod(shape)) == k
 
 
 def smooth_matmuls(g, data, indices, comm, device="cpu", targets=None, stats=None) -> list[dict]:
