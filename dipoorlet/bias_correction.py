@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 BC_SAMPLES = 256       # default cap on the samples the pass reads (--bc_samples): per-channel means settle
 #                        long before that, and at -N 1000 the pass would cost as much as calibration
 FIXED = float(2**24)   # fixed-point scale of the per-sample means (exact, order-free sums)
-LIMIT = float(2**62) / 2**24
+SPLIT = float(2**44)   # each fixed-point mean is summed as two int64 parts, above and below 2^44
+LIMIT = float(2**62)   # |mean| beyond this is clipped (float32 reaches 3e38); exact below, for up to 2^18 samples
 
 
 @dataclass
@@ -260,28 +261,41 @@ def _mean_pass(model, keys, types, data, indices, comm, device, what: str,
                     spin=True, initializers=initializers)
     # every rank allocates every sum, so the collective below lines up even on a rank with no
     # samples of its own
-    acc = np.zeros(sum(sizes), dtype=np.int64)
+    acc = np.zeros(2 * sum(sizes), dtype=np.int64)     # high parts, then low parts
+    n = sum(sizes)
     count, bad = 0, []
     for i in progress(indices, what, comm):
         feed = data.sample(i)
         got, _ = runner.run(feed, ranges=False)
         means = np.asarray(got[out], dtype=np.float64).reshape(-1)
-        if means.size != acc.size:
-            raise ValueError(f"{what}: {means.size} channel means, expected {acc.size}")
+        if means.size != n:
+            raise ValueError(f"{what}: {means.size} channel means, expected {n}")
         if not (np.isfinite(means).all() and nan_free(got, watch)):
             # a NaN mean cast to int64 became -2^63 and swamped every other sample's sum (one fully
             # padded sequence in a torch TransformerEncoder moved a bias by 0.115 instead of 0.002)
             bad.append((i, sample_name(feed, i)))
             continue
-        acc += np.rint(np.clip(means, -LIMIT, LIMIT) * FIXED).astype(np.int64)
+        acc += _fixed_parts(means)
         count += 1
     acc = comm.allreduce_sum(acc)      # one collective for every sum
     warn_left_out(comm, bad, what, "a quantized activation is NaN on them")
     total = int(comm.allreduce_sum(np.array([count], dtype=np.int64))[0])
     if total == 0:
         return {}, 0
-    return {k: part.astype(np.float64) / (FIXED * total)
-            for k, part in zip(keys, np.split(acc, np.cumsum(sizes)[:-1]))}, total
+    sums = np.array([float(int(hi) * int(SPLIT) + int(lo)) for hi, lo in zip(acc[:n], acc[n:])], np.float64)
+    return {k: part / (FIXED * total) for k, part in zip(keys, np.split(sums, np.cumsum(sizes)[:-1]))}, total
+
+
+def _fixed_parts(means: np.ndarray) -> np.ndarray:
+    """The means in fixed point (``rint(mean * FIXED)``, exact in float64 at any size) as two
+    int64 parts, ``high * SPLIT + low`` with ``0 <= low < SPLIT``: summed apart, both stay exact
+    for up to 2^18 samples whatever the means' size. One int64 sum wrapped around once a mean
+    passed 2^39 / N (a mel power spectrum of 16-bit audio reaches 1e12: a corrected bias of
+    garbage that undid the activation shift on trt; found by a hunt)."""
+    q = np.rint(np.clip(means, -LIMIT, LIMIT) * FIXED)
+    high = np.floor(q / SPLIT)
+    low = q - high * SPLIT          # exact: both are multiples of q's ulp, the difference below 2^44
+    return np.concatenate([high, low]).astype(np.int64)
 
 
 def _weight_terms(g, plan, s: Site):

@@ -244,6 +244,39 @@ def test_bias_correction_makes_quantized_conv_output_means_match_float(tmp_path,
     assert res.report["bias_correction"]["layers"] == 1
 
 
+def test_bias_correction_of_activations_in_the_trillions(tmp_path):
+    """A mel power spectrum of 16-bit audio reaches 1e12: the per-sample means, summed in fixed
+    point, wrapped around int64 and the corrected bias was garbage. Oracle: onnxruntime's
+    per-channel output means of the float model."""
+    cin, big = 8, 1e12
+    model = make_model([helper.make_node("Relu", ["x"], ["r"], name="relu"),
+                        helper.make_node("Conv", ["r", "w", "b"], ["y"], name="conv")],
+                       [vi("x", [1, cin, 6, 6])], [vi("y", [1, 8, 6, 6])],
+                       {"w": rand((8, cin, 1, 1), 0, 0.5), "b": rand((8,), 1, 0.1 * big)})
+    feeds = [{"x": f["x"] * np.float32(big)} for f in _skewed_feeds((1, cin, 6, 6), n=16)]
+    want = _channel_means(model, feeds, 1)
+    plain, _ = _quantize(tmp_path, model, feeds, False)
+    corrected, res = _quantize(tmp_path, model, feeds, True)
+    before = np.abs(_channel_means(plain, feeds, 1) - want).max()
+    after = np.abs(_channel_means(corrected, feeds, 1) - want).max()
+    assert before > 1e-2 * big and after < 1e-3 * before
+    assert res.report["bias_correction"]["layers"] == 1
+
+
+def test_fixed_point_mean_parts_sum_exactly():
+    from dipoorlet.bias_correction import FIXED, SPLIT, _fixed_parts
+
+    rng = np.random.default_rng(0)
+    means = np.concatenate([rng.normal(0, 1, 50), rng.normal(0, 1e12, 50), rng.normal(0, 1e17, 50),
+                            [0.0, -0.0, 5e-9, -5e-9]])
+    parts = _fixed_parts(means)
+    high, low = parts[:means.size], parts[means.size:]
+    assert (low >= 0).all() and (low < SPLIT).all()
+    got = [int(h) * int(SPLIT) + int(lo) for h, lo in zip(high, low)]
+    want = [int(np.rint(m * FIXED)) for m in means]     # exact: a float64 integer value as a Python int
+    assert got == want
+
+
 @pytest.mark.parametrize("deploy", ["trt", "snpe"])
 def test_bias_correction_gives_a_zero_bias_to_a_layer_without_one(tmp_path, deploy):
     """torch's dynamo exporter drops all-zero Conv biases (and bias=False layers have none): the
