@@ -256,6 +256,26 @@ def opset_of(model: onnx.ModelProto) -> int:
     return 0
 
 
+def _stuck(rest: list, ready: set) -> str:
+    """Why the nodes in ``rest`` cannot be ordered: the tensors they read that nothing makes
+    (each with a node reading it), or else a cycle. Naming every input not yet ready named the
+    nodes downstream of a break, sorted, and often not the missing tensor (found by a hunt)."""
+    made = {o for n in rest for o in n.output}
+    undefined: dict[str, str] = {}
+    for n in rest:
+        for i in [i for i in n.input if i] + _subgraph_outer_refs(n):
+            if i not in ready and i not in made:
+                undefined.setdefault(i, n.name or n.op_type)
+    if undefined:
+        named = ", ".join(f"'{t}' (read by {r})" for t, r in list(undefined.items())[:3])
+        more = f" and {len(undefined) - 3} more" if len(undefined) > 3 else ""
+        return (f"the graph reads tensors that no node, graph input or initializer makes: {named}{more}; "
+                "check the model with onnx.checker")
+    names = [n.name or n.op_type for n in rest[:3]]
+    return (f"the graph has a cycle through nodes {names}{' ...' if len(rest) > 3 else ''}; "
+            "check the model with onnx.checker")
+
+
 class Graph:
     """An ONNX model with use-def maps and numpy access to its weights."""
 
@@ -364,9 +384,7 @@ class Graph:
                 else:
                     rest.append(node)
             if len(rest) == len(pending):
-                missing = sorted({i for n in rest for i in n.input if i and i not in ready})[:3]
-                raise ModelError(f"the graph has a cycle or undefined tensors {missing}; "
-                                 "check the model with onnx.checker")
+                raise ModelError(_stuck(rest, ready))
             pending = rest
         return order
 

@@ -856,3 +856,25 @@ def test_external_data_reached_through_symbolic_links_is_read(tmp_path):
     onnx.save(m, str(tmp_path / "up" / "m2.onnx"))
     with pytest.raises(ModelError, match="is not a readable ONNX model"):
         load_model(tmp_path / "up" / "m2.onnx")
+
+
+def _relu_chain(names):
+    nodes = [helper.make_node("Relu", [a], [b], name=f"n{k}") for k, (a, b) in enumerate(names)]
+    graph = helper.make_graph(nodes, "g", [vi("x", [1, 4])], [vi(names[-1][1], [1, 4])])
+    return Graph(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]))   # not checked
+
+
+def test_an_undefined_tensor_is_named_with_the_node_that_reads_it():
+    """x -> a -> b -> c -> zz... with n2 reading 'nosuch' instead of 'b': the message named the
+    nodes' inputs downstream of the break, sorted, and left the missing tensor out."""
+    g = _relu_chain([("x", "a"), ("a", "b"), ("nosuch", "c"), ("c", "d"), ("d", "e")])
+    with pytest.raises(ModelError) as e:
+        g.topological_nodes()
+    assert "'nosuch' (read by n2)" in str(e.value) and "'c'" not in str(e.value)
+
+
+def test_a_cycle_is_reported_as_one():
+    g = _relu_chain([("x", "a"), ("c", "b"), ("b", "c"), ("c", "d")])
+    with pytest.raises(ModelError, match="cycle through nodes") as e:
+        g.topological_nodes()
+    assert "n1" in str(e.value) and "n2" in str(e.value)
