@@ -77,6 +77,18 @@ def config_from_kwargs(**kwargs) -> "QuantConfig":
     return QuantConfig(**out)
 
 
+def _path_hint(flag: str, value) -> str:
+    """What to do instead of passing ``value`` where a path goes, on one line."""
+    kind = type(value).__name__
+    if kind == "ModelProto":
+        return "; save the ModelProto with onnx.save and pass its path"
+    if flag in ("-I", "--val_dir") and (kind == "ndarray" or isinstance(value, dict)):
+        # an array's repr ran over several lines, cut off mid-array (found by a hunt)
+        return ("; save the samples with numpy.savez(path, **{input_name: array_of_N_samples}) "
+                "and pass the .npz path")
+    return " " + " ".join(repr(value).split())[:60]
+
+
 @dataclass(frozen=True)
 class QuantConfig:
     model: Path
@@ -141,8 +153,7 @@ class QuantConfig:
                 raise ConfigError(f"{flag} is an empty path; give {what}")
             if not (isinstance(value, (str, os.PathLike)) or value is None and flag in ("-O", "--val_dir")):
                 raise ConfigError(f"{flag} must be a path (str or pathlib.Path), got {type(value).__name__}"
-                                  + ("; save the ModelProto with onnx.save and pass its path"
-                                     if type(value).__name__ == "ModelProto" else f" {value!r}"[:80]))
+                                  + _path_hint(flag, value))
         for name in ("skip_layers", "score_outputs", "custom_op_libs", "layer_bits", "input_shapes"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, os.PathLike, list, tuple, dict, set, frozenset)):

@@ -399,12 +399,14 @@ def test_python_api_takes_the_clis_long_flag_names(tmp_path):
                        ({"threshold": None}, ["--threshold", "None"]), ({"percentile": "99"}, ["--percentile", "'99'"]),
                        ({"output_dir": 3}, ["-O must be a path", "int"]), ({"skip_layers": 3}, ["skip_layers", "int"]),
                        ({"model": model}, ["-M must be a path", "onnx.save"]),
+                       ({"input_dir": np.zeros((N, 3, 64, 64), np.float32)}, ["-I must be a path", "numpy.savez"]),
+                       ({"input_dir": {"x": np.zeros((N, 3))}}, ["-I must be a path", "dict", ".npz"]),
                        ({"deploy": None}, ["-D must be a backend name", "got None", "trt"]),   # was a TypeError
                        ({"deploy": 3}, ["-D must be a backend name", "got 3"])):
         with pytest.raises(DipoorletError) as err:
             dipoorlet.quantize(**{"model": model_path, "input_dir": data, "data_num": N, "output_dir": tmp_path / "bad",
                                   **bad})
-        assert all(w in str(err.value) for w in words)
+        assert all(w in str(err.value) for w in words) and "\n" not in str(err.value)
 
 
 def test_python_api_names_a_missing_model_before_making_any_folder(tmp_path):
