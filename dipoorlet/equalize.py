@@ -23,7 +23,8 @@ W8A8 0.976 -> 0.986 and mask IoU 0.940 -> 0.970; recognizer CER 0.186 -> 0.172, 
 agreement 95.8% -> 96.0%). The original DFQ equalizes weight ranges
 only, which is what per-tensor weights need. A pair is
 changed only when the estimate at least halves the noise, and no channel is amplified more than
-``MAX_GAIN`` times, so dead channels do not blow the weights up.
+``MAX_GAIN`` times, so dead channels do not blow the weights up; a channel that never fired on the
+samples keeps its scale (it may fire at deployment).
 
 A may also be an elementwise affine pair instead of a Conv, ``Mul`` by a constant optionally followed
 by ``Add`` of a constant (scalar or per channel; PP-LCNetV3's learnable affine block after each
@@ -530,6 +531,11 @@ def choose_layer_scales(layers: list[tuple[np.ndarray, int]], r: np.ndarray, ms:
     for w, group in layers:
         if not (w.shape[1] == 1 and group == r.size):   # depthwise: a grid per channel, unaffected by s
             w_in = np.maximum(w_in, _input_ranges(w, group, r.size))
+    # A channel calibration never saw fire (all zero after a Relu) keeps its scale: the floor of
+    # 1/MAX_GAIN multiplied it by 100, and where it fires at deployment it ran 40x past the grid
+    # (openwakeword's "alexa" head on trt: both held-out positives missed, 0.998 -> 0.020; found
+    # by a hunt). Its column's weights stay as they are and the estimate counts them.
+    dead = r <= r.max() * 1e-12
     r = np.maximum(r, r.max() * 1e-12)
     ms = np.maximum(ms, 0.0)
 
@@ -560,6 +566,7 @@ def choose_layer_scales(layers: list[tuple[np.ndarray, int]], r: np.ndarray, ms:
     for alpha in ALPHAS:
         s = r ** alpha / (w_floor ** (1 - alpha) if w_in.max() > 0 else 1.0)
         s = np.maximum(s / s.max(), 1.0 / MAX_GAIN)
+        s[dead] = 1.0
         n = noise(s)
         if n < best_noise:
             best, best_alpha, best_noise = s, alpha, n
