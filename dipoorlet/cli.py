@@ -292,7 +292,7 @@ def name_run_log(out_dir: Path | None, ok: bool) -> None:
 
 
 def summary(result, cfg) -> str:
-    from dipoorlet.report import lowest_cosine_notes, node_label, output_label, profile_note, table
+    from dipoorlet.report import float_weights_note, lowest_cosine_notes, node_label, output_label, profile_note, table
 
     rep = result.report
     lines = ["", f"dipoorlet {__version__}: {rep['platform']} / -A {rep['method']} / {rep['samples']} samples"]
@@ -336,6 +336,8 @@ def summary(result, cfg) -> str:
                  + f"calibration {t.get('calibration_s', 0):.2f} s, "
                  + (f"sensitivity {t['sensitivity_s']:.2f} s, " if t.get("sensitivity_s", 0) >= 0.005 else "")
                  + f"profile {t.get('profile_s', 0):.2f} s, total {t.get('total_s', 0):.2f} s")
+    if float_weights_note(rep):
+        lines.append(float_weights_note(rep))
     # files in sub-folders (--savefp's output/, one per sample and tensor) as one entry per folder
     folders: dict[str, int] = {}
     for p in result.files:

@@ -32,7 +32,7 @@ from dipoorlet.data import VALIDATION, DataSource, input_specs, shard, spread
 from dipoorlet.deploy import DeployContext, export_all
 from dipoorlet.dist import MPIComm, SingleProcess
 from dipoorlet.errors import ConfigError, DataError, ModelError, OutputError
-from dipoorlet.graph import (INTEGER_TYPES, PROTOBUF_LIMIT, Graph, node_attr, check_float, model_bytes, model_files,
+from dipoorlet.graph import (FLOAT_TYPES, INTEGER_TYPES, PROTOBUF_LIMIT, Graph, node_attr, check_float, model_bytes, model_files,
                              opset_of, save_model)
 from dipoorlet.qdq import insert_qdq
 from dipoorlet.qparams import MIN_SCALE, QuantPlan, bias_qparams, levels, make_qparams, share_scales
@@ -1443,6 +1443,7 @@ def _write_staging(cfg, g, plan, places, plat, data, indices, qmodel, staging: P
                                      if t in plan.activations and plan.activations[t].bits > 8),
             "weights": len(places.weights),
             "int32_biases": sum(1 for (_, index) in places.weights if index == 2),
+            "weight_parameters": weight_coverage(g, places, plan),
             **({"quant_format": qop_info} if qop_info is not None else {})}
     modules = {n: m for n in places.quantized_nodes if (m := torch_module(g, n))}
     if modules:      # a dynamo export's nodes (node_MatMul_85) by the torch module they came from
@@ -1450,6 +1451,37 @@ def _write_staging(cfg, g, plan, places, plat, data, indices, qmodel, staging: P
     rep = report.build(rows, places, meta, analysis, stats, plan, out_cosines, clipped)
     files += report.write(staging, rep)
     return files, rep
+
+
+WEIGHT_OPS = {"Conv", "ConvTranspose", "DeformConv", "Gemm", "MatMul", "FusedMatMul", "Einsum", "GRU", "LSTM", "RNN",
+              "Attention", "MultiHeadAttention", "EmbedLayerNormalization"}
+
+
+def weight_coverage(g, places, plan) -> dict:
+    """How many weight parameters (float initializers of two or more dimensions that a layer op
+    or a Gather's table reads, each counted once) the quantized model holds on an integer grid,
+    and the float ones by op type: a GRU, an Einsum or an embedding table that the backend does
+    not quantize stayed float without a word in report.md (found by a hunt)."""
+    on_grid = {wp.tensor for wp in places.weights.values() if wp.tensor in plan.weights}
+    seen, quantized, left = set(), 0, {}
+    for node in g.graph.node:
+        if node.op_type not in WEIGHT_OPS and node.op_type != "Gather":
+            continue
+        for name in node.input[:1] if node.op_type == "Gather" else node.input:
+            t = g.initializers.get(name)
+            if name in seen or t is None or len(t.dims) < 2 or t.data_type not in FLOAT_TYPES:
+                continue
+            seen.add(name)
+            size = int(np.prod(t.dims))
+            if name in on_grid:
+                quantized += size
+            else:
+                row = left.setdefault(node.op_type, {"parameters": 0, "nodes": []})
+                row["parameters"] += size
+                if node.name not in row["nodes"]:
+                    row["nodes"].append(node.name)
+    return {"quantized": quantized, "float": sum(r["parameters"] for r in left.values()),
+            "float_by_op": dict(sorted(left.items(), key=lambda kv: -kv[1]["parameters"]))}
 
 
 def sensitivity_samples(cfg: QuantConfig, data, val, comm) -> tuple:

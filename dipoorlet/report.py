@@ -248,6 +248,7 @@ def markdown(report: dict) -> str:
            f"{report['quantized_nodes']} quantized nodes, {report['qdq_tensors']} Q/DQ activations"
            + (f" ({report['qdq_tensors_16bit']} on 16-bit grids)" if report.get('qdq_tensors_16bit') else ""), "",
            *([qop_note, ""] if qop_note else []),
+           *([float_weights_note(report), ""] if float_weights_note(report) else []),
            "## Network outputs", "",
            table(["output", "mean cosine", "min cosine", "SQNR dB", "max |err|"],
                  [[output_label(o, report), o["cosine"], o["min_cosine"],
@@ -308,6 +309,23 @@ def markdown(report: dict) -> str:
         if more:
             out += ["", f"… and {more} more (report.json's decisions list every node)"]
     return "\n".join(out) + "\n"
+
+
+def float_weights_note(report: dict) -> str | None:
+    """A line on the weight parameters left float where they are 1% or more of all: which ops
+    hold them (a GRU the backend does not quantize, a skipped Conv, an embedding table)."""
+    w = report.get("weight_parameters") or {}
+    total = w.get("quantized", 0) + w.get("float", 0)
+    if not total or w["float"] < 0.01 * total:
+        return None
+    parts = []
+    for op, row in list(w["float_by_op"].items())[:4]:
+        nodes = row["nodes"]
+        parts.append(f"{op} {row['parameters']:,} ({', '.join(nodes[:2])}{' …' if len(nodes) > 2 else ''})")
+    more = len(w["float_by_op"]) - 4
+    return (f"Weights kept float: {w['float']:,} of {total:,} parameters ({100 * w['float'] / total:.0f}%): "
+            + "; ".join(parts) + (f"; {more} more op types" if more > 0 else "")
+            + " (why: report.json's decisions)")
 
 
 def format_note(report: dict) -> str | None:

@@ -113,10 +113,12 @@ def _cos_cell(v, bar=0.999):
 
 
 def html(rep: dict) -> str:
-    from dipoorlet.report import a16_figure, format_note, kept_float, node_label, output_label, profile_note
+    from dipoorlet.report import (a16_figure, float_weights_note, format_note, kept_float, node_label, output_label,
+                                  profile_note)
 
     layers = rep.get("layers", [])
     qop_note = format_note(rep)
+    weights_note = float_weights_note(rep)
     by_node = {l["node"]: l for l in layers}
     out = [f"<!doctype html><html><head><meta charset=utf-8><title>dipoorlet report</title>"
            f"<style>{CSS}</style></head><body>",
@@ -125,6 +127,7 @@ def html(rep: dict) -> str:
            f"{esc(rep['samples'])} calibration samples{esc(profile_note(rep))}; {esc(rep['quantized_nodes'])} nodes quantized, "
            f"{esc(rep['qdq_tensors'])} activations with Q/DQ.</p>",
            *([f"<p>{esc(qop_note)}</p>"] if qop_note else []),
+           *([f"<p>{esc(weights_note)}</p>"] if weights_note else []),
            "<h2>Network outputs</h2>",
            _table(["output", "mean cosine", "min cosine", "SQNR dB", "max |err|"],
                   [[esc(output_label(o, rep)), _cos_cell(o["cosine"]),

@@ -1539,3 +1539,34 @@ def test_dynamo_nodes_are_shown_and_skipped_by_their_torch_module(tmp_path):
     with pytest.raises(ConfigError) as err:
         quantize_model(tmp_path / "bad2", model, n=2, skip_prof_layer=True, skip_layers=["nope"])
     assert "_empty_nn_module_stack" not in str(err.value)
+
+
+def test_report_says_how_many_weight_parameters_stay_float_and_where(tmp_path):
+    """A GRU (not quantized on trt) between two Gemms: report.md said nothing of its weights,
+    most of the model's, staying float. Oracle: the initializers' sizes."""
+    rng = np.random.default_rng(0)
+    h = 16
+    inits = {"w1": rng.normal(0, 0.3, (8, h)).astype(np.float32), "b1": np.zeros(h, np.float32),
+             "W": rng.normal(0, 0.3, (1, 3 * h, h)).astype(np.float32),
+             "R": rng.normal(0, 0.3, (1, 3 * h, h)).astype(np.float32),
+             "w2": rng.normal(0, 0.3, (h, 4)).astype(np.float32), "b2": np.zeros(4, np.float32),
+             "shape": np.array([1, h], np.int64)}
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["a"], name="fc1"),
+             helper.make_node("Unsqueeze", ["a", "axes"], ["a3"], name="unsq"),
+             helper.make_node("GRU", ["a3", "W", "R"], ["", "hN"], name="gru", hidden_size=h),
+             helper.make_node("Reshape", ["hN", "shape"], ["hr"], name="flat"),
+             helper.make_node("Gemm", ["hr", "w2", "b2"], ["y"], name="fc2")]
+    inits["axes"] = np.array([1], np.int64)
+    model = make_model(nodes, [vi("x", [1, 8])], [vi("y", [1, 4])], inits)
+    res, _ = quantize_model(tmp_path, model, n=4)
+    w = res.report["weight_parameters"]
+    assert w["quantized"] == 8 * h + h * 4 and w["float"] == 2 * 3 * h * h
+    assert w["float_by_op"] == {"GRU": {"parameters": 2 * 3 * h * h, "nodes": ["gru"]}}
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert f"Weights kept float: {2 * 3 * h * h:,} of {8 * h + h * 4 + 2 * 3 * h * h:,} parameters" in md and "GRU" in md
+
+
+def test_report_has_no_float_weights_line_when_every_weight_is_quantized(tmp_path):
+    res, _ = quantize_model(tmp_path, tiny_cnn(), n=4)
+    assert res.report["weight_parameters"]["float"] == 0
+    assert "Weights kept float" not in (tmp_path / "out" / "report.md").read_text()
