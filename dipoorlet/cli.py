@@ -673,7 +673,6 @@ def _fail(comm, state, message: str, code: int, trace: str = "") -> int:
     if trace:
         print(trace.rstrip(), file=sys.stderr, flush=True)
     print(f"dipoorlet: error{where}: {message}", file=sys.stderr, flush=True)
-    logging.getLogger("dipoorlet").debug("error: %s", message)
     _log_to_file(f"dipoorlet: error{where}: {message}")
     if multi:
         finish_log(state["out_dir"], False)   # MPI_Abort skips every finally block

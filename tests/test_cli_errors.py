@@ -714,6 +714,19 @@ def test_debug_prints_the_traceback_and_keeps_exit_code_2(tmp_path, capsys):
     assert "Traceback" in err and "does not exist" in err
 
 
+def test_debug_prints_the_error_line_once_on_stderr_and_in_the_log(tmp_path, capsys):
+    """With --debug the console handler printed the error's debug record too: the line twice on
+    stderr and twice in dipoorlet.log (found by a hunt)."""
+    case = Case(tmp_path)
+    case.extra = ["--skip_layers", "no_such_node", "--debug"]
+    rc, err = run_cli(case, capsys)
+    assert rc == 2
+    lines = [l for l in err.splitlines() if "no_such_node" in l]
+    assert sum(l.startswith(("dipoorlet: error", "error:")) for l in lines) == 1, lines
+    logs = list(case.out.glob("dipoorlet*.log"))
+    assert logs and sum(l.read_text().count("error: ") for l in logs) == 1
+
+
 def test_model_inside_output_folder_is_never_overwritten(tmp_path, capsys):
     """-M is an earlier run's quant_model.onnx (or any model saved under that name) in -O."""
     case = Case(tmp_path)
