@@ -1194,9 +1194,9 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
         else:
             rest = f"what is left is not the candidates' weights: {acts}"
         explicit = sum(1 for b in cfg.layer_bits.values() if b[0])
-        log.warning("auto_w8: target %s %s not met (%s %.6f with %d layers' weights on %d-bit grids over the %d "
+        log.warning("auto_w8: target %s %s not met (%s %s with %d layers' weights on %d-bit grids over the %d "
                     "sensitivity samples); %s", w8.criterion, w8.target, w8.criterion,
-                    (w8.measured or w8.after).value(w8.criterion), len(w8.float_layers), plat.weight.bits,
+                    short_of(w8.target, (w8.measured or w8.after).value(w8.criterion)), len(w8.float_layers), plat.weight.bits,
                     analysis["sens_samples"],
                     rest + (f"; {explicit} layers with an explicit --layer_bits weight width were not candidates"
                             if explicit else ""))
@@ -1238,9 +1238,9 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
             left = "what is left is the weights' rounding: --gptq, or --skip_layers"
     analysis.pop("_scorer", None)
     if a16 is not None and not a16.met and not missed_as_written:
-        log.warning("auto_a16: target %s %s not met (%s %.6f with %d layers' inputs on 16-bit grids over the %d "
+        log.warning("auto_a16: target %s %s not met (%s %s with %d layers' inputs on 16-bit grids over the %d "
                     "sensitivity samples); %s", a16.criterion, a16.target, a16.criterion,
-                    (a16.measured or a16.after).value(a16.criterion),
+                    short_of(a16.target, (a16.measured or a16.after).value(a16.criterion)),
                     len(a16.float_layers), analysis["sens_samples"],
                     left
                     + (f"; {sum(1 for b in cfg.layer_bits.values() if b[1])} layers with an explicit --layer_bits "
@@ -1457,6 +1457,16 @@ WEIGHT_OPS = {"Conv", "ConvTranspose", "DeformConv", "Gemm", "MatMul", "FusedMat
               "Attention", "MultiHeadAttention", "EmbedLayerNormalization"}
 
 
+def short_of(target: float, value: float) -> str:
+    """A score that missed its target, with digits enough to show it is not the target
+    (--auto_skip 1.0 read "not met (cosine 1.000000 ...)"; found by a hunt)."""
+    for digits in (6, 9, 12):
+        text = f"{value:.{digits}f}"
+        if text != f"{target:.{digits}f}":
+            return text
+    return repr(value)
+
+
 def weight_coverage(g, places, plan) -> dict:
     """How many weight parameters (float initializers of two or more dimensions that a layer op
     or a Gather's table reads, each counted once) the quantized model holds on an integer grid,
@@ -1620,9 +1630,9 @@ def analyse(cfg: QuantConfig, g: Graph, places, plan, data, comm, stats=None, pl
                     "spread over many small ones (report.md's worst layers show where it goes)")
         else:
             more = "the search stops after 3 trials per allowed float layer: a larger --max_float_layers tries more"
-        log.warning("auto_skip: target %s %s not met (%s %.6f with %d layers float over the %d sensitivity "
+        log.warning("auto_skip: target %s %s not met (%s %s with %d layers float over the %d sensitivity "
                     "samples%s); %s", a.criterion, a.target, a.criterion,
-                    a.after.value(a.criterion), len(a.float_layers), n,
+                    short_of(a.target, a.after.value(a.criterion)), len(a.float_layers), n,
                     ", on the logits" if out.get("sens_scored_on") else "", more)
     return out
 

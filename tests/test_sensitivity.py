@@ -1570,3 +1570,11 @@ def test_report_has_no_float_weights_line_when_every_weight_is_quantized(tmp_pat
     res, _ = quantize_model(tmp_path, tiny_cnn(), n=4)
     assert res.report["weight_parameters"]["float"] == 0
     assert "Weights kept float" not in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_a_missed_target_is_shown_with_digits_enough_to_differ_from_it():
+    from dipoorlet.pipeline import short_of
+
+    assert short_of(1.0, 0.99999999) == "0.999999990"      # not "1.000000"
+    assert short_of(0.999, 0.99812) == "0.998120"
+    assert float(short_of(40.0, 39.9999996)) < 40.0
