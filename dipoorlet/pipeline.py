@@ -1193,7 +1193,7 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
                     f"({', '.join(f'{n}=w{b[0]}' for n, b in pinned[:4])}), which the search leaves as asked, or {acts}")
         else:
             rest = f"what is left is not the candidates' weights: {acts}"
-        explicit = sum(1 for b in cfg.layer_bits.values() if b[0])
+        explicit = sum(1 for n, b in cfg.layer_bits.items() if b[0] and n in places.quantized_nodes)
         log.warning("auto_w8: target %s %s not met (%s %s with %d layers' weights on %d-bit grids over the %d "
                     "sensitivity samples); %s", w8.criterion, w8.target, w8.criterion,
                     short_of(w8.target, (w8.measured or w8.after).value(w8.criterion)), len(w8.float_layers), plat.weight.bits,
@@ -1238,13 +1238,14 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
             left = "what is left is the weights' rounding: --gptq, or --skip_layers"
     analysis.pop("_scorer", None)
     if a16 is not None and not a16.met and not missed_as_written:
+        # a node --skip_layers keeps float (its --layer_bits does nothing, as the log said) is no candidate anyway
+        pinned_a = sum(1 for n, b in cfg.layer_bits.items() if b[1] and n in places.quantized_nodes)
         log.warning("auto_a16: target %s %s not met (%s %s with %d layers' inputs on 16-bit grids over the %d "
                     "sensitivity samples); %s", a16.criterion, a16.target, a16.criterion,
                     short_of(a16.target, (a16.measured or a16.after).value(a16.criterion)),
                     len(a16.float_layers), analysis["sens_samples"],
-                    left
-                    + (f"; {sum(1 for b in cfg.layer_bits.values() if b[1])} layers with an explicit --layer_bits "
-                       "activation width were not candidates" if any(b[1] for b in cfg.layer_bits.values()) else ""))
+                    left + (f"; {pinned_a} layers with an explicit --layer_bits activation width were not candidates"
+                            if pinned_a else ""))
     if analysis.get("isolated"):
         from dipoorlet import diagnose
 

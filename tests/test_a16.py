@@ -258,6 +258,19 @@ def test_auto_a16_keeps_an_explicit_layer_bits_setting(tmp_path):
     assert zps["r2"].dtype == np.uint16
 
 
+def test_auto_a16_does_not_count_a_skipped_layers_layer_bits_as_kept(tmp_path, caplog):
+    """--skip_layers conv1 --layer_bits conv1=a16: the log said the setting does nothing, then
+    that 1 layer with an explicit activation width was not a candidate (found by a hunt)."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="dipoorlet"):
+        res, _, _, _ = _run(tmp_path, tiny_cnn(), auto_a16="1.0", max_a16_layers=1, sens_samples=2,
+                            skip_layers=["conv1"], layer_bits={"conv1": (None, 16)})
+    assert res.report["auto_a16"]["met"] is False
+    missed = [r.getMessage() for r in caplog.records if "auto_a16: target" in r.getMessage()]
+    assert missed and not any("explicit --layer_bits" in m for m in missed)
+
+
 def test_16_bit_grids_keep_the_full_range_and_entropy_the_whole_range():
     from dipoorlet.platform import TensorRule
     from dipoorlet.qparams import levels
