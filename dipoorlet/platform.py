@@ -95,6 +95,10 @@ _ALIASES = {"tensorrt": ["trt"], "nvidia": ["trt"], "onnxruntime": ["ort"], "rkn
 
 def load(name_or_path: str) -> Platform:
     path = Path(name_or_path)
+    if path.is_dir():       # a folder of specs: "unknown platform ...; did you mean atlas?" (found by a hunt)
+        specs = sorted(p.name for p in path.glob("*.toml"))
+        raise ConfigError(f"-D {name_or_path} is a folder; pass one backend ({', '.join(available())}) or the path "
+                          f"of one .toml spec" + (f", e.g. {path / specs[0]}" if specs else ""))
     if name_or_path.endswith(".toml"):
         if not path.is_file():
             raise ConfigError(f"platform spec {path} does not exist; pass -D with one of "

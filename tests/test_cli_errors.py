@@ -277,6 +277,13 @@ def platform_misspelt(c):
     return ["'snep'", "did you mean snpe?"]
 
 
+def platform_folder(c):
+    (c.tmp / "specs").mkdir()
+    (c.tmp / "specs" / "mine.toml").write_text("")
+    c.args["-D"] = str(c.tmp / "specs")
+    return ["specs is a folder", "one .toml spec", "mine.toml"]
+
+
 def output_not_writable(c):
     (c.tmp / "afile").write_text("x")
     c.out = c.tmp / "afile" / "out"
@@ -616,7 +623,7 @@ CASES = [output_dir_empty, input_dir_empty, custom_op_lib_empty, sample_named_wi
          images_in_input_dir, samples_named_otherwise, samples_outside_input_folder, channels_last_sample,
          channels_last_sample_dynamic_batch, samples_zero_padded, too_few_files_beside_a_stray_file,
          input_folder_misnamed, unknown_method, method_by_other_tools_name, unknown_platform, platform_by_vendor_name,
-         platform_misspelt,
+         platform_misspelt, platform_folder,
          output_not_writable, output_is_a_file, nothing_quantizable, float64_model, already_quantized_qdq,
          already_quantized_integer_ops, skip_layer_unknown, score_output_unknown,
          input_shape_malformed, input_shape_unknown_name, input_shape_static_conflict, input_shape_not_the_datas,
