@@ -95,7 +95,9 @@ _ALIASES = {"tensorrt": ["trt"], "nvidia": ["trt"], "onnxruntime": ["ort"], "rkn
 
 def load(name_or_path: str) -> Platform:
     path = Path(name_or_path)
-    if path.is_dir():       # a folder of specs: "unknown platform ...; did you mean atlas?" (found by a hunt)
+    if path.is_dir() and not name_or_path.endswith(".toml") and name_or_path.lower() not in available():
+        # a folder of specs: "unknown platform ...; did you mean atlas?" (found by a hunt); a
+        # backend's name is the backend whatever folder of that name -O or the user made here
         specs = sorted(p.name for p in path.glob("*.toml"))
         raise ConfigError(f"-D {name_or_path} is a folder; pass one backend ({', '.join(available())}) or the path "
                           f"of one .toml spec" + (f", e.g. {path / specs[0]}" if specs else ""))

@@ -1361,3 +1361,14 @@ def test_a_log_that_could_not_be_written_in_full_says_so(tmp_path, capsys):
     fh.close()
     assert (tmp_path / "b.log").read_text(encoding="utf-8").count("record") == 3
     assert "incomplete" not in capsys.readouterr().err
+
+
+def test_a_backend_name_is_the_backend_beside_a_folder_of_that_name(tmp_path, capsys, monkeypatch):
+    """-D trt -O trt: the output folder is made before the platform loads, and the folder check
+    took 'trt' for a folder of specs (found by a review)."""
+    case = Case(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "trt").mkdir(exist_ok=True)
+    case.args["-D"] = "trt"
+    rc, err = run_cli(case, capsys)
+    assert rc == 0, err
