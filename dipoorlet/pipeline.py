@@ -33,7 +33,7 @@ from dipoorlet.deploy import DeployContext, export_all
 from dipoorlet.dist import MPIComm, SingleProcess
 from dipoorlet.errors import ConfigError, DataError, ModelError, OutputError
 from dipoorlet.graph import (FLOAT_TYPES, INTEGER_TYPES, PROTOBUF_LIMIT, Graph, node_attr, check_float, model_bytes, model_files,
-                             opset_of, save_model)
+                             opset_of, save_model, subgraphs)
 from dipoorlet.qdq import insert_qdq
 from dipoorlet.qparams import MIN_SCALE, QuantPlan, bias_qparams, levels, make_qparams, share_scales
 from dipoorlet.ranges import NEEDS_HISTOGRAM, RANGE_METHODS, RangeParams, clip_range, power_of_two_clip
@@ -1454,10 +1454,6 @@ def _write_staging(cfg, g, plan, places, plat, data, indices, qmodel, staging: P
     return files, rep
 
 
-WEIGHT_OPS = {"Conv", "ConvTranspose", "DeformConv", "Gemm", "MatMul", "FusedMatMul", "Einsum", "GRU", "LSTM", "RNN",
-              "Attention", "MultiHeadAttention", "EmbedLayerNormalization"}
-
-
 def short_of(target: float, value: float) -> str:
     """A score that missed its target, with digits enough to show it is not the target
     (--auto_skip 1.0 read "not met (cosine 1.000000 ...)"; found by a hunt)."""
@@ -1468,30 +1464,48 @@ def short_of(target: float, value: float) -> str:
     return repr(value)
 
 
+# where each op reads its weights (None: any constant input); 2-D constants elsewhere (a Gemm's
+# [1, N] bias, a recurrent op's biases and initial state) are not counted
+WEIGHT_INPUTS = {"Conv": (1,), "ConvTranspose": (1,), "DeformConv": (1,), "Gemm": (0, 1), "MatMul": (0, 1),
+                 "FusedMatMul": (0, 1), "Einsum": None, "GRU": (1, 2), "LSTM": (1, 2), "RNN": (1, 2),
+                 "Attention": (1,), "Gather": (0,), "EmbedLayerNormalization": (2, 3, 4)}
+
+
 def weight_coverage(g, places, plan) -> dict:
     """How many weight parameters (float initializers of two or more dimensions that a layer op
-    or a Gather's table reads, each counted once) the quantized model holds on an integer grid,
-    and the float ones by op type: a GRU, an Einsum or an embedding table that the backend does
-    not quantize stayed float without a word in report.md (found by a hunt)."""
+    reads as its weight, or a Gather as its table, each counted once) the quantized model holds on
+    an integer grid, and the float ones by op type: a GRU, an Einsum or an embedding table that
+    the backend does not quantize stayed float without a word in report.md (found by a hunt).
+    Nodes inside If/Loop/Scan bodies, never quantized, count with their graph's and the outer
+    initializers they read."""
     on_grid = {wp.tensor for wp in places.weights.values() if wp.tensor in plan.weights}
-    seen, quantized, left = set(), 0, {}
-    for node in g.graph.node:
-        if node.op_type not in WEIGHT_OPS and node.op_type != "Gather":
-            continue
-        for name in node.input[:1] if node.op_type == "Gather" else node.input:
-            t = g.initializers.get(name)
-            if name in seen or t is None or len(t.dims) < 2 or t.data_type not in FLOAT_TYPES:
+    seen, counted, left = set(), {"quantized": 0}, {}
+
+    def walk(graph, inits):
+        inits = {**inits, **{t.name: t for t in graph.initializer}}
+        for node in graph.node:
+            for sub in subgraphs(node):
+                walk(sub, inits)
+            if node.op_type not in WEIGHT_INPUTS:
                 continue
-            seen.add(name)
-            size = int(np.prod(t.dims))
-            if name in on_grid:
-                quantized += size
-            else:
+            at = WEIGHT_INPUTS[node.op_type]
+            for k, name in enumerate(node.input):
+                t = inits.get(name)
+                if (at is not None and k not in at) or name in seen or t is None or len(t.dims) < 2 \
+                        or t.data_type not in FLOAT_TYPES:
+                    continue
+                seen.add(name)
+                size = int(np.prod(t.dims))
+                if name in on_grid and graph is g.graph:
+                    counted["quantized"] += size
+                    continue
                 row = left.setdefault(node.op_type, {"parameters": 0, "nodes": []})
                 row["parameters"] += size
                 if node.name not in row["nodes"]:
                     row["nodes"].append(node.name)
-    return {"quantized": quantized, "float": sum(r["parameters"] for r in left.values()),
+
+    walk(g.graph, dict(g.initializers))
+    return {"quantized": counted["quantized"], "float": sum(r["parameters"] for r in left.values()),
             "float_by_op": dict(sorted(left.items(), key=lambda kv: -kv[1]["parameters"]))}
 
 

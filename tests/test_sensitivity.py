@@ -1578,3 +1578,27 @@ def test_a_missed_target_is_shown_with_digits_enough_to_differ_from_it():
     assert short_of(1.0, 0.99999999) == "0.999999990"      # not "1.000000"
     assert short_of(0.999, 0.99812) == "0.998120"
     assert float(short_of(40.0, 39.9999996)) < 40.0
+
+
+def test_float_weight_parameters_count_if_branches_and_not_a_gemms_2d_bias(tmp_path):
+    """A MatMul inside an If branch is never quantized and its weight was not counted (found by a
+    review); a Gemm's [1, N] bias C is no weight. Oracle: the initializers' sizes."""
+    rng = np.random.default_rng(0)
+
+    def branch(name):
+        w = helper.make_tensor(f"w_{name}", TensorProto.FLOAT, [8, 8], rng.normal(0, 0.3, 64).astype(np.float32))
+        return helper.make_graph([helper.make_node("MatMul", ["a", f"w_{name}"], [f"o_{name}"], name=f"mm_{name}")],
+                                 name, [], [vi(f"o_{name}", [1, 8])], [w])
+
+    inits = {"w1": rng.normal(0, 0.3, (4, 8)).astype(np.float32), "c1": np.zeros((1, 8), np.float32),
+             "w2": rng.normal(0, 0.3, (8, 2)).astype(np.float32), "b2": np.zeros(2, np.float32),
+             "flag": np.array(True)}
+    nodes = [helper.make_node("Gemm", ["x", "w1", "c1"], ["a"], name="fc1"),
+             helper.make_node("If", ["flag"], ["m"], name="if", then_branch=branch("then"), else_branch=branch("else")),
+             helper.make_node("Gemm", ["m", "w2", "b2"], ["y"], name="fc2")]
+    model = make_model(nodes, [vi("x", [1, 4])], [vi("y", [1, 2])], inits)
+    res, _ = quantize_model(tmp_path, model, n=4)
+    w = res.report["weight_parameters"]
+    assert w["quantized"] == 4 * 8 + 8 * 2 and w["float"] == 2 * 64
+    assert list(w["float_by_op"]) == ["MatMul"] and w["float_by_op"]["MatMul"]["parameters"] == 128
+    assert sorted(w["float_by_op"]["MatMul"]["nodes"]) == ["mm_else", "mm_then"]
