@@ -45,7 +45,8 @@ BC_SAMPLES = 256       # default cap on the samples the pass reads (--bc_samples
 #                        long before that, and at -N 1000 the pass would cost as much as calibration
 FIXED = float(2**24)   # fixed-point scale of the per-sample means (exact, order-free sums)
 SPLIT = float(2**44)   # each fixed-point mean is summed as two int64 parts, above and below 2^44
-LIMIT = float(2**62)   # |mean| beyond this is clipped (float32 reaches 3e38); exact below, for up to 2^18 samples
+LIMIT = float(2**62)   # |mean| beyond this is clipped (float32 reaches 3e38); exact below
+CARRY = 4096           # samples between carries of the low sums into the high ones
 
 
 @dataclass
@@ -277,6 +278,8 @@ def _mean_pass(model, keys, types, data, indices, comm, device, what: str,
             continue
         acc += _fixed_parts(means)
         count += 1
+        if count % CARRY == 0:
+            _carry(acc)
     acc = comm.allreduce_sum(acc)      # one collective for every sum
     warn_left_out(comm, bad, what, "a quantized activation is NaN on them")
     total = int(comm.allreduce_sum(np.array([count], dtype=np.int64))[0])
@@ -288,14 +291,23 @@ def _mean_pass(model, keys, types, data, indices, comm, device, what: str,
 
 def _fixed_parts(means: np.ndarray) -> np.ndarray:
     """The means in fixed point (``rint(mean * FIXED)``, exact in float64 at any size) as two
-    int64 parts, ``high * SPLIT + low`` with ``0 <= low < SPLIT``: summed apart, both stay exact
-    for up to 2^18 samples whatever the means' size. One int64 sum wrapped around once a mean
+    int64 parts, ``high * SPLIT + low`` with ``|low| <= SPLIT / 2``: summed apart (with a
+    :func:`_carry` every CARRY samples), both stay exact whatever the means' size. One int64 sum wrapped around once a mean
     passed 2^39 / N (a mel power spectrum of 16-bit audio reaches 1e12: a corrected bias of
     garbage that undid the activation shift on trt; found by a hunt)."""
     q = np.rint(np.clip(means, -LIMIT, LIMIT) * FIXED)
-    high = np.floor(q / SPLIT)
-    low = q - high * SPLIT          # exact: both are multiples of q's ulp, the difference below 2^44
+    high = np.rint(q / SPLIT)
+    low = q - high * SPLIT          # exact: both are multiples of q's ulp, |difference| <= 2^43
     return np.concatenate([high, low]).astype(np.int64)
+
+
+def _carry(acc: np.ndarray) -> None:
+    """Move whole multiples of SPLIT from the low sums (second half of ``acc``) into the high
+    ones, exactly, so that the low sums stay below 2^44 * CARRY whatever the number of samples."""
+    n = acc.size // 2
+    c = (acc[n:] + (1 << 43)) >> 44
+    acc[n:] -= c << 44
+    acc[:n] += c
 
 
 def _weight_terms(g, plan, s: Site):

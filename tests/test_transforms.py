@@ -271,10 +271,30 @@ def test_fixed_point_mean_parts_sum_exactly():
                             [0.0, -0.0, 5e-9, -5e-9]])
     parts = _fixed_parts(means)
     high, low = parts[:means.size], parts[means.size:]
-    assert (low >= 0).all() and (low < SPLIT).all()
+    assert (np.abs(low) <= SPLIT / 2).all()
     got = [int(h) * int(SPLIT) + int(lo) for h, lo in zip(high, low)]
     want = [int(np.rint(m * FIXED)) for m in means]     # exact: a float64 integer value as a Python int
     assert got == want
+
+
+def test_fixed_point_sums_carry_exactly_past_many_samples():
+    """Low parts of 2^43 summed over 2^20 samples pass int64; the carry moves them into the high
+    sums without changing the total (a review found [0, 2^44) low parts wrapping at 2^19 samples
+    of any negative mean)."""
+    from dipoorlet.bias_correction import CARRY, SPLIT, _carry, _fixed_parts
+
+    means = np.array([-1e-6, 2.0**43 / 2**24 * 0.999, -3e12])
+    step = _fixed_parts(means)
+    acc = np.zeros_like(step)
+    samples = 3 * CARRY + 5
+    for k in range(1, samples + 1):
+        acc += step
+        if k % CARRY == 0:
+            _carry(acc)
+    n = means.size
+    total = [int(h) * int(SPLIT) + int(lo) for h, lo in zip(acc[:n], acc[n:])]
+    assert total == [samples * (int(h) * int(SPLIT) + int(lo)) for h, lo in zip(step[:n], step[n:])]
+    assert (np.abs(acc[n:]) <= SPLIT / 2 * (CARRY + 5)).all()
 
 
 @pytest.mark.parametrize("deploy", ["trt", "snpe"])
