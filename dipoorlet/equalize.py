@@ -531,11 +531,13 @@ def choose_layer_scales(layers: list[tuple[np.ndarray, int]], r: np.ndarray, ms:
     for w, group in layers:
         if not (w.shape[1] == 1 and group == r.size):   # depthwise: a grid per channel, unaffected by s
             w_in = np.maximum(w_in, _input_ranges(w, group, r.size))
-    # A channel calibration never saw fire (all zero after a Relu) keeps its scale: the floor of
-    # 1/MAX_GAIN multiplied it by 100, and where it fires at deployment it ran 40x past the grid
-    # (openwakeword's "alexa" head on trt: both held-out positives missed, 0.998 -> 0.020; found
-    # by a hunt). Its column's weights stay as they are and the estimate counts them.
-    dead = r <= r.max() * 1e-12
+    # A channel calibration never saw fire (all zero after a Relu, or so small that even MAX_GAIN
+    # times its range stays under half an int8 step of the largest channel's range: it rounds to
+    # zero either way) keeps its scale: the floor of 1/MAX_GAIN multiplied it by 100, and where it
+    # fired at deployment it ran 40x past the grid (openwakeword's "alexa" head on trt: both
+    # held-out positives missed, 0.998 -> 0.020; found by a hunt; a range of 1e-10 instead of 0,
+    # a review). Its column's weights stay as they are and the estimate counts them.
+    dead = r * (2 * 127 * MAX_GAIN) < r.max()
     r = np.maximum(r, r.max() * 1e-12)
     ms = np.maximum(ms, 0.0)
 
