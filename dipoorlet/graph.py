@@ -271,8 +271,17 @@ def _stuck(rest: list, ready: set) -> str:
         more = f" and {len(undefined) - 3} more" if len(undefined) > 3 else ""
         return (f"the graph reads tensors that no node, graph input or initializer makes: {named}{more}; "
                 "check the model with onnx.checker")
-    names = [n.name or n.op_type for n in rest[:3]]
-    return (f"the graph has a cycle through nodes {names}{' ...' if len(rest) > 3 else ''}; "
+    # peel off the nodes no other stuck node reads (those downstream of a cycle): what is left
+    # is on a cycle or between two (a review found the message naming the first nodes in file order)
+    cycle = list(rest)
+    while True:
+        read = {i for n in cycle for i in list(n.input) + _subgraph_outer_refs(n)}
+        kept = [n for n in cycle if any(o in read for o in n.output)]
+        if len(kept) == len(cycle) or not kept:
+            break
+        cycle = kept
+    names = [n.name or n.op_type for n in cycle[:3]]
+    return (f"the graph has a cycle through nodes {names}{' ...' if len(cycle) > 3 else ''}; "
             "check the model with onnx.checker")
 
 
