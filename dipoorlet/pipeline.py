@@ -1700,6 +1700,15 @@ def _gridless_to_float(g, places, plan, unsized=None, stats=None) -> None:
                 gridded.add(g.producer[t].name)
             if p.output and t in places.output_owners:
                 gridded.add(places.output_owners[t])
+    # a node whose output reaches a grid through ops that only move values (PRelu -> Transpose ->
+    # Flatten -> MatMul on qnn) computes onto that grid: it had been called "kept float: no grid
+    # left", with no reason (found by a hunt)
+    from dipoorlet.placement import pass_through_chain
+
+    for d in places.decisions:
+        if d.quantized and d.node not in gridded and d.node in g.node_by_name:
+            if any(pass_through_chain(g, o)[-1] in plan.activations for o in g.node_by_name[d.node].output if o):
+                gridded.add(d.node)
     dropped = {t for t in places.activations if t not in plan.activations}
     gone = []
     unsized = unsized or {}

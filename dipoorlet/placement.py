@@ -79,6 +79,23 @@ class Placement:
         return out
 
 
+# ops that move a tensor's values without changing any: a grid after them is the grid before them
+PASS_THROUGH = frozenset({"Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"})
+
+
+def pass_through_chain(g: Graph, tensor: str) -> list[str]:
+    """``tensor`` and the tensors it flows into through single-reader :data:`PASS_THROUGH` ops
+    (Conv -> PRelu -> Transpose -> Flatten -> MatMul: the PRelu's output, the Transpose's, the
+    Flatten's), stopping at a network output."""
+    chain = [tensor]
+    while True:
+        readers = g.consumers.get(chain[-1], [])
+        if chain[-1] in g.output_names or len(readers) != 1 or readers[0].op_type not in PASS_THROUGH \
+                or not readers[0].output or readers[0].input[0] != chain[-1]:
+            return chain
+        chain.append(readers[0].output[0])
+
+
 def weight_axis(g: Graph, node, index: int, per_channel: bool, batched: bool = True) -> int | None:
     """The output-channel axis of a weight, or None for per-tensor (``batched=False``: also for
     a MatMul weight of rank > 2)."""

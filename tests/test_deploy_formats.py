@@ -801,3 +801,25 @@ def test_the_zero_biases_stpu_names_ship_in_transformed_model(tmp_path):
     convs = {n.name: n for n in shipped.graph.node if n.op_type == "Conv"}
     named = [k[:-len("_bias")] for k in doc if k.endswith("_bias")]     # <layer>_bias
     assert sorted(named) == sorted(convs) and all(len(convs[n].input) == 3 and convs[n].input[2] for n in named)
+
+
+def test_qnn_a_fused_activation_reaching_its_grid_through_a_transpose_and_flatten(tmp_path):
+    """Conv -> PRelu -> Transpose -> Flatten -> MatMul on qnn: the grid sits on the Flatten's output
+    (what the MatMul reads), which the PRelu's output reaches unchanged. The report called the PRelu
+    "kept float: no grid left" with no reason, and the encodings had nothing for its output
+    (found by a hunt on MTCNN's ONet)."""
+    from conftest import quantize_model, rand
+
+    nodes = [helper.make_node("Conv", ["x", "W", "B"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("PRelu", ["c", "S"], ["p"], name="prelu"),
+             helper.make_node("Transpose", ["p"], ["t"], name="tr", perm=[0, 2, 3, 1]),
+             helper.make_node("Flatten", ["t"], ["f"], name="flat"),
+             helper.make_node("MatMul", ["f", "M"], ["y"], name="fc")]
+    model = make_model(nodes, [vi("x", [1, 3, 4, 4])], [vi("y", [1, 5])],
+                       {"W": rand((8, 3, 3, 3), 0), "B": rand((8,), 1), "S": np.full((8, 1, 1), 0.25, np.float32),
+                        "M": rand((128, 5), 2)})
+    res, _ = quantize_model(tmp_path, model, n=8, deploy="qnn")
+    decision = {d["node"]: d for d in res.report["decisions"]}["prelu"]
+    assert decision["quantized"], decision
+    enc = json.loads((tmp_path / "out" / "qnn_encodings.json").read_text())["activation_encodings"]
+    assert enc["p"] == enc["t"] == enc["f"]

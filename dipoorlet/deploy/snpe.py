@@ -210,6 +210,26 @@ def relu_fill_ins(ctx, ops=("Relu",)) -> dict[str, str]:
     return out
 
 
+def pass_through_fill_ins(ctx, acts: dict) -> dict:
+    """Encodings for a quantized node's output that reaches a grid only through ops that move
+    values (PRelu -> Transpose -> Flatten -> MatMul): the PRelu's and the Transpose's outputs get
+    the Flatten output's grid, the one quant_model.onnx rounds them onto (the converter had no
+    encoding for them; found by a hunt). A grid of their own is never overridden."""
+    from dipoorlet.placement import pass_through_chain
+
+    g = ctx.graph
+    quantized = set(getattr(ctx.placement, "quantized_nodes", ()) or ())
+    out = {}
+    for node in g.graph.node:
+        if node.name not in quantized:
+            continue
+        for o in node.output:
+            chain = pass_through_chain(g, o) if o and o not in acts else [o]
+            if len(chain) > 1 and chain[-1] in acts:
+                out.update({t: acts[chain[-1]] for t in chain[:-1] if t not in acts})
+    return out
+
+
 # ---- AIMET encodings -------------------------------------------------------------------------
 def aimet_encodings(qp) -> list[dict]:
     """One AIMET encoding per channel (one for a per-tensor grid)."""
@@ -234,6 +254,7 @@ def _most_common(values, default):
 def encodings(ctx) -> dict:
     plan = ctx.plan
     acts = {t: aimet_encodings(qp) for t, qp in plan.activations.items()}
+    acts.update(pass_through_fill_ins(ctx, acts))
     params = {}
     for wp in ctx.placement.weights.values():
         qp = plan.weights.get(wp.tensor)
