@@ -1705,9 +1705,11 @@ def _gridless_to_float(g, places, plan, unsized=None, stats=None) -> None:
     # left", with no reason (found by a hunt)
     from dipoorlet.placement import pass_through_chain
 
+    dropped_owners = {o for t, p in places.activations.items() if t not in plan.activations for o in p.owners}
     for d in places.decisions:
-        if d.quantized and d.node not in gridded and d.node in g.node_by_name:
-            if any(pass_through_chain(g, o)[-1] in plan.activations for o in g.node_by_name[d.node].output if o):
+        if d.quantized and d.node not in gridded and d.node not in dropped_owners and d.node in g.node_by_name:
+            if any(t in plan.activations for o in g.node_by_name[d.node].output if o
+                   for t in pass_through_chain(g, o)[1:]):
                 gridded.add(d.node)
     dropped = {t for t in places.activations if t not in plan.activations}
     gone = []

@@ -86,10 +86,11 @@ PASS_THROUGH = frozenset({"Transpose", "Reshape", "Flatten", "Squeeze", "Unsquee
 def pass_through_chain(g: Graph, tensor: str) -> list[str]:
     """``tensor`` and the tensors it flows into through single-reader :data:`PASS_THROUGH` ops
     (Conv -> PRelu -> Transpose -> Flatten -> MatMul: the PRelu's output, the Transpose's, the
-    Flatten's), stopping at a network output."""
+    Flatten's), stopping at a network output. A Shape reading a tensor reads no values (torch's
+    ``x.view(x.size(0), -1)``) and does not count as a reader."""
     chain = [tensor]
     while True:
-        readers = g.consumers.get(chain[-1], [])
+        readers = [n for n in g.consumers.get(chain[-1], []) if n.op_type != "Shape"]
         if chain[-1] in g.output_names or len(readers) != 1 or readers[0].op_type not in PASS_THROUGH \
                 or not readers[0].output or readers[0].input[0] != chain[-1]:
             return chain

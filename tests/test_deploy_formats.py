@@ -803,11 +803,24 @@ def test_the_zero_biases_stpu_names_ship_in_transformed_model(tmp_path):
     assert sorted(named) == sorted(convs) and all(len(convs[n].input) == 3 and convs[n].input[2] for n in named)
 
 
-def test_qnn_a_fused_activation_reaching_its_grid_through_a_transpose_and_flatten(tmp_path):
+# deploy -> (side file, where its activation table sits, the key of a tensor in it)
+_TABLES = {"qnn": ("qnn_encodings.json", ["activation_encodings"], str),
+           "snpe": ("snpe_encodings.json", ["activation_encodings"], str),
+           "rk": ("rk_quantized_param.json", ["quantize_parameters"], str),
+           "rv": ("rv_quantized_param.json", ["quantize_parameters"], str),
+           "stpu": ("stpu_minmax.json", [], str),
+           "ti": ("ti_blob_range.json", ["blob_range"], str),
+           "imx": ("imx_scale.json", ["blob_range"], str)}
+
+
+@pytest.mark.parametrize("shape_reader", [False, True])
+@pytest.mark.parametrize("deploy", sorted(_TABLES))
+def test_a_fused_activation_reaching_its_grid_through_a_transpose_and_flatten(tmp_path, deploy, shape_reader):
     """Conv -> PRelu -> Transpose -> Flatten -> MatMul on qnn: the grid sits on the Flatten's output
     (what the MatMul reads), which the PRelu's output reaches unchanged. The report called the PRelu
     "kept float: no grid left" with no reason, and the encodings had nothing for its output
-    (found by a hunt on MTCNN's ONet)."""
+    (found by a hunt on MTCNN's ONet). A Shape reading the Transpose's output (torch's
+    ``x.view(x.size(0), -1)``) reads no values and does not end the chain."""
     from conftest import quantize_model, rand
 
     nodes = [helper.make_node("Conv", ["x", "W", "B"], ["c"], name="conv", pads=[1, 1, 1, 1]),
@@ -815,11 +828,39 @@ def test_qnn_a_fused_activation_reaching_its_grid_through_a_transpose_and_flatte
              helper.make_node("Transpose", ["p"], ["t"], name="tr", perm=[0, 2, 3, 1]),
              helper.make_node("Flatten", ["t"], ["f"], name="flat"),
              helper.make_node("MatMul", ["f", "M"], ["y"], name="fc")]
-    model = make_model(nodes, [vi("x", [1, 3, 4, 4])], [vi("y", [1, 5])],
+    outputs = [vi("y", [1, 5])]
+    if shape_reader:
+        nodes.append(helper.make_node("Shape", ["t"], ["ts"], name="shape"))
+        outputs.append(helper.make_tensor_value_info("ts", onnx.TensorProto.INT64, [4]))
+    model = make_model(nodes, [vi("x", [1, 3, 4, 4])], outputs,
                        {"W": rand((8, 3, 3, 3), 0), "B": rand((8,), 1), "S": np.full((8, 1, 1), 0.25, np.float32),
                         "M": rand((128, 5), 2)})
-    res, _ = quantize_model(tmp_path, model, n=8, deploy="qnn")
+    res, _ = quantize_model(tmp_path, model, n=8, deploy=deploy)
     decision = {d["node"]: d for d in res.report["decisions"]}["prelu"]
     assert decision["quantized"], decision
-    enc = json.loads((tmp_path / "out" / "qnn_encodings.json").read_text())["activation_encodings"]
-    assert enc["p"] == enc["t"] == enc["f"]
+    name, path, key = _TABLES[deploy]
+    table = json.loads((tmp_path / "out" / name).read_text())
+    for part in path:
+        table = table[part]
+    if deploy == "rv":          # keyed by the producing node: @prelu:out0, @tr:out0, @flat:out0
+        assert table["@prelu:out0"] == table["@tr:out0"] == table["@flat:out0"]
+    else:
+        assert table[key("p")] == table[key("t")] == table[key("f")]
+
+
+def test_a_node_whose_own_input_grid_was_dropped_stays_float_past_a_reshape(tmp_path):
+    """Add(a, C) -> Reshape -> MatMul on snpe with a 0 in every calibration sample: the Add keeps its
+    "kept float: no grid left (a 0 in every calibration sample)" decision (a review found the
+    pass-through rule calling it quantized)."""
+    from conftest import quantize_model, rand
+
+    nodes = [helper.make_node("Relu", ["x"], ["a"], name="relu"),
+             helper.make_node("Add", ["a", "C"], ["r"], name="add"),
+             helper.make_node("Reshape", ["r", "shape"], ["r2"], name="reshape"),
+             helper.make_node("MatMul", ["r2", "M"], ["y"], name="fc")]
+    model = make_model(nodes, [vi("x", [1, 4, 2])], [vi("y", [1, 3])],
+                       {"C": rand((1, 4, 2), 0), "shape": np.array([1, 8], np.int64), "M": rand((8, 3), 1)})
+    feeds = [{"x": -np.abs(np.random.default_rng(k).normal(size=(1, 4, 2))).astype(np.float32) - 0.1} for k in range(4)]
+    res, _ = quantize_model(tmp_path, model, feeds=feeds, deploy="snpe")
+    decision = {d["node"]: d for d in res.report["decisions"]}["add"]
+    assert not decision["quantized"] and "0 in every calibration sample" in decision["reason"], decision

@@ -17,7 +17,7 @@ import logging
 import numpy as np
 
 from dipoorlet.deploy import register
-from dipoorlet.deploy.snpe import floats
+from dipoorlet.deploy.snpe import floats, pass_through_fill_ins
 from dipoorlet.util import write_json
 
 log = logging.getLogger(__name__)
@@ -31,6 +31,8 @@ def _is_pow2(values: list[float]) -> bool:
 @register("imx")
 def export(ctx, folder):
     table = {t: floats(qp.scale) for t, qp in ctx.plan.activations.items()}
+    for src, dst in pass_through_fill_ins(ctx).items():
+        table[src] = table[dst]
     for wp in ctx.placement.weights.values():
         qp = ctx.plan.weights.get(wp.tensor)
         if qp is not None and int(qp.bits) < 32:   # int32 biases are not in the reference table

@@ -57,8 +57,8 @@ import numpy as np
 import yaml
 
 from dipoorlet.deploy import register
-from dipoorlet.deploy.snpe import (floats, grid_range, ints, is_symmetric, relu_fill_ins, sym_amax,
-                                   unsigned_zero_point, weighted_layers)
+from dipoorlet.deploy.snpe import (floats, grid_range, ints, is_symmetric, pass_through_fill_ins, relu_fill_ins,
+                                   sym_amax, unsigned_zero_point, weighted_layers)
 from dipoorlet.util import write_json, write_text
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ def export_rv(ctx, folder):
     for key, first, second in clashes:
         log.warning("rockchip_rv: tensors %s and %s are both keyed %s (a node is named like a graph input): "
                     "the file holds %s's grid only; rename that node in the model", first, second, key, first)
-    for src, dst in relu_fill_ins(ctx, _fused(ctx)).items():
+    for src, dst in {**relu_fill_ins(ctx, _fused(ctx)), **pass_through_fill_ins(ctx)}.items():
         params.setdefault(rv_key(ctx, src), rv_entry(acts[dst]))
     for layer in weighted_layers(ctx):
         name = layer.node.name
@@ -152,7 +152,7 @@ def export_rk(ctx, folder):
     acts = ctx.plan.activations
     for t, qp in acts.items():
         params[t] = rk_range(qp)
-    for src, dst in relu_fill_ins(ctx, _fused(ctx)).items():
+    for src, dst in {**relu_fill_ins(ctx, _fused(ctx)), **pass_through_fill_ins(ctx)}.items():
         params.setdefault(src, rk_range(acts[dst]))
     for layer in weighted_layers(ctx):
         name = layer.node.name

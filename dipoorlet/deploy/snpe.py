@@ -210,23 +210,27 @@ def relu_fill_ins(ctx, ops=("Relu",)) -> dict[str, str]:
     return out
 
 
-def pass_through_fill_ins(ctx, acts: dict) -> dict:
-    """Encodings for a quantized node's output that reaches a grid only through ops that move
-    values (PRelu -> Transpose -> Flatten -> MatMul): the PRelu's and the Transpose's outputs get
-    the Flatten output's grid, the one quant_model.onnx rounds them onto (the converter had no
-    encoding for them; found by a hunt). A grid of their own is never overridden."""
+def pass_through_fill_ins(ctx) -> dict[str, str]:
+    """{tensor: gridded tensor} for a quantized node's output that reaches a grid only through
+    ops that move values (PRelu -> Transpose -> Flatten -> MatMul): the PRelu's and the
+    Transpose's outputs take the Flatten output's grid, the one quant_model.onnx rounds them onto
+    (the side files had nothing for them; found by a hunt). The nearest grid along the chain
+    serves; a grid of their own is never overridden."""
     from dipoorlet.placement import pass_through_chain
 
-    g = ctx.graph
+    g, acts = ctx.graph, ctx.plan.activations
     quantized = set(getattr(ctx.placement, "quantized_nodes", ()) or ())
     out = {}
     for node in g.graph.node:
         if node.name not in quantized:
             continue
         for o in node.output:
-            chain = pass_through_chain(g, o) if o and o not in acts else [o]
-            if len(chain) > 1 and chain[-1] in acts:
-                out.update({t: acts[chain[-1]] for t in chain[:-1] if t not in acts})
+            if not o or o in acts:
+                continue
+            chain = pass_through_chain(g, o)
+            end = next((t for t in chain[1:] if t in acts), None)
+            if end is not None:
+                out.update({t: end for t in chain[:chain.index(end)] if t not in acts})
     return out
 
 
@@ -254,7 +258,8 @@ def _most_common(values, default):
 def encodings(ctx) -> dict:
     plan = ctx.plan
     acts = {t: aimet_encodings(qp) for t, qp in plan.activations.items()}
-    acts.update(pass_through_fill_ins(ctx, acts))
+    for src, dst in pass_through_fill_ins(ctx).items():
+        acts[src] = acts[dst]
     params = {}
     for wp in ctx.placement.weights.values():
         qp = plan.weights.get(wp.tensor)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import numpy as np
 
 from dipoorlet.deploy import register
-from dipoorlet.deploy.snpe import floats, relu_fill_ins, scalar_or_list, sym_amax, weighted_layers
+from dipoorlet.deploy.snpe import floats, pass_through_fill_ins, relu_fill_ins, scalar_or_list, sym_amax, weighted_layers
 from dipoorlet.graph import node_attr
 from dipoorlet.util import write_json
 
@@ -70,7 +70,7 @@ def export(ctx, folder):
         param[f"{layer.node.name}_weights"] = _sym(sym_amax(layer.wqp).max())
     for t, qp in acts.items():
         param[t] = _sym(sym_amax(qp).max())
-    for src, dst in relu_fill_ins(ctx, ("Relu", "Clip")).items():
+    for src, dst in {**relu_fill_ins(ctx, ("Relu", "Clip")), **pass_through_fill_ins(ctx)}.items():
         param.setdefault(src, _sym(sym_amax(acts[dst]).max()))
     wg_scale = {}
     if getattr(ctx.config, "stpu_wg", False):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 
 from dipoorlet.deploy import register
-from dipoorlet.deploy.snpe import floats, grid_range, is_symmetric, sym_amax
+from dipoorlet.deploy.snpe import floats, grid_range, is_symmetric, pass_through_fill_ins, sym_amax
 from dipoorlet.util import write_json, write_text
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,8 @@ def blob_ranges(ctx) -> dict[str, list[float]]:
         else:
             lo, hi = grid_range(qp)
             out[t] = [min(floats(lo)), max(floats(hi))]
+    for src, dst in pass_through_fill_ins(ctx).items():
+        out[src] = out[dst]
     return out
 
 
