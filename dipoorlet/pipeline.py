@@ -1477,35 +1477,36 @@ def weight_coverage(g, places, plan) -> dict:
     an integer grid, and the float ones by op type: a GRU, an Einsum or an embedding table that
     the backend does not quantize stayed float without a word in report.md (found by a hunt).
     Nodes inside If/Loop/Scan bodies, never quantized, count with their graph's and the outer
-    initializers they read."""
+    initializers they read. A weight on a grid counts as quantized whichever else reads it, and
+    tensors are told apart by scope, not by name (two branches may each hold a "V")."""
     on_grid = {wp.tensor for wp in places.weights.values() if wp.tensor in plan.weights}
-    seen, counted, left = set(), {"quantized": 0}, {}
+    seen, left = set(), {}          # (scope, name) of the tensors counted
+    quantized = 0
+    for name in on_grid:
+        t = g.initializers.get(name)
+        if t is not None and len(t.dims) >= 2 and t.data_type in FLOAT_TYPES:
+            seen.add(("", name))
+            quantized += int(np.prod(t.dims))
 
-    def walk(graph, inits):
-        inits = {**inits, **{t.name: t for t in graph.initializer}}
+    def walk(graph, inits, scope):
+        inits = {**inits, **{t.name: ((scope, t.name), t) for t in graph.initializer}}
         for node in graph.node:
-            for sub in subgraphs(node):
-                walk(sub, inits)
-            if node.op_type not in WEIGHT_INPUTS:
-                continue
-            at = WEIGHT_INPUTS[node.op_type]
+            for j, sub in enumerate(subgraphs(node)):
+                walk(sub, inits, f"{scope}/{node.name or node.output[0]}:{j}")
+            at = WEIGHT_INPUTS.get(node.op_type, ())
             for k, name in enumerate(node.input):
-                t = inits.get(name)
-                if (at is not None and k not in at) or name in seen or t is None or len(t.dims) < 2 \
+                key, t = inits.get(name, (None, None))
+                if (at is not None and k not in at) or t is None or key in seen or len(t.dims) < 2 \
                         or t.data_type not in FLOAT_TYPES:
                     continue
-                seen.add(name)
-                size = int(np.prod(t.dims))
-                if name in on_grid and graph is g.graph:
-                    counted["quantized"] += size
-                    continue
+                seen.add(key)
                 row = left.setdefault(node.op_type, {"parameters": 0, "nodes": []})
-                row["parameters"] += size
+                row["parameters"] += int(np.prod(t.dims))
                 if node.name not in row["nodes"]:
                     row["nodes"].append(node.name)
 
-    walk(g.graph, dict(g.initializers))
-    return {"quantized": counted["quantized"], "float": sum(r["parameters"] for r in left.values()),
+    walk(g.graph, {name: (("", name), t) for name, t in g.initializers.items()}, "")
+    return {"quantized": quantized, "float": sum(r["parameters"] for r in left.values()),
             "float_by_op": dict(sorted(left.items(), key=lambda kv: -kv[1]["parameters"]))}
 
 

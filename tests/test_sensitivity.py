@@ -1602,3 +1602,31 @@ def test_float_weight_parameters_count_if_branches_and_not_a_gemms_2d_bias(tmp_p
     assert w["quantized"] == 4 * 8 + 8 * 2 and w["float"] == 2 * 64
     assert list(w["float_by_op"]) == ["MatMul"] and w["float_by_op"]["MatMul"]["parameters"] == 128
     assert sorted(w["float_by_op"]["MatMul"]["nodes"]) == ["mm_else", "mm_then"]
+
+
+@pytest.mark.parametrize("if_first", [True, False])
+def test_float_weight_parameters_do_not_depend_on_node_order_or_branch_names(tmp_path, if_first):
+    """An If whose then-branch reads the outer weight W a quantized MatMul reads too, and whose
+    else-branch holds its own "V": the count depended on which node came first, and two branches'
+    "V"s were one (found by a review). W counts as quantized; the else-branch's V as float."""
+    rng = np.random.default_rng(0)
+
+    def branch(name, w):
+        inits = [] if w == "W" else [helper.make_tensor(w, TensorProto.FLOAT, [8, 8],
+                                                        rng.normal(0, 0.3, 64).astype(np.float32))]
+        return helper.make_graph([helper.make_node("MatMul", ["x", w], [f"o_{name}"], name=f"mm_{name}")],
+                                 name, [], [vi(f"o_{name}", [1, 8])], inits)
+
+    for then_w, want_float in (("W", 64), ("V", 128)):
+        ifn = helper.make_node("If", ["flag"], ["m"], name="if", then_branch=branch("then", then_w),
+                               else_branch=branch("else", "V"))
+        nodes = [helper.make_node("MatMul", ["x", "W"], ["a"], name="mm0"),
+                 helper.make_node("Add", ["a", "m"], ["s"], name="add"),
+                 helper.make_node("MatMul", ["s", "W2"], ["y"], name="fc")]
+        nodes.insert(0 if if_first else 1, ifn)
+        model = make_model(nodes, [vi("x", [1, 8])], [vi("y", [1, 2])],
+                           {"W": rng.normal(0, 0.3, (8, 8)).astype(np.float32),
+                            "W2": rng.normal(0, 0.3, (8, 2)).astype(np.float32), "flag": np.array(True)})
+        res, _ = quantize_model(tmp_path / then_w, model, n=4)
+        w = res.report["weight_parameters"]
+        assert (w["quantized"], w["float"]) == (64 + 16, want_float), w
