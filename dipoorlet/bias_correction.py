@@ -292,9 +292,11 @@ def _mean_pass(model, keys, types, data, indices, comm, device, what: str,
 def _fixed_parts(means: np.ndarray) -> np.ndarray:
     """The means in fixed point (``rint(mean * FIXED)``, exact in float64 at any size) as two
     int64 parts, ``high * SPLIT + low`` with ``|low| <= SPLIT / 2``: summed apart (with a
-    :func:`_carry` every CARRY samples), both stay exact whatever the means' size. One int64 sum wrapped around once a mean
-    passed 2^39 / N (a mel power spectrum of 16-bit audio reaches 1e12: a corrected bias of
-    garbage that undid the activation shift on trt; found by a hunt)."""
+    :func:`_carry` every CARRY samples), both stay exact: the low sums for any number of samples,
+    the high ones (at most 2^42 a sample, for means of 2^62) for 2^21 samples at that size. One
+    int64 sum wrapped around once a mean passed 2^39 / N (a mel power spectrum of 16-bit audio
+    reaches 1e12: a corrected bias of garbage that undid the activation shift on trt; found by a
+    hunt)."""
     q = np.rint(np.clip(means, -LIMIT, LIMIT) * FIXED)
     high = np.rint(q / SPLIT)
     low = q - high * SPLIT          # exact: both are multiples of q's ulp, |difference| <= 2^43
