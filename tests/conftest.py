@@ -237,3 +237,16 @@ def weight_ints(q: onnx.ModelProto, name: str) -> np.ndarray:
             scale = inits[node.input[1]]
             return np.rint(inits[name] / scale.reshape(-1, *[1] * (inits[name].ndim - 1))).astype(np.int64)
     raise AssertionError(f"no quantized weight for {name}")
+
+
+def zero_input_add_model():
+    """Relu(x) -> Add(a, C) -> Reshape -> MatMul, and feeds on which the Relu's output is 0 in every
+    sample (the Add's input grid is dropped): (model, feeds)."""
+    nodes = [helper.make_node("Relu", ["x"], ["a"], name="relu"),
+             helper.make_node("Add", ["a", "C"], ["r"], name="add"),
+             helper.make_node("Reshape", ["r", "shape"], ["r2"], name="reshape"),
+             helper.make_node("MatMul", ["r2", "M"], ["y"], name="fc")]
+    model = make_model(nodes, [vi("x", [1, 4, 2])], [vi("y", [1, 3])],
+                       {"C": rand((1, 4, 2), 0), "shape": np.array([1, 8], np.int64), "M": rand((8, 3), 1)})
+    feeds = [{"x": -np.abs(np.random.default_rng(k).normal(size=(1, 4, 2))).astype(np.float32) - 0.1} for k in range(4)]
+    return model, feeds

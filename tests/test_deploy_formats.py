@@ -852,15 +852,9 @@ def test_a_node_whose_own_input_grid_was_dropped_stays_float_past_a_reshape(tmp_
     """Add(a, C) -> Reshape -> MatMul on snpe with a 0 in every calibration sample: the Add keeps its
     "kept float: no grid left (a 0 in every calibration sample)" decision (a review found the
     pass-through rule calling it quantized)."""
-    from conftest import quantize_model, rand
+    from conftest import quantize_model, zero_input_add_model
 
-    nodes = [helper.make_node("Relu", ["x"], ["a"], name="relu"),
-             helper.make_node("Add", ["a", "C"], ["r"], name="add"),
-             helper.make_node("Reshape", ["r", "shape"], ["r2"], name="reshape"),
-             helper.make_node("MatMul", ["r2", "M"], ["y"], name="fc")]
-    model = make_model(nodes, [vi("x", [1, 4, 2])], [vi("y", [1, 3])],
-                       {"C": rand((1, 4, 2), 0), "shape": np.array([1, 8], np.int64), "M": rand((8, 3), 1)})
-    feeds = [{"x": -np.abs(np.random.default_rng(k).normal(size=(1, 4, 2))).astype(np.float32) - 0.1} for k in range(4)]
+    model, feeds = zero_input_add_model()
     res, _ = quantize_model(tmp_path, model, feeds=feeds, deploy="snpe")
     decision = {d["node"]: d for d in res.report["decisions"]}["add"]
     assert not decision["quantized"] and "0 in every calibration sample" in decision["reason"], decision

@@ -878,13 +878,9 @@ def test_log_gives_the_quantized_count_again_when_placed_nodes_lose_their_grid(t
     the Gemm's grid through a Flatten counts as quantized, so the case is a dropped grid now.)"""
     import json
 
-    nodes = [helper.make_node("Relu", ["x"], ["a"], name="relu"),
-             helper.make_node("Add", ["a", "C"], ["r"], name="add"),
-             helper.make_node("Reshape", ["r", "shape"], ["r2"], name="reshape"),
-             helper.make_node("MatMul", ["r2", "M"], ["y"], name="fc")]
-    model = make_model(nodes, [vi("x", [1, 4, 2])], [vi("y", [1, 3])],
-                       {"C": rand((1, 4, 2), 0), "shape": np.array([1, 8], np.int64), "M": rand((8, 3), 1)})
-    feeds = [{"x": -np.abs(np.random.default_rng(k).normal(size=(1, 4, 2))).astype(np.float32) - 0.1} for k in range(4)]
+    from conftest import zero_input_add_model
+
+    model, feeds = zero_input_add_model()
     caplog.set_level("INFO", logger="dipoorlet")
     quantize_model(tmp_path, model, feeds=feeds, deploy="qnn", skip_prof_layer=True)
     rep = json.loads((tmp_path / "out" / "report.json").read_text())
