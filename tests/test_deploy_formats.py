@@ -334,6 +334,19 @@ def test_atlas_parse_back(tmp_path, kind):
     assert x.scale == rec["conv"]["scale_d"]
 
 
+def test_atlas_offset_of_a_narrow_unsigned_grid_is_its_signed_form(tmp_path):
+    """A 6-bit unsigned activation grid [0, 63] is written in its signed form q in [-32, 31]:
+    offset = zp - 32, so scale * (q - offset) over that range is the grid (the docstring once
+    said zp - 128 for every width; found by a side-file hunt)."""
+    ctx = make_ctx("asym")
+    ctx.plan.activations["x"] = qp(0.25, 20, False, 0, 63, bits=6)
+    flat = json.loads(export("atlas", ctx, tmp_path)["atlas_quant_param.json"].read_text())
+    assert flat["x"]["offset"] == 20 - 32
+    signed_q = np.arange(-32, 32)
+    unsigned_q = np.arange(0, 64)
+    np.testing.assert_array_equal(flat["x"]["scale"] * (signed_q - flat["x"]["offset"]), 0.25 * (unsigned_q - 20))
+
+
 # ---- TI, i.MX, MagicMind --------------------------------------------------------------------
 @pytest.mark.parametrize("kind", CONTEXTS)
 def test_ti_parse_back(tmp_path, kind):

@@ -4,9 +4,10 @@ Sources: ModelTC Dipoorlet ``deploy/deploy_atlas.py`` (``atlas_quant_param.json`
 record prototype ``SingleLayerRecord {scale_d, offset_d, scale_w, offset_w, ...}`` keyed by layer
 name (``amct_onnx/proto/scale_offset_record_onnx.proto``, CANN AMCT guide "Record Files").
 
-AMCT's unified INT8 form is ``q = round(x / scale) + offset`` with ``q`` in [-128, 127], so an
-unsigned grid's zero point ``zp`` becomes ``offset = zp - 128`` and a signed grid keeps its zero
-point (``offset = 0`` for a symmetric one). Three files:
+AMCT's signed form is ``q = round(x / scale) + offset`` with ``q`` in [-2^(b-1), 2^(b-1) - 1]
+([-128, 127] for INT8, [-8, 7] for INT4), so a b-bit unsigned grid's zero point ``zp`` becomes
+``offset = zp - 2^(b-1)`` (``zp - 128`` at 8 bits) and a signed grid keeps its zero point
+(``offset = 0`` for a symmetric one). Three files:
 
 - ``atlas_quant_param.json``: ``{tensor: {"scale": f, "offset": i}}``, the reference's flat
   layout, kept so its readers still work. One entry per tensor that carries Q/DQ in
