@@ -405,6 +405,15 @@ def _log_to_file(message: str) -> None:
                 pass    # a full disk: the line is on stderr already (this raised past it, exit 1)
 
 
+def _given_dests(argv) -> set[str]:
+    """The flags on the command line, by destination: the parser again with no defaults, so a flag
+    given at its default value (``--trt_version 8601``) is told from one left out."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(sys.argv[1:] if argv is None else argv)))
+
+
 def main(argv=None) -> int:
     from dipoorlet.threads import share_cores
 
@@ -544,7 +553,7 @@ def _main(args, argv, state) -> int:
         comm = make_comm(args.mpirun, args.slurm)
         state["helper_rank"] = comm.world > 1 and comm.rank != 0
         _refuse_reference_flags(args)      # with the communicator: printed once, by rank 0
-        from dipoorlet.config import QuantConfig
+        from dipoorlet.config import QuantConfig, given_fields
         from dipoorlet.data import parse_input_shapes
         from dipoorlet.graph import check_model_path
         from dipoorlet.pipeline import PUBLISHED, check_output_dir, quantize
@@ -573,7 +582,8 @@ def _main(args, argv, state) -> int:
                           auto_w8=args.auto_w8, max_w8_layers=args.max_w8_layers,
                           w_bits=args.w_bits, a_bits=args.a_bits, layer_bits=parse_layer_bits(args.layer_bits),
                           device=args.device, recon_device=args.recon_device,
-                          custom_op_libs=tuple(args.custom_op_lib), debug=debug)
+                          custom_op_libs=tuple(args.custom_op_lib), debug=debug,
+                          given=given_fields(_given_dests(argv)))
         check_model_path(cfg.model)  # before -O (default <model dir>/results) is created
         check_output_dir(cfg.output_dir)
         _check_log_names(cfg)

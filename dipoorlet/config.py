@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields as dataclass_fields
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +46,7 @@ def config_from_kwargs(**kwargs) -> "QuantConfig":
     keyword is a ConfigError that names the closest ones."""
     import dataclasses
 
-    fields = {f.name for f in dataclasses.fields(QuantConfig)}
+    fields = {f.name for f in dataclasses.fields(QuantConfig)} - {"given"}
     out, given = {}, {}
 
     def put(field_name, value, key):
@@ -74,7 +74,18 @@ def config_from_kwargs(**kwargs) -> "QuantConfig":
                               + (f"; did you mean {' or '.join(guess)}?" if guess else "")
                               + " (the fields of dipoorlet.config.QuantConfig, or the CLI's long flag names but --log_all_ranks"
                               " and the reference tool's --we, --ada_epoch and --update_bn)")
-    return QuantConfig(**out)
+    return QuantConfig(**out, given=frozenset(given))
+
+
+def given_fields(dests) -> frozenset:
+    """QuantConfig's field names for the CLI's flag destinations (``eq_samples``, ``no_bc``, ``bc``...)."""
+    names = {f.name for f in dataclass_fields(QuantConfig)}
+    out = set()
+    for dest in dests:
+        name = FLAG_FIELDS.get(dest) or NEGATED_FLAGS.get(dest) or ("bias_correction" if dest == "bc" else dest)
+        if name in names:
+            out.add(name)
+    return frozenset(out)
 
 
 def _path_hint(flag: str, value) -> str:
@@ -142,6 +153,10 @@ class QuantConfig:
     recon_device: str | None = None    # --recon_device: torch's device for --brecq/--drop/--lsq (None: cpu)
     custom_op_libs: tuple = ()         # --custom_op_lib: onnxruntime custom-op libraries (.so/.dll)
     debug: bool = False
+    # the fields set on purpose (CLI flags on the command line, the API's keywords), so a flag given at
+    # its default value is still told apart from one left out (``-D qnn --trt_version 8601`` was not
+    # warned as ignored); not part of the settings compared across MPI ranks
+    given: frozenset = field(default=frozenset(), compare=False, repr=False)
 
     def __post_init__(self):
         # an empty path (an unset shell variable: -O "$OUT") would be "." or the default folder

@@ -439,8 +439,9 @@ def open_validation(cfg: QuantConfig, specs, comm):
 
 
 def _changed(cfg: QuantConfig, name: str) -> bool:
-    """Whether the field ``name`` of ``cfg`` differs from QuantConfig's default (a flag given)."""
-    return getattr(cfg, name) != QuantConfig.__dataclass_fields__[name].default
+    """Whether the field ``name`` of ``cfg`` was given (:attr:`QuantConfig.given`) or differs from
+    QuantConfig's default."""
+    return name in cfg.given or getattr(cfg, name) != QuantConfig.__dataclass_fields__[name].default
 
 
 def one_pass_minmax(cfg: QuantConfig) -> bool:

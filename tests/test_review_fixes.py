@@ -1270,6 +1270,37 @@ def test_a_flag_this_run_does_not_use_is_said_ignored(tmp_path, deploy, kw, said
     assert any(said in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
+def test_a_flag_given_at_its_default_value_is_still_said_ignored(tmp_path, caplog):
+    """``-D qnn --trt_version 8601`` (the default) was silent: the check compared the value with the
+    default. The CLI's flags (abbreviated too) and the API's keywords are now known as given."""
+    import logging
+
+    from conftest import save, write_samples
+    from dipoorlet.cli import main
+    from dipoorlet.config import config_from_kwargs
+    from dipoorlet.errors import ConfigError
+
+    model = make_model([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], [vi("x", [1, 8])],
+                       [vi("y", [1, 8])], {"w": rand((8, 8), 0, 0.3)})
+    said = "--trt_version applies to -D trt only"
+    with caplog.at_level(logging.WARNING, logger="dipoorlet"):
+        quantize_model(tmp_path / "api", model, deploy="qnn", trt_version="8601")
+    assert any(said in r.getMessage() for r in caplog.records)
+    path = save(model, tmp_path / "m.onnx")
+    data = write_samples(tmp_path / "data", input_feeds(model, 2))
+    for flag in ("--trt_version", "--trt_vers", None):
+        out = tmp_path / (flag or "--none")[2:]
+        assert main(["-M", str(path), "-I", str(data), "-N", "2", "-D", "qnn", "-O", str(out), "--skip_prof_layer"]
+                    + ([flag, "8601"] if flag else [])) == 0
+        assert (said in (out / "dipoorlet.log").read_text()) == bool(flag), flag
+    # what is given is not a setting: the same run either way, and no keyword of the API
+    cfg = config_from_kwargs(model=path, input_dir=data, data_num=2, trt_version="8601")
+    assert cfg.given == {"model", "input_dir", "data_num", "trt_version"}
+    assert cfg == config_from_kwargs(model=path, input_dir=data, data_num=2)
+    with pytest.raises(ConfigError, match="unknown keyword 'given'"):
+        config_from_kwargs(model=path, input_dir=data, data_num=2, given={"bins"})
+
+
 def test_adaround_with_16_bit_inputs_names_adaround_and_auto_a16_on_trt_names_no_width(tmp_path, caplog):
     import logging
 
