@@ -459,12 +459,16 @@ def _advice(row: dict, platform: str = "trt", gptq: bool = False, method: str | 
             lo, hi = a["softmax_floor"]
             part = [f"input {a['tensor']} on a grid from the Softmax's floor {lo:.4g} to {hi:.4g} (lower values, the "
                     f"mask's, weigh nothing after the Softmax)"]
-        elif a.get("channel_max") and a["amax"] > WIDE_GRID * a["channel_max"]:
-            # not clipped: the grid is far wider than what this tensor carries
+        elif (a.get("channel_max") or a.get("calibration_max")) and \
+                a["amax"] > WIDE_GRID * (a.get("channel_max") or a["calibration_max"]):
+            # not clipped: the grid is far wider than what this tensor carries (its own calibration
+            # range where no channel statistics were taken: an LSTM state's h tied by a Concat to c,
+            # 100x wider, had been said "clipped at" the wide grid's end; found by a hunt)
+            own = a.get("channel_max") or a["calibration_max"]
             part = [f"{'output' if a.get('output') else 'input'} {a['tensor']} on a grid to {a['amax']:.4g}, "
-                    f"{a['amax'] / a['channel_max']:.0f}x its "
-                    f"largest value{over} ({a['channel_max']:.4g}), so its values use about "
-                    f"{a['channel_max'] / a['step']:.0f} of the grid's {2 ** a['bits'] - 1} steps"]
+                    f"{a['amax'] / own:.0f}x its "
+                    f"largest value{over if a.get('channel_max') else ' on the calibration data'} ({own:.4g}), "
+                    f"so its values use about {own / a['step']:.0f} of the grid's {2 ** a['bits'] - 1} steps"]
             if a.get("grid_shared_by"):
                 part[0] += (f": one grid for the {a['grid_shared_by']} tensors that pass-through ops "
                             f"(MaxPool, Concat, Reshape...) tie together on {platform}")

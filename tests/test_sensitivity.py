@@ -789,6 +789,28 @@ def test_diagnosis_names_a_grid_shared_through_a_concat(tmp_path):
     assert "clipped at" not in rows["B"]["advice"].split("/")[0]
 
 
+def test_diagnosis_names_a_shared_grid_where_no_channel_ranges_were_taken(tmp_path):
+    """The Concat itself scored: no channel statistics on its inputs, and the advice said s was
+    "clipped at" the wide grid's end (Silero VAD v5's LSTM h tied to its c, 200x wider, on qnn;
+    found by a hunt). The tensor's own calibration range shows the grid is wide, not clipping."""
+    wc = rand((16, 8), 4, 0.5)
+    wc[8:] = 0                                          # the output reads s's part of the Concat
+    inits = {"wa": rand((8, 8), 1, 0.5), "wbig": rand((8, 8), 2, 50.0), "wc": wc}
+    nodes = [helper.make_node("MatMul", ["x", "wa"], ["s"], name="A"),    # rank 1: no channels to measure
+             helper.make_node("MatMul", ["x", "wbig"], ["b"], name="big"),
+             helper.make_node("Concat", ["s", "b"], ["c"], name="cat", axis=0),
+             helper.make_node("MatMul", ["c", "wc"], ["z"], name="C")]
+    model = make_model(nodes, [vi("x", [8])], [vi("z", [8])], inits)
+    feeds = input_feeds(model, 4, seed=2)
+    result, _ = quantize_model(tmp_path, model, feeds=feeds, sens_samples=4, deploy="qnn", equalize=False)
+    rows = {d["node"]: d for d in result.report["diagnosis"]}
+    (act,) = [a for a in rows["cat"]["activations"] if a["tensor"] == "s"]
+    assert "channel_max" not in act and act["amax"] > 4 * act["calibration_max"]
+    advice = rows["cat"]["advice"]
+    assert "input s on a grid to" in advice and "largest value on the calibration data" in advice, advice
+    assert "input s clipped at" not in advice and "one grid for the 3 tensors" in advice, advice
+
+
 def _two_heads():
     """x -> convA -> y and x -> convB -> z: each output depends on one layer only."""
     inits = {"wa": rand((4, 3, 3, 3), 1, 0.5), "wb": rand((4, 3, 3, 3), 2, 0.5)}
