@@ -853,9 +853,12 @@ def _sparse_summary(g, plan, layers, changed, gains, magnitude, skipped, sparse,
     dense = {n: why for n, why in skipped.items() if n not in magnitude}
     worst = sorted(gains, key=lambda r: r[1] if r[1] == r[1] else 0.0)
     log.info("sparse %s: %d layers pruned with compensation over %d samples, %d by magnitude (too few rows), "
-             "%d left dense; %.1f%% of their weights zero; largest output error added (vs dense nearest "
-             "rounding): %s", pattern, len(changed), total, len(magnitude), len(dense),
-             100.0 * share, ", ".join(f"{n} {-db:.1f} dB" for n, db in worst[:5]))
+             "%d left dense; %.1f%% of their weights zero%s", pattern, len(changed), total, len(magnitude), len(dense),
+             100.0 * share,
+             # none fitted (every pruned layer by magnitude): no measured error to name (the line
+             # had ended in an empty list; found by a hunt)
+             "; largest output error added (vs dense nearest rounding): "
+             + ", ".join(f"{n} {-db:.1f} dB" for n, db in worst[:5]) if worst else "")
     if not pruned:
         log.warning("sparse %s: no layer could be pruned (%s)", pattern,
                     "; ".join(f"{n}: {why}" for n, why in list(dense.items())[:4]) or "no candidates")

@@ -329,3 +329,23 @@ def test_layers_a_rate_cannot_reach_are_named_with_their_share(tmp_path, caplog)
                                       if t.name.startswith("w1") and t.data_type == onnx.TensorProto.INT8))
     assert info["below_rate"]["fc1"] == pytest.approx(float(np.mean(ints == 0)), abs=1e-4)
     assert any("reach less than the rate" in r.getMessage() and "fc1" in r.getMessage() for r in caplog.records)
+
+
+def test_the_sparse_summary_names_no_error_when_every_layer_was_pruned_by_magnitude(tmp_path, caplog):
+    """Too few rows to fit any layer: the summary line had ended in "...rounding): " and nothing
+    (found by a hunt); it ends at the zero share now, and the pruning still happened."""
+    import logging
+
+    r = np.random.default_rng(5)
+    model = make_model([helper.make_node("Gemm", ["x", "w", "b"], ["y"], name="g", transB=1)],
+                       [vi("x", [1, 16])], [vi("y", [1, 8])],
+                       {"w": (r.normal(size=(8, 16)) * 0.3).astype(np.float32),
+                        "b": (r.normal(size=8) * 0.3).astype(np.float32)})
+    path = save(model, tmp_path / "m.onnx")
+    data = write_samples(tmp_path / "data", [{"x": x} for x in r.normal(size=(4, 1, 16)).astype(np.float32)])
+    with caplog.at_level(logging.INFO, logger="dipoorlet"):
+        res = dipoorlet.quantize(model=path, input_dir=data, data_num=4, deploy="trt", output_dir=tmp_path / "o",
+                                 skip_prof_layer=True, sparse="2:4")
+    assert res.report["sparse"]["magnitude"] == ["g"]
+    (line,) = [m for m in (rec.getMessage() for rec in caplog.records) if m.startswith("sparse 2:4: ")]
+    assert line.endswith("of their weights zero") and "largest output error" not in line, line
