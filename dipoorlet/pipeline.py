@@ -863,7 +863,7 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
     if cfg.bc_samples is not None and not cfg.bias_correction:
         log.warning("--bc_samples applies with bias correction only (off here: --no_bc, --auto_a16/--auto_w8 "
                     "or a fitted rounding without --bc); ignored")
-    if cfg.ada_iters != 1000 and not (cfg.adaround or cfg.brecq):
+    if _changed(cfg, "ada_iters") and not (cfg.adaround or cfg.brecq):
         log.warning("--ada_iters applies with --adaround or --brecq/--drop only; ignored")
     if isinstance(comm, MPIComm) and comm.world == 1:
         # --mpirun/--slurm (or mpirun=True) without a launcher of several processes: one process,
@@ -887,7 +887,7 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
               ("--gptq_samples", cfg.gptq_samples if fitted else None)]
     if cfg.val_dir is None:        # with --val_dir these two count held-out samples (--val_num)
         counts += [("--prof_samples", cfg.prof_samples),
-                   ("--sens_samples", cfg.sens_samples if cfg.sens_samples != 8 else None)]
+                   ("--sens_samples", cfg.sens_samples if _changed(cfg, "sens_samples") else None)]
     over = [f"{flag} {k}" for flag, k in counts if k is not None and k > cfg.data_num]
     if over:
         log.info("%s: more than the %d calibration samples (-N); all %d are read", ", ".join(over), cfg.data_num,

@@ -1284,8 +1284,9 @@ def test_a_flag_given_at_its_default_value_is_still_said_ignored(tmp_path, caplo
                        [vi("y", [1, 8])], {"w": rand((8, 8), 0, 0.3)})
     said = "--trt_version applies to -D trt only"
     with caplog.at_level(logging.WARNING, logger="dipoorlet"):
-        quantize_model(tmp_path / "api", model, deploy="qnn", trt_version="8601")
+        quantize_model(tmp_path / "api", model, deploy="qnn", trt_version="8601", ada_iters=1000)
     assert any(said in r.getMessage() for r in caplog.records)
+    assert any("--ada_iters applies with --adaround" in r.getMessage() for r in caplog.records)
     path = save(model, tmp_path / "m.onnx")
     data = write_samples(tmp_path / "data", input_feeds(model, 2))
     for flag in ("--trt_version", "--trt_vers", None):
