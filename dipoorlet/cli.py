@@ -292,7 +292,8 @@ def name_run_log(out_dir: Path | None, ok: bool) -> None:
 
 
 def summary(result, cfg) -> str:
-    from dipoorlet.report import float_weights_note, lowest_cosine_notes, node_label, output_label, profile_note, table
+    from dipoorlet.report import (float_weights_note, lowest_cosine_notes, node_label, output_label, profile_note,
+                                  shared_grid_note, table)
 
     rep = result.report
     lines = ["", f"dipoorlet {__version__}: {rep['platform']} / -A {rep['method']} / {rep['samples']} samples"]
@@ -338,6 +339,8 @@ def summary(result, cfg) -> str:
                  + f"profile {t.get('profile_s', 0):.2f} s, total {t.get('total_s', 0):.2f} s")
     if float_weights_note(rep):
         lines.append(float_weights_note(rep))
+    if shared_grid_note(rep):
+        lines.append(shared_grid_note(rep))
     # files in sub-folders (--savefp's output/, one per sample and tensor) as one entry per folder
     folders: dict[str, int] = {}
     for p in result.files:

@@ -509,6 +509,22 @@ def _zero(st) -> bool:
     return bool(st.minmax.count) and st.minmax.lo == 0.0 == st.minmax.hi
 
 
+def shared_loss_line(losses: dict, platform: str) -> str:
+    """One line on the tensors a shared grid leaves few steps (QuantPlan.shared_losses)."""
+    worst = sorted(losses.items(), key=lambda kv: kv[1]["steps"])
+    parts = [f"{t} ({v['own'][0]:.4g}..{v['own'][1]:.4g}: {v['steps']:.1f} of the {2 ** v['bits'] - 1} steps of "
+             f"the grid {v['grid'][0]:.4g}..{v['grid'][1]:.4g}, tied by {', '.join(v['tied_by'][:2])})"
+             for t, v in worst[:3]]
+    nodes = list(dict.fromkeys(n for _, v in worst for n in v["tied_by"]))
+    return (f"{len(losses)} tensor{'s' if len(losses) > 1 else ''} share{'' if len(losses) > 1 else 's'} a grid far "
+            f"wider than {'their' if len(losses) > 1 else 'its'} own values ({platform} gives a Concat's inputs and "
+            f"output, and a pass-through op's input and output, one grid): " + "; ".join(parts)
+            + (f" and {len(losses) - 3} more" if len(losses) > 3 else "")
+            + f"; values there round to few levels, which an output's cosine may not show where the wider "
+              f"members dominate it; --skip_layers {' '.join(nodes[:4])} keeps the tying op{'s' if len(nodes) > 1 else ''} "
+              f"float (each input its own grid), or 16-bit grids for the group (--layer_bits NODE=a16 on its readers)")
+
+
 def plan_grids(g: Graph, stats, cfg: QuantConfig, plat, places, quiet: bool = False) -> QuantPlan:
     """Activation grids (plan_activations), tied into one per group of pass-through ops on
     backends that share them (share_scales), without the activations that were 0 in every
@@ -525,6 +541,8 @@ def plan_grids(g: Graph, stats, cfg: QuantConfig, plat, places, quiet: bool = Fa
                  ", ".join(widened[:4]) + (f" and {len(widened) - 4} more" if len(widened) > 4 else ""))
     if plat.share_scale:
         share_scales(g, plan, plat.share_scale)
+        if plan.shared_losses and not quiet:
+            log.warning("%s", shared_loss_line(plan.shared_losses, plat.name))
     for t in [t for t, qp in plan.activations.items() if t in stats and _zero(stats[t])
               and float(np.max(qp.amax)) <= MIN_SCALE * 4]:     # (x4: a power-of-two grid rounds up)
         del plan.activations[t]
@@ -1446,6 +1464,9 @@ def _write_staging(cfg, g, plan, places, plat, data, indices, qmodel, staging: P
             "weights": len(places.weights),
             "int32_biases": sum(1 for (_, index) in places.weights if index == 2),
             "weight_parameters": weight_coverage(g, places, plan),
+            **({"shared_grid_losses": {t: v for t, v in sorted(plan.shared_losses.items(), key=lambda kv: kv[1]["steps"])
+                                       if t in plan.activations and plan.shared.get(t)}}
+               if plan.shared_losses else {}),
             **({"quant_format": qop_info} if qop_info is not None else {})}
     modules = {n: m for n in places.quantized_nodes if (m := torch_module(g, n))}
     if modules:      # a dynamo export's nodes (node_MatMul_85) by the torch module they came from

@@ -133,6 +133,9 @@ class QuantPlan:
     # weight -> the channels (bool mask, or one bool per tensor) whose grid was widened so that an
     # int32 bias fits (pipeline.fit_biases): their grid is wider than their values
     widened: dict = field(default_factory=dict)
+    # activation -> how a shared grid far wider than its own values leaves it (share_scales):
+    # {"own": [lo, hi], "grid": [lo, hi], "steps": its span in the grid's steps, "tied_by": [nodes]}
+    shared_losses: dict = field(default_factory=dict)
     # layers whose bias widened a weight other layers share (warned once)
     shared_widened: set = field(default_factory=set)
 
@@ -180,6 +183,9 @@ class UnionFind:
             self.parent[ra] = rb
 
 
+SHARED_MIN_STEPS = 16   # a tensor whose values span fewer of its shared grid's steps is reported (plan.shared_losses)
+
+
 def share_scales(graph, plan: QuantPlan, ops) -> int:
     """Give ops that only move values (MaxPool, Reshape, Concat…) one grid for input and output.
 
@@ -190,6 +196,7 @@ def share_scales(graph, plan: QuantPlan, ops) -> int:
     """
     uf = UnionFind()
     parent, find, union = uf.parent, uf.find, uf.union
+    tied_by: dict[str, list[str]] = {}
     for node in graph.graph.node:
         if node.op_type not in ops or not node.output or node.output[0] not in plan.activations:
             continue
@@ -197,6 +204,7 @@ def share_scales(graph, plan: QuantPlan, ops) -> int:
         for t in ins:
             if t in plan.activations:
                 union(t, node.output[0])
+                tied_by.setdefault(t, []).append(node.name)
     groups: dict[str, list[str]] = {}
     for t in sorted(set(parent) | set(parent.values())):  # a group's root is only a value
         groups.setdefault(find(t), []).append(t)
@@ -225,7 +233,18 @@ def share_scales(graph, plan: QuantPlan, ops) -> int:
                 len(members) - len(lost), rule.bits, "/".join(str(b) for b in sorted(set(lost.values()))),
                 "asked" if all(t in plan.asked_bits for t in lost) else "asked or their own")
         shared = make_qparams(lo, hi, rule)
+        step = float(np.max(shared.scale))
         for t in members:
+            # a member whose own values span few of the shared grid's steps keeps little of them:
+            # a detector's Sigmoid scores (0..1) concatenated with its boxes (0..317) into one output
+            # rounded to 0 on qnn, while the output's cosine read 0.9994 (found by a hunt)
+            own_lo, own_hi = float(np.min(plan.activations[t].lo)), float(np.max(plan.activations[t].hi))
+            span = own_hi - own_lo
+            if 0 < span < SHARED_MIN_STEPS * step:
+                plan.shared_losses[t] = {"own": [own_lo, own_hi], "grid": [lo, hi], "steps": span / step,
+                                         "bits": int(rule.bits), "members": len(members),
+                                         "tied_by": tied_by.get(t) or [n.name for n in graph.graph.node
+                                                                       if t in n.output]}
             plan.activations[t] = shared
             plan.rules[t] = rule
             plan.shared[t] = len(members)

@@ -249,6 +249,7 @@ def markdown(report: dict) -> str:
            + (f" ({report['qdq_tensors_16bit']} on 16-bit grids)" if report.get('qdq_tensors_16bit') else ""), "",
            *([qop_note, ""] if qop_note else []),
            *([float_weights_note(report), ""] if float_weights_note(report) else []),
+           *([shared_grid_note(report), ""] if shared_grid_note(report) else []),
            "## Network outputs", "",
            table(["output", "mean cosine", "min cosine", "SQNR dB", "max |err|"],
                  [[output_label(o, report), o["cosine"], o["min_cosine"],
@@ -326,6 +327,21 @@ def float_weights_note(report: dict) -> str | None:
     return (f"Weights kept float: {w['float']:,} of {total:,} parameters ({100 * w['float'] / total:.0f}%): "
             + "; ".join(parts) + (f"; {more} more op types" if more > 0 else "")
             + " (why: report.json's decisions)")
+
+
+def shared_grid_note(report: dict) -> str | None:
+    """A line on the tensors a shared grid (Concat, pass-through ops) leaves few steps: the
+    network output's cosine can hide them where a wider member dominates it."""
+    losses = report.get("shared_grid_losses") or {}
+    if not losses:
+        return None
+    parts = [f"{t} ({v['own'][0]:.4g}..{v['own'][1]:.4g} uses {v['steps']:.1f} of the {2 ** v['bits'] - 1} steps "
+             f"of {v['grid'][0]:.4g}..{v['grid'][1]:.4g}, tied by {', '.join(v['tied_by'][:2])})"
+             for t, v in list(losses.items())[:3]]
+    nodes = list(dict.fromkeys(n for v in losses.values() for n in v["tied_by"]))
+    return ("Shared grids far wider than their tensors' values: " + "; ".join(parts)
+            + (f"; {len(losses) - 3} more in report.json" if len(losses) > 3 else "")
+            + f" (--skip_layers {' '.join(nodes[:4])} gives each its own grid)")
 
 
 def format_note(report: dict) -> str | None:

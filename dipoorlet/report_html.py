@@ -114,11 +114,12 @@ def _cos_cell(v, bar=0.999):
 
 def html(rep: dict) -> str:
     from dipoorlet.report import (a16_figure, float_weights_note, format_note, kept_float, node_label, output_label,
-                                  profile_note)
+                                  profile_note, shared_grid_note)
 
     layers = rep.get("layers", [])
     qop_note = format_note(rep)
     weights_note = float_weights_note(rep)
+    shared_note = shared_grid_note(rep)
     by_node = {l["node"]: l for l in layers}
     out = [f"<!doctype html><html><head><meta charset=utf-8><title>dipoorlet report</title>"
            f"<style>{CSS}</style></head><body>",
@@ -128,6 +129,7 @@ def html(rep: dict) -> str:
            f"{esc(rep['qdq_tensors'])} activations with Q/DQ.</p>",
            *([f"<p>{esc(qop_note)}</p>"] if qop_note else []),
            *([f"<p>{esc(weights_note)}</p>"] if weights_note else []),
+           *([f"<p>{esc(shared_note)}</p>"] if shared_note else []),
            "<h2>Network outputs</h2>",
            _table(["output", "mean cosine", "min cosine", "SQNR dB", "max |err|"],
                   [[esc(output_label(o, rep)), _cos_cell(o["cosine"]),

@@ -1572,3 +1572,39 @@ def test_a_set_of_names_is_the_same_settings_in_every_process():
     cfg = QuantConfig(model="m.onnx", input_dir="d", data_num=4, deploy="trt",
                       skip_layers=set(names), score_outputs=frozenset(names))
     assert cfg.skip_layers == tuple(sorted(names)) and cfg.score_outputs == tuple(sorted(names))
+
+
+def test_a_concat_that_ties_scores_to_boxes_is_reported(tmp_path, caplog):
+    """YOLOv8 (NudeNet) concatenates its boxes (0..317) and Sigmoid scores (0..1) into one output;
+    qnn gives a Concat's inputs and output one grid, the scores rounded to 0 and the output read
+    cosine 0.9994 without a word (found by a hunt). The log, report.json and report.md name the
+    tensor, the steps its values span (numpy oracle) and the Concat to keep float."""
+    import json
+    import logging
+
+    inits = {"wb": rand((8, 4), 1, 40.0), "ws": rand((8, 2), 2, 0.5)}
+    nodes = [helper.make_node("MatMul", ["x", "wb"], ["box"], name="boxes"),
+             helper.make_node("MatMul", ["x", "ws"], ["logit"], name="cls"),
+             helper.make_node("Sigmoid", ["logit"], ["score"], name="sig"),
+             helper.make_node("Concat", ["box", "score"], ["y"], name="cat", axis=1)]
+    model = make_model(nodes, [vi("x", [1, 8])], [vi("y", [1, 6])], inits)
+    feeds = input_feeds(model, 4)
+    with caplog.at_level(logging.WARNING, logger="dipoorlet"):
+        result, qm = quantize_model(tmp_path / "q", model, feeds=feeds, deploy="qnn", skip_prof_layer=True)
+    losses = result.report["shared_grid_losses"]
+    assert list(losses) == ["score"] and losses["score"]["tied_by"] == ["cat"]
+    ranges = json.loads((tmp_path / "q" / "out" / "act_clip_val.json").read_text())
+    scores = 1 / (1 + np.exp(-np.array([f["x"] @ inits["ws"] for f in feeds], np.float64)))
+    y_all = np.concatenate([np.array([f["x"] @ inits["wb"] for f in feeds]).ravel(), scores.ravel()])
+    step = (max(y_all.max(), 0) - min(y_all.min(), 0)) / 255
+    # a grid holds 0: the scores' own grid is 0..max
+    assert losses["score"]["steps"] == pytest.approx((scores.max() - min(scores.min(), 0)) / step, rel=0.05)
+    assert any("tied by cat" in r.getMessage() and "--skip_layers cat" in r.getMessage() for r in caplog.records)
+    assert "Shared grids far wider than their tensors' values: score" in (tmp_path / "q" / "out" / "report.md").read_text()
+    assert ranges  # the side file was written as usual
+    # without the tie (trt keeps no shared grids; qnn with the Concat float) nothing is said
+    result, _ = quantize_model(tmp_path / "t", model, feeds=feeds, deploy="trt", skip_prof_layer=True)
+    assert "shared_grid_losses" not in result.report
+    result, _ = quantize_model(tmp_path / "s", model, feeds=feeds, deploy="qnn", skip_prof_layer=True,
+                               skip_layers=["cat"])
+    assert "shared_grid_losses" not in result.report
