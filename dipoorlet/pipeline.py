@@ -1220,6 +1220,12 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
                     rest + (f"; {explicit} layers with an explicit --layer_bits weight width were not candidates"
                             if explicit else ""))
     left = ""
+    # the weights' remedies: bias correction, which the search turns off by default, runs when the
+    # chosen layers are given as --layer_bits (a captcha OCR on qnn: 0.9916 from the search,
+    # 0.9993 with its grids and bias correction; the advice had named --gptq only; found by a hunt)
+    weight_fix = ("run again without --auto_a16 and with the layers it chose as --layer_bits NODE=a16 (report.json: "
+                  "auto_a16.a16_layers), where bias correction, which the search turns off, runs by default; or "
+                  "--gptq there, or --skip_layers" if bc_by_default else "--gptq, or --skip_layers")
     if a16 is not None and not a16.met and not missed_as_written:
         if len(a16.float_layers) < a16.candidates and not a16.tried_all:
             left = "a larger --max_a16_layers may meet it"
@@ -1249,12 +1255,12 @@ def _quantize(cfg: QuantConfig, comm=None) -> Result:
                 left = f"what is left is {what}, not the weights (weights alone read {weights_only:.6f}): {acts_left}"
             elif share >= 0.5:
                 left = (f"what is left is mostly the weights' rounding (weights alone, every activation float, read "
-                        f"{weights_only:.6f}, {100 * share:.0f}% of the error): --gptq, or --skip_layers")
+                        f"{weights_only:.6f}, {100 * share:.0f}% of the error): {weight_fix}")
             else:
                 left = (f"the activations make most of what is left (weights alone, every activation float, read "
                         f"{weights_only:.6f}, {100 * share:.0f}% of the error): {acts_left}")
         else:
-            left = "what is left is the weights' rounding: --gptq, or --skip_layers"
+            left = f"what is left is the weights' rounding: {weight_fix}"
     analysis.pop("_scorer", None)
     if a16 is not None and not a16.met and not missed_as_written:
         # a node --skip_layers keeps float (its --layer_bits does nothing, as the log said) is no candidate anyway

@@ -418,6 +418,14 @@ def test_auto_a16_missing_target_with_every_candidate_taken_points_at_the_weight
     text = "\n".join(r.getMessage() for r in caplog.records if "auto_a16: target" in r.getMessage())
     assert "not met" in text and "weights' rounding" in text and "max_a16_layers" not in text
     assert "1 layers with an explicit --layer_bits activation width were not candidates" in text
+    # bias correction, off during the search, runs when the chosen layers are given as --layer_bits
+    assert "bias correction, which the search turns off, runs by default" in text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dipoorlet"):
+        _run(tmp_path / "nobc", tiny_cnn(), auto_a16="1.0", sens_samples=2, layer_bits={"conv1": (None, 8)},
+             no_bc=True)
+    text = "\n".join(r.getMessage() for r in caplog.records if "auto_a16: target" in r.getMessage())
+    assert "weights' rounding" in text and "bias correction" not in text
 
 
 def test_auto_a16_measures_the_model_as_written(tmp_path, caplog, monkeypatch):
