@@ -459,6 +459,14 @@ def place(g: Graph, platform: Platform, skip_layers=(), weight_only=(), warn: bo
         quantized = set(plan.quantized_nodes)
         for name in g.output_names:
             prod = g.producer.get(name)
+            # through pass-through ops to the quantized node whose values they carry: a Gemm ->
+            # Reshape -> output (captcha OCR) or Concat -> Transpose -> output (a detector), which
+            # the backend runs quantized, had kept the output float and out of its encodings
+            # (found by a hunt)
+            while prod is not None and prod.name not in quantized and prod.op_type in PASS_THROUGH and prod.input \
+                    and prod.input[0] not in g.output_names \
+                    and len([n for n in g.consumers.get(prod.input[0], []) if n.op_type != "Shape"]) == 1:
+                prod = g.producer.get(prod.input[0])
             if g.is_float(name) and prod is not None and prod.name in quantized:
                 plan.activations.setdefault(name, ActPoint(name)).output = True
                 plan.output_owners[name] = prod.name
