@@ -509,8 +509,9 @@ def _zero(st) -> bool:
     return bool(st.minmax.count) and st.minmax.lo == 0.0 == st.minmax.hi
 
 
-def shared_loss_line(losses: dict, platform: str) -> str:
+def shared_loss_line(losses: dict, plat) -> str:
     """One line on the tensors a shared grid leaves few steps (QuantPlan.shared_losses)."""
+    platform = plat.name
     worst = sorted(losses.items(), key=lambda kv: kv[1]["steps"])
     parts = [f"{t} ({v['own'][0]:.4g}..{v['own'][1]:.4g}: {v['steps']:.1f} of the {2 ** v['bits'] - 1} steps of "
              f"the grid {v['grid'][0]:.4g}..{v['grid'][1]:.4g}, tied by {', '.join(v['tied_by'][:2])})"
@@ -522,7 +523,10 @@ def shared_loss_line(losses: dict, platform: str) -> str:
             + (f" and {len(losses) - 3} more" if len(losses) > 3 else "")
             + f"; values there round to few levels, which an output's cosine may not show where the wider "
               f"members dominate it; --skip_layers {' '.join(nodes[:4])} keeps the tying op{'s' if len(nodes) > 1 else ''} "
-              f"float (each input its own grid), or 16-bit grids for the group (--layer_bits NODE=a16 on its readers)")
+              f"float (each input its own grid)"
+            # a backend without 16-bit activations refuses a16 (rk, imx; found by a review)
+            + (", or 16-bit grids for the group (--layer_bits NODE=a16 on its readers)"
+               if plat.activation.max_bits >= 16 and any(v["bits"] < 16 for v in losses.values()) else ""))
 
 
 def plan_grids(g: Graph, stats, cfg: QuantConfig, plat, places, quiet: bool = False) -> QuantPlan:
@@ -540,9 +544,9 @@ def plan_grids(g: Graph, stats, cfg: QuantConfig, plat, places, quiet: bool = Fa
                  min(stats[t].minmax.hi for t in widened),
                  ", ".join(widened[:4]) + (f" and {len(widened) - 4} more" if len(widened) > 4 else ""))
     if plat.share_scale:
-        share_scales(g, plan, plat.share_scale)
+        share_scales(g, plan, plat.share_scale, quantized=places.quantized_nodes if places is not None else None)
         if plan.shared_losses and not quiet:
-            log.warning("%s", shared_loss_line(plan.shared_losses, plat.name))
+            log.warning("%s", shared_loss_line(plan.shared_losses, plat))
     for t in [t for t, qp in plan.activations.items() if t in stats and _zero(stats[t])
               and float(np.max(qp.amax)) <= MIN_SCALE * 4]:     # (x4: a power-of-two grid rounds up)
         del plan.activations[t]
@@ -1828,6 +1832,9 @@ def promote_a16(g: Graph, places, plan: QuantPlan, stats, cfg: QuantConfig, plat
     for t in changed:
         plan.activations[t] = new.activations[t]
         plan.rules[t] = new.rules[t]
+    # what a shared grid leaves its members is the new plan's (a group moved to 16 bits had kept
+    # its 8-bit entry in the report; found by a review)
+    plan.shared_losses = {t: v for t, v in new.shared_losses.items() if t in plan.activations}
     if plat.quantize_bias and changed:
         moved = set(changed)
 

@@ -463,7 +463,8 @@ def place(g: Graph, platform: Platform, skip_layers=(), weight_only=(), warn: bo
             # Reshape -> output (captcha OCR) or Concat -> Transpose -> output (a detector), which
             # the backend runs quantized, had kept the output float and out of its encodings
             # (found by a hunt)
-            while prod is not None and prod.name not in quantized and prod.op_type in PASS_THROUGH and prod.input \
+            while prod is not None and prod.name not in quantized and prod.name not in skip \
+                    and prod.op_type in PASS_THROUGH and prod.input \
                     and prod.input[0] not in g.output_names \
                     and len([n for n in g.consumers.get(prod.input[0], []) if n.op_type != "Shape"]) == 1:
                 prod = g.producer.get(prod.input[0])

@@ -186,7 +186,7 @@ class UnionFind:
 SHARED_MIN_STEPS = 16   # a tensor whose values span fewer of its shared grid's steps is reported (plan.shared_losses)
 
 
-def share_scales(graph, plan: QuantPlan, ops) -> int:
+def share_scales(graph, plan: QuantPlan, ops, quantized=None) -> int:
     """Give ops that only move values (MaxPool, Reshape, Concat…) one grid for input and output.
 
     Backends that run these ops in integers need that. Tensors tied together (a pass-through op's
@@ -194,20 +194,41 @@ def share_scales(graph, plan: QuantPlan, ops) -> int:
     tensor feeding two Concats end up in one group, whatever the node order); each group gets one
     grid covering the union of its members' ranges. Returns the number of groups formed.
     """
+    from dipoorlet.placement import pass_through_chain
+
     uf = UnionFind()
     parent, find, union = uf.parent, uf.find, uf.union
-    tied_by: dict[str, list[str]] = {}
+    tying = []
     for node in graph.graph.node:
-        if node.op_type not in ops or not node.output or node.output[0] not in plan.activations:
+        if node.op_type not in ops or not node.output:
             continue
+        out = node.output[0]
+        if out not in plan.activations:
+            # its output reaches a grid through ops that only move values (a detector's Concat ->
+            # Transpose -> network output): the backend ties the Concat to that grid as well (its
+            # inputs had kept their own grids and no loss was seen; found by a review)
+            out = next((t for t in pass_through_chain(graph, out)[1:] if t in plan.activations), None)
+            if out is None:
+                continue
         ins = node.input if node.op_type == "Concat" else node.input[:1]
+        joined = False
         for t in ins:
             if t in plan.activations:
-                union(t, node.output[0])
-                tied_by.setdefault(t, []).append(node.name)
+                union(t, out)
+                joined = True
+        if joined:
+            tying.append((node.name, out))
     groups: dict[str, list[str]] = {}
     for t in sorted(set(parent) | set(parent.values())):  # a group's root is only a value
         groups.setdefault(find(t), []).append(t)
+    # the ops that tie each group, those the backend quantizes first (a Concat: --skip_layers on it
+    # unties the group, on a Reshape it changes nothing; found by a review)
+    group_nodes: dict[str, list[str]] = {}
+    for name, out in tying:
+        group_nodes.setdefault(find(out), []).append(name)
+    if quantized is not None:
+        quantized = set(quantized)
+        group_nodes = {root: [n for n in names if n in quantized] or names for root, names in group_nodes.items()}
     for members in groups.values():
         rules = [plan.rules[t] for t in members if t in plan.rules]
         if len(members) < 2 or not rules:
@@ -243,8 +264,7 @@ def share_scales(graph, plan: QuantPlan, ops) -> int:
             if 0 < span < SHARED_MIN_STEPS * step:
                 plan.shared_losses[t] = {"own": [own_lo, own_hi], "grid": [lo, hi], "steps": span / step,
                                          "bits": int(rule.bits), "members": len(members),
-                                         "tied_by": tied_by.get(t) or [n.name for n in graph.graph.node
-                                                                       if t in n.output]}
+                                         "tied_by": list(dict.fromkeys(group_nodes.get(find(t), [])))}
             plan.activations[t] = shared
             plan.rules[t] = rule
             plan.shared[t] = len(members)

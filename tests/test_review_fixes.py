@@ -1636,3 +1636,58 @@ def test_a_network_output_behind_a_reshape_of_a_quantized_gemm_is_quantized_wher
     steps = (got - enc["min"]) / enc["scale"]
     np.testing.assert_allclose(steps, np.round(steps), atol=1e-3)
     np.testing.assert_allclose(got, want, atol=enc["scale"] * 2)
+
+
+def _boxes_and_scores(tail=None):
+    """x -> boxes (0..~300) and Sigmoid scores -> Concat cat [-> tail op] -> y."""
+    inits = {"wb": rand((8, 4), 1, 40.0), "ws": rand((8, 2), 2, 0.5)}
+    nodes = [helper.make_node("MatMul", ["x", "wb"], ["box"], name="boxes"),
+             helper.make_node("MatMul", ["x", "ws"], ["logit"], name="cls"),
+             helper.make_node("Sigmoid", ["logit"], ["score"], name="sig"),
+             helper.make_node("Concat", ["box", "score"], ["c" if tail else "y"], name="cat", axis=1)]
+    if tail == "Transpose":
+        nodes.append(helper.make_node("Transpose", ["c"], ["y"], name="tr", perm=[1, 0]))
+    return make_model(nodes, [vi("x", [1, 8])], [vi("y", [6, 1] if tail else [1, 6])], inits)
+
+
+def test_shared_grid_losses_follow_the_plan_as_written_and_the_backend(tmp_path, caplog):
+    """Found by a review of the shared-grid report: (a) --auto_a16 moving the group to 16 bits left
+    the 8-bit entry in the report; (b) rk, which has no 16-bit activations, was told to use a16;
+    (c) a Concat whose output reaches the network output through a Transpose tied nothing, and its
+    scores kept their own grid while qnn gives them the output's."""
+    import logging
+
+    model = _boxes_and_scores()
+    feeds = input_feeds(model, 4)
+    res, _ = quantize_model(tmp_path / "a16", model, feeds=feeds, deploy="qnn", auto_a16="sqnr:80", sens_samples=2)
+    assert "cat" in res.report["auto_a16"]["a16_layers"] and "shared_grid_losses" not in res.report
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dipoorlet"):
+        res, _ = quantize_model(tmp_path / "rk", model, feeds=feeds, deploy="rk", skip_prof_layer=True)
+    (line,) = [r.getMessage() for r in caplog.records if "far wider than" in r.getMessage()]
+    assert "--skip_layers cat" in line and "a16" not in line, line
+    res, qm = quantize_model(tmp_path / "tr", _boxes_and_scores("Transpose"), feeds=feeds, deploy="qnn",
+                             skip_prof_layer=True)
+    assert res.report["shared_grid_losses"]["score"]["tied_by"] == ["cat"]
+    zp = {t.name: t for t in qm.graph.initializer}
+    assert numpy_helper.to_array(zp["score_scale"]) == numpy_helper.to_array(zp["y_scale"])
+
+
+def test_a_reshape_before_a_concat_is_not_named_and_a_skipped_reshape_keeps_the_output_float(tmp_path):
+    """Found by a review: the note named a Reshape that ties a tensor into a Concat's group, which
+    --skip_layers does not untie (only the Concat does); and --skip_layers on the Reshape between a
+    quantized Gemm and a network output still quantized that output."""
+    inits = {"wa": rand((8, 4), 1, 0.5), "wb": rand((8, 4), 2, 40.0), "shape": np.array([1, 4], np.int64),
+             "w": rand((8, 6), 3, 0.5), "b": rand((6,), 4, 0.1), "shape2": np.array([1, 2, 3], np.int64)}
+    nodes = [helper.make_node("MatMul", ["x", "wa"], ["a"], name="ma"),
+             helper.make_node("Reshape", ["a", "shape"], ["ar"], name="rs"),
+             helper.make_node("MatMul", ["x", "wb"], ["b4"], name="mb"),
+             helper.make_node("Concat", ["ar", "b4"], ["y"], name="cat", axis=1),
+             helper.make_node("Gemm", ["x", "w", "b"], ["g"], name="fc"),
+             helper.make_node("Reshape", ["g", "shape2"], ["z"], name="rs2")]
+    model = make_model(nodes, [vi("x", [1, 8])], [vi("y", [1, 8]), vi("z", [1, 2, 3])], inits)
+    res, qm = quantize_model(tmp_path / "a", model, deploy="qnn", skip_prof_layer=True)
+    assert all(v["tied_by"] == ["cat"] for v in res.report["shared_grid_losses"].values())
+    assert any(n.op_type == "DequantizeLinear" and n.output[0] == "z" for n in qm.graph.node)
+    _, qm = quantize_model(tmp_path / "b", model, deploy="qnn", skip_prof_layer=True, skip_layers=["rs2"])
+    assert not any(n.op_type == "DequantizeLinear" and n.output[0] == "z" for n in qm.graph.node)
