@@ -363,7 +363,7 @@ def collect_errors(graph, qmodel, data, indices, targets: dict, comm, device="cp
     exposed = names + list(dict.fromkeys(s for s in before_q.values() if s not in names and s not in inputs))
     outputs = [t for t in names if t in set(graph.output_names)]
     fp = Runner(graph.model, names, types=graph.types, device=device)
-    qr = Runner(qmodel, exposed, types=graph.types, optimize=SIMULATE, device=device)
+    qr = Runner(qmodel, exposed, types=graph.types, optimize=SIMULATE, device=device, quantized=True)
     stats = {t: ErrorStats() for t in names}
     clipped = {t: Clipped(b[2]) for t, b in grids.items()}
     out_cos: dict[str, list] = {t: [] for t in outputs}

@@ -219,6 +219,12 @@ _VALUE_INPUTS = {"Expand": 1, "Reshape": 1, "Tile": 1, "Slice": 1, "Unsqueeze": 
                  "TopK": 1, "ReduceMax": 1, "ReduceMin": 1, "ReduceSum": 1, "ReduceMean": 1}
 
 
+# ops whose inputs from this index on are sizes or coordinates, never quantized: a runtime Resize
+# scale of 1.0 read 0.9965 off a uint8 grid and the output's batch became 0 (qnn, ort; found by a
+# sweep of ONNX's node tests)
+_SIZE_INPUTS = {"Resize": 1, "Upsample": 1}
+
+
 def position_tensors(g: Graph) -> tuple[set, set]:
     """(float tensors computed from positions or sizes, the nodes computing them). Positions and
     sizes are integers a Range, a CumSum, a Shape or a Size makes (``arange`` of the length; a
@@ -408,6 +414,8 @@ def place(g: Graph, platform: Platform, skip_layers=(), weight_only=(), warn: bo
         for i, name in enumerate(node.input):
             if not name:
                 continue
+            if op in _SIZE_INPUTS and i >= _SIZE_INPUTS[op]:
+                continue   # a size, not values: Resize's roi/scales rounded on a grid changed the output's shape
             if (i == w_index or left_weight(g, node, i)) and g.is_constant(name) and g.is_float(name):
                 weights.append(i)
             elif op in ("Conv", "ConvTranspose", "Gemm") and i == 2:

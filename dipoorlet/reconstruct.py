@@ -495,7 +495,7 @@ def statistics(g, qmodel, layers, data, indices, comm, device,
 
     tensors = sorted({lay.xq for lay in layers} | {lay.pre for lay in layers})
     runner = Runner(qmodel, tensors + ([watch] if watch else []), types=types or g.types, optimize=SIMULATE,
-                    device=device)
+                    device=device, quantized=True)
     count, bad = 0, []
     # every process draws alike: the cap depends on the whole run's sample count
     caps = {lay.node: positions(mats[lay.node][0].shape[2] + (lay.bias is not None),

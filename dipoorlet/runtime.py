@@ -283,7 +283,7 @@ class Runner:
     def __init__(self, model: onnx.ModelProto, outputs: list[str], *, reduce_minmax=(),
                  types: dict | None = None, optimize: bool | str = True, device: str = "cpu",
                  threads: int = 0, spin: bool = False, nan_safe: bool | str = False,
-                 initializers: onnx.GraphProto | None = None):
+                 initializers: onnx.GraphProto | None = None, quantized: bool = False):
         """``nan_safe``: the min/max reductions leave NaN out. ``True``: plain reductions plus a
         guard that flags a sample holding NaN, which a NaN-safe session (built on first need)
         measures again; ``"where"``: that NaN-safe session itself (IsNaN and two Where per tensor,
@@ -293,6 +293,7 @@ class Runner:
         ort = _ort()
         self.outputs = list(outputs)
         self.reduced = list(reduce_minmax)
+        self.quantized = quantized   # a model with dipoorlet's Q/DQ: its failure is not the sample's
         # the NaN-safe session is built from ``model`` on first need: the caller leaves the model
         # as it is while it runs this one
         self._guard = bool(nan_safe and self.reduced and nan_safe != "where")
@@ -367,6 +368,13 @@ class Runner:
             msg = ort_message(exc)
             shapes = {k: tuple(v.shape() if callable(v.shape) else v.shape) for k, v in feed.items()}
             where = getattr(feed, "where", None)
+            if self.quantized:
+                # the float model ran these inputs: a Q/DQ moved a value an op reads as a size, a count
+                # or an index (the message had sent the user to check a correct sample; found by a sweep)
+                raise ModelError(f"onnxruntime failed to run the quantized model on inputs {shapes}"
+                                 f"{' from ' + where if where else ''}, which the float model runs: {msg}; a Q/DQ "
+                                 "changed a value an op reads as a size, count or index: keep the op onnxruntime "
+                                 "names float with --skip_layers, and please report it (--debug shows where)") from exc
             raise ModelError(f"onnxruntime failed to run the model on inputs {shapes}"
                              f"{' from ' + where if where else ''}: {msg}; check that sample's shapes, dtypes "
                              "and values (e.g. token ids within the vocabulary)") from exc

@@ -139,7 +139,7 @@ class Scorer:
     def _runner(self, model, optimize=False) -> Runner:
         threads = 0 if self.device == "cuda" else THREADS
         return Runner(model, self.outputs, types=self.graph.types, optimize=optimize, device=self.device,
-                      threads=threads)
+                      threads=threads, quantized=model is not self.graph.model)
 
     def _map(self, fn, items: list) -> list:
         """``fn`` over ``items`` in order, up to ``workers`` at once (onnxruntime releases the GIL)."""
