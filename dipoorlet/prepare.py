@@ -707,6 +707,11 @@ def fuse_hardswish(g: Graph) -> int:
 def ensure_opset(g: Graph, target: int = QDQ_OPSET, why: str = "for per-channel Q/DQ") -> int:
     """Raise the default-domain opset to ``target``; returns the opset the model had."""
     version = g.opset
+    if version == 0 and not any(op.domain in ("", "ai.onnx") for op in g.model.opset_import):
+        # ai.onnx.ml alone (a scikit-learn export) had been told "opset 0 is outside ..." (found by a sweep)
+        domains = ", ".join(sorted(op.domain for op in g.model.opset_import)) or "none"
+        raise ModelError(f"model imports no ONNX operator set (ai.onnx), only {domains}: it has no Conv, MatMul "
+                         "or other op to quantize; dipoorlet quantizes neural networks exported to ONNX")
     if version < MIN_OPSET - 4 or version > MAX_OPSET + 4:
         raise ModelError(f"model opset {version} is outside what this tool reads ({MIN_OPSET - 4}-{MAX_OPSET + 4}; "
                          f"tested on {MIN_OPSET}-{MAX_OPSET}); export the model at opset 13-17")

@@ -1691,3 +1691,48 @@ def test_a_reshape_before_a_concat_is_not_named_and_a_skipped_reshape_keeps_the_
     assert any(n.op_type == "DequantizeLinear" and n.output[0] == "z" for n in qm.graph.node)
     _, qm = quantize_model(tmp_path / "b", model, deploy="qnn", skip_prof_layer=True, skip_layers=["rs2"])
     assert not any(n.op_type == "DequantizeLinear" and n.output[0] == "z" for n in qm.graph.node)
+
+
+@pytest.mark.parametrize("deploy", ["qnn", "ort"])
+def test_a_runtime_resize_scale_stays_float(tmp_path, deploy):
+    """ONNX's node test resize_upsample_scales_nearest with scales fed at runtime: qnn and ort
+    quantized the scales like values, 1.0 read 0.9965 off the grid and the output's batch became
+    0 (found by a sweep of the node tests). Only the data input is quantized; the outputs match
+    the float model's shape and values to a step of X's grid."""
+    nodes = [helper.make_node("Resize", ["X", "", "scales"], ["Y"], name="rs", mode="nearest")]
+    model = make_model(nodes, [vi("X", [1, 1, 4, 4]), vi("scales", [4])], [vi("Y", ["n", "c", "h", "w"])], {})
+    r = np.random.default_rng(0)
+    feeds = [{"X": r.random((1, 1, 4, 4)).astype(np.float32),
+              "scales": np.array([1, 1, k, k], np.float32)} for k in (2, 2.5, 3, 3.3)]
+    _, qm = quantize_model(tmp_path, model, feeds=feeds, deploy=deploy, skip_prof_layer=True)
+    assert "scales" not in {n.input[0] for n in qm.graph.node if n.op_type == "QuantizeLinear"}
+    for f in feeds:
+        want, got = ort_run(model, f)[0], ort_run(qm, f)[0]
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, atol=1 / 255 + 1e-6)
+
+
+def test_a_failure_of_the_quantized_model_does_not_blame_the_sample():
+    """The message had said "check that sample's shapes, dtypes and values" for a sample the float
+    model runs (found by the same sweep)."""
+    from dipoorlet.errors import ModelError
+    from dipoorlet.runtime import Runner
+
+    nodes = [helper.make_node("Reshape", ["x", "shape"], ["y"], name="rs")]
+    model = make_model(nodes, [vi("x", [2, 3]), vi("shape", [2], onnx.TensorProto.INT64)], [vi("y", ["a", "b"])], {})
+    feed = {"x": np.zeros((2, 3), np.float32), "shape": np.array([4, 4], np.int64)}
+    for quantized, said in ((False, "check that sample's shapes"), (True, "which the float model runs")):
+        with pytest.raises(ModelError) as err:
+            Runner(model, ["y"], quantized=quantized).run(feed)
+        assert said in str(err.value)
+
+
+def test_a_model_of_ai_onnx_ml_only_is_told_so(tmp_path):
+    """ONNX's node test ai_onnx_ml_binarizer: "model opset 0 is outside ..." (found by a sweep)."""
+    from dipoorlet.errors import ModelError
+
+    node = helper.make_node("Binarizer", ["x"], ["y"], domain="ai.onnx.ml", threshold=0.5)
+    model = helper.make_model(helper.make_graph([node], "g", [vi("x", [2, 3])], [vi("y", [2, 3])]),
+                              opset_imports=[helper.make_opsetid("ai.onnx.ml", 1)])
+    with pytest.raises(ModelError, match="imports no ONNX operator set .ai.onnx., only ai.onnx.ml"):
+        quantize_model(tmp_path, model, feeds=[{"x": np.ones((2, 3), np.float32)}], skip_prof_layer=True)
