@@ -498,6 +498,15 @@ def _transforms(report: dict) -> list[str]:
                      + (" …" if len(best) > 5 else "") + ")"
                      + (f"; {len(gq['skipped'])} other layers left alone (not candidates: report.json says why)"
                         if gq.get("skipped") else ""))
+    for k in ("gptq", "adaround", "brecq", "qdrop"):
+        check = (report.get(k) or {}).get("network_output")
+        if check:
+            from dipoorlet.pipeline import fit_lost
+
+            fit, near = check["fitted"]["sqnr_db"], check["nearest"]["sqnr_db"]
+            lines.append(f"- {k} at the network output over {check['samples']} sensitivity samples: SQNR {fit:.2f} dB, "
+                         f"against {near:.2f} dB with nearest rounding; worse on {check['worse_samples']} of them"
+                         + (" (the fit helped each layer, not the model)" if fit_lost(check) else ""))
     if not lines:
         return []
     return ["", "## Transforms applied (their float graph: transformed_model.onnx)", "", *lines]

@@ -123,9 +123,10 @@ class Scorer:
         self._board = None
         self._mixed = None   # (places, plan, off_plan) -> board of --auto_a16's 8/16-bit trials
 
-    def score(self, qmodel) -> OutputScore:
-        """Score one quantized model (its own session)."""
-        return self._score(self._runner(qmodel), {})
+    def score(self, qmodel, per_sample: bool = False):
+        """Score one quantized model (its own session); ``per_sample``: (score, every sample's
+        squared error summed over the scored outputs, in sample order)."""
+        return self._score(self._runner(qmodel), {}, per_sample)
 
     def board(self, places, plan):
         """One session holding every variant of ``places`` (see :class:`~dipoorlet.qdq.Switchboard`)."""
@@ -176,7 +177,7 @@ class Scorer:
         sb, runner = self.board(places, plan)
         return self._score(runner, sb.feed(acts, weights, alone=alone))
 
-    def _score(self, runner, extra: dict) -> OutputScore:
+    def _score(self, runner, extra: dict, per_sample: bool = False):
         def one(i):
             q, _ = runner.run(with_extra(self.samples[i], extra))
             return i, [sample_sums(self.reference[i][t], q[t]) + (q[t].size, self.reference[i][t].size)
@@ -206,6 +207,8 @@ class Scorer:
             s = OutputScore(cos, sqnr, mx)
             if worst is None or s.rank(self.criterion) < worst.rank(self.criterion):
                 worst = s
+        if per_sample:
+            return self.comm.bcast((worst, [math.fsum(m[1] for m in r[1]) for r in rows]))
         return self.comm.bcast(worst)
 
 
